@@ -1,0 +1,79 @@
+// Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access,
+// warp and block reductions, and programmatic-dependent-launch hooks.
+#pragma once
+
+#include <jitk/utils.cuh>
+
+#include <cstdint>
+
+namespace jitk::device {
+
+// N elements of T, aligned so that the whole vector moves in one instruction.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T data[N];
+  __device__ T& operator[](int i) { return data[i]; }
+  __device__ const T& operator[](int i) const { return data[i]; }
+};
+
+// The number of T that fit in 16 bytes, the widest per-thread global access.
+template <typename T>
+inline constexpr int kVec16 = 16 / sizeof(T);
+
+// 16-byte loads and stores that bypass L1 and mark the line evict-first in L2: for data
+// touched exactly once (copies, transfers), so it does not push out data that is reused.
+__device__ __forceinline__ uint4 load_stream(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ void store_stream(void* ptr, const uint4& v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+#pragma unroll
+  for (int offset = kWarpThreads / 2; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds one T per warp.
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_sum(T value, T* scratch) {
+  static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
+  constexpr int kWarps = kThreads / kWarpThreads;
+  value = warp_sum(value);
+  if constexpr (kWarps == 1) {
+    return value;
+  } else {
+    const int warp = threadIdx.x / kWarpThreads;
+    const int lane = threadIdx.x % kWarpThreads;
+    if (lane == 0) scratch[warp] = value;
+    __syncthreads();
+    value = lane < kWarps ? scratch[lane] : T{};
+    value = warp_sum(value);
+    __syncthreads();  // scratch may be reused right after
+    return value;
+  }
+}
+
+// Programmatic dependent launch (LaunchKernel::enable_pdl). Both are no-ops before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+}  // namespace jitk::device

@@ -1,0 +1,110 @@
+// CUDA-side foundations: error checks that name the caller's line, and LaunchKernel, which
+// launches on the stream PyTorch was using when the call was made.
+#pragma once
+
+#include <jitk/tensor.h>
+#include <jitk/utils.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <cstddef>
+#include <utility>
+
+namespace jitk {
+
+inline constexpr int kWarpThreads = 32;
+
+using fp16_t = __half;
+using bf16_t = __nv_bfloat16;
+using fp32_t = float;
+
+inline void RuntimeDeviceCheck(cudaError_t error, DebugInfo where = {}) {
+  if (error != cudaSuccess) [[unlikely]] {
+    detail::raise("RuntimeError",
+                  detail::concat("CUDA error at ", where, ": ", cudaGetErrorName(error), " (",
+                                 cudaGetErrorString(error), ")"),
+                  where);
+  }
+}
+// Checks (and clears) the last error of the calling thread.
+inline void RuntimeDeviceCheck(DebugInfo where = {}) {
+  RuntimeDeviceCheck(cudaGetLastError(), where);
+}
+
+// The stream the Python caller's framework is using on `device`. tvm-ffi records it for
+// each call from PyTorch's current stream, so this is also the stream a CUDA graph
+// capture is recording.
+inline cudaStream_t current_stream(DLDevice device, DebugInfo where = {}) {
+  detail::check_at(device.device_type == kDLCUDA, where, "kernels launch on a cuda device, got ",
+                   device);
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device.device_id));
+}
+
+// LaunchKernel(grid, block, device)(kernel, args...);
+// LaunchKernel(grid, block, stream, dynamic_smem_bytes).enable_pdl()(kernel, args...);
+// A failed launch raises an error that names the line that built the launch.
+class LaunchKernel {
+ public:
+  LaunchKernel(dim3 grid, dim3 block, DLDevice device, std::size_t dynamic_smem = 0,
+               DebugInfo where = {})
+      : LaunchKernel(grid, block, current_stream(device, where), dynamic_smem, where) {
+    device_id_ = device.device_id;
+  }
+
+  LaunchKernel(dim3 grid, dim3 block, cudaStream_t stream, std::size_t dynamic_smem = 0,
+               DebugInfo where = {})
+      : where_(where) {
+    config_.gridDim = grid;
+    config_.blockDim = block;
+    config_.dynamicSmemBytes = dynamic_smem;
+    config_.stream = stream;
+    config_.attrs = attributes_;
+    config_.numAttrs = 0;
+  }
+
+  LaunchKernel(const LaunchKernel&) = delete;
+  LaunchKernel& operator=(const LaunchKernel&) = delete;
+
+  // Programmatic dependent launch (sm_90+): the kernel may start while the previous one on
+  // the stream finishes; it must call device::pdl_wait() before reading that one's output.
+  LaunchKernel& enable_pdl(bool enable = true) {
+    if (enable) {
+      attributes_[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attributes_[0].val.programmaticStreamSerializationAllowed = 1;
+      config_.numAttrs = 1;
+    } else {
+      config_.numAttrs = 0;
+    }
+    return *this;
+  }
+
+  template <typename... Params, typename... Args>
+  void operator()(void (*kernel)(Params...), Args&&... args) const {
+    const int previous = switch_device();
+    const cudaError_t error = cudaLaunchKernelEx(&config_, kernel, std::forward<Args>(args)...);
+    if (previous >= 0) cudaSetDevice(previous);
+    RuntimeDeviceCheck(error, where_);
+  }
+
+ private:
+  // Launches must happen with the tensors' device current; returns the device to restore,
+  // or -1 when nothing changed.
+  int switch_device() const {
+    if (device_id_ < 0) return -1;
+    int current = 0;
+    RuntimeDeviceCheck(cudaGetDevice(&current), where_);
+    if (current == device_id_) return -1;
+    RuntimeDeviceCheck(cudaSetDevice(device_id_), where_);
+    return current;
+  }
+
+  DebugInfo where_;
+  cudaLaunchAttribute attributes_[1]{};
+  cudaLaunchConfig_t config_{};
+  int device_id_ = -1;
+};
+
+}  // namespace jitk

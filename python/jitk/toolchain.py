@@ -1,0 +1,160 @@
+"""The build toolchain: where the CUDA toolkit is, which GPU architectures to build for,
+and which compilers are in use (part of every cache key)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+ARCH_ENV = "JITK_CUDA_ARCH"
+_ARCH_PATTERN = re.compile(r"^(\d+)\.(\d+)([af]?)$")
+
+
+class ToolchainError(RuntimeError):
+    """The CUDA toolkit, a compiler or the target architecture could not be determined."""
+
+
+def _is_cuda_root(path: Path) -> bool:
+    return (path / "include" / "cuda_runtime.h").is_file() and (path / "bin" / "nvcc").exists()
+
+
+def _root_reported_by_nvcc(nvcc: str) -> Path | None:
+    # nvcc on PATH may be a wrapper script in another folder; nvcc itself knows its root.
+    try:
+        out = subprocess.run(
+            [nvcc, "-dryrun", "-E", "-x", "cu", os.devnull],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return Path(line.split("=", 1)[1].strip()).resolve().parent
+    return None
+
+
+@functools.cache
+def cuda_home() -> Path:
+    """The CUDA toolkit root: $CUDA_HOME or $CUDA_PATH, else the one nvcc on PATH belongs to,
+    else /usr/local/cuda. Raises ToolchainError saying what was tried."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value:
+            if not _is_cuda_root(Path(value)):
+                raise ToolchainError(
+                    f"${var}={value} is not a CUDA toolkit (no bin/nvcc and "
+                    "include/cuda_runtime.h there); point it at the toolkit root"
+                )
+            return Path(value)
+    tried = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        for candidate in (Path(nvcc).resolve().parent.parent, _root_reported_by_nvcc(nvcc)):
+            if candidate is not None and _is_cuda_root(candidate):
+                return candidate
+            tried.append(str(candidate))
+    default = Path("/usr/local/cuda")
+    if _is_cuda_root(default):
+        return default
+    tried.append(str(default))
+    raise ToolchainError(
+        "jitk could not find the CUDA toolkit (looked for nvcc on PATH and at "
+        f"{', '.join(tried)}); install it or set CUDA_HOME to its root"
+    )
+
+
+def parse_archs(text: str) -> tuple[str, ...]:
+    """'9.0a;8.0' -> ('9.0a', '8.0'). Separators: ';', ',' or spaces."""
+    archs = tuple(a for a in re.split(r"[;,\s]+", text.strip()) if a)
+    bad = [a for a in archs if not _ARCH_PATTERN.match(a)]
+    if bad or not archs:
+        raise ToolchainError(
+            f"{ARCH_ENV}={text!r} is not a list of compute capabilities such as '9.0' or "
+            f"'9.0a;8.0' (bad: {bad or 'empty'})"
+        )
+    return archs
+
+
+def current_gpu_capability() -> tuple[int, int] | None:
+    """The compute capability of PyTorch's current CUDA device, or None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def target_archs() -> tuple[str, ...]:
+    """$JITK_CUDA_ARCH if set, else the current GPU's architecture."""
+    if os.environ.get(ARCH_ENV):
+        return parse_archs(os.environ[ARCH_ENV])
+    capability = current_gpu_capability()
+    if capability is None:
+        raise ToolchainError(
+            f"no CUDA GPU is visible, so jitk cannot pick an architecture to build for; "
+            f"set {ARCH_ENV} (for example {ARCH_ENV}=9.0) to build without a GPU"
+        )
+    # Plain sm_XY, so that a cache filled ahead of time with JITK_CUDA_ARCH=X.Y is hit.
+    return (f"{capability[0]}.{capability[1]}",)
+
+
+def sm_name(arch: str) -> str:
+    return "sm_" + arch.replace(".", "")
+
+
+def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
+    """Whether machine code built for `archs` runs on a GPU of `capability`.
+
+    jitk embeds machine code only (no PTX): plain sm_XY code runs on the same major
+    version with an equal or newer minor; 'a' code runs on exactly that GPU, 'f' code on
+    the same major version."""
+    for arch in archs:
+        major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
+        major, minor = int(major), int(minor)
+        if suffix == "a" and (major, minor) == capability:
+            return True
+        if suffix in ("", "f") and major == capability[0] and minor <= capability[1]:
+            return True
+    return False
+
+
+def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
+    """Fail at load, naming both architectures, rather than at the first launch with
+    'no kernel image is available'."""
+    capability = current_gpu_capability()
+    if capability is None or runs_on(archs, capability):
+        return
+    import torch
+
+    device = torch.cuda.current_device()
+    raise ToolchainError(
+        f"jitk module '{module}' holds code for {', '.join(sm_name(a) for a in archs)}, "
+        f"but the current GPU (cuda:{device}, {torch.cuda.get_device_name(device)}) is "
+        f"sm_{capability[0]}{capability[1]}; unset {ARCH_ENV} or add "
+        f"{capability[0]}.{capability[1]} to it"
+    )
+
+
+def _first_line(command: list[str]) -> str:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except OSError as error:
+        raise ToolchainError(f"cannot run {command[0]}: {error}") from error
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    if out.returncode != 0 or not lines:
+        raise ToolchainError(f"'{' '.join(command)}' failed: {out.stderr.strip()}")
+    return lines[-1] if "nvcc" in command[0] else lines[0]
+
+
+@functools.cache
+def host_compiler_version() -> str:
+    return _first_line([os.environ.get("CXX", "c++"), "--version"])
+
+
+@functools.cache
+def nvcc_version() -> str:
+    return _first_line([str(cuda_home() / "bin" / "nvcc"), "--version"])
