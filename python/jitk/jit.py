@@ -149,6 +149,29 @@ def _build_outputs(build_dir: Path) -> list[Path]:
     return [p for p in build_dir.iterdir() if p.suffix in (".so", ".o") or p.name == META_FILE]
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_meta(build_dir: Path, name: str, archs: tuple[str, ...], library: Path,
+                seconds: float) -> None:
+    meta = {"module": name, "archs": list(archs), "build_seconds": round(seconds, 3),
+            "built_at": time.time(), "sha256": _digest(library)}
+    partial = build_dir / f"{META_FILE}.partial"
+    partial.write_text(json.dumps(meta))
+    partial.replace(build_dir / META_FILE)  # readers never see half a file
+
+
+def _library_intact(build_dir: Path, library: Path) -> bool:
+    """A damaged library can kill the process inside dlopen (SIGBUS on a truncated file),
+    so it is checked against the digest taken when it was built, before it is loaded."""
+    try:
+        meta = json.loads((build_dir / META_FILE).read_text())
+        return meta.get("sha256") == _digest(library)
+    except (OSError, ValueError):
+        return False
+
+
 def _build_and_load(name: str, build_dir: Path, archs: tuple[str, ...],
                     build_kwargs: dict) -> tvm_ffi.Module:
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -165,10 +188,18 @@ def _build_and_load(name: str, build_dir: Path, archs: tuple[str, ...],
                                                     **build_kwargs)
             except RuntimeError as error:
                 raise _compile_error(name, error) from None
+            seconds = time.perf_counter() - started
             built = before is None or library.stat().st_mtime_ns != before
+            if built:
+                _write_meta(build_dir, name, archs, library, seconds)
+            elif not _library_intact(build_dir, library) and attempt == 1:
+                logger.warning("jitk: cached %s did not load (damaged); rebuilding", library)
+                for output in _build_outputs(build_dir):
+                    output.unlink()
+                continue
             try:
                 module = tvm_ffi.load_module(path)
-            except Exception as error:  # a truncated or corrupt library: rebuild it once
+            except Exception as error:
                 if attempt == 2:
                     raise
                 logger.warning("jitk: cached %s did not load (%s); rebuilding", library, error)
@@ -176,13 +207,9 @@ def _build_and_load(name: str, build_dir: Path, archs: tuple[str, ...],
                     output.unlink()
                 continue
             if built:
-                seconds = time.perf_counter() - started
-                archs_text = ", ".join(toolchain.sm_name(a) for a in archs) or "host only"
-                logger.info("jitk: built %s for %s in %.2f s (%s)", name, archs_text, seconds,
-                            build_dir)
-                (build_dir / META_FILE).write_text(json.dumps(
-                    {"module": name, "archs": list(archs), "build_seconds": round(seconds, 3),
-                     "built_at": time.time()}))
+                logger.info("jitk: built %s for %s in %.2f s (%s)", name,
+                            ", ".join(toolchain.sm_name(a) for a in archs) or "host only",
+                            seconds, build_dir)
             return module
     raise AssertionError("unreachable")
 

@@ -1,0 +1,145 @@
+"""Every TensorMatcher rule and every utils.h facility, through a probe module built with
+g++ and with nvcc, called with CPU tensors from torch and numpy."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from probes import HEADER_PROBE, header_probe, line_of
+
+
+@pytest.fixture(params=["cpp", "cuda"], scope="module")
+def probe(request):
+    return header_probe(request.param)
+
+
+def at(marker):
+    return line_of(HEADER_PROBE, marker)
+
+
+def expect_error(call, *fragments):
+    with pytest.raises(RuntimeError) as info:
+        call()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def test_matching_tensor_binds_symbols(probe):
+    assert probe.rows_of(torch.randn(10, 128), 128) == 10
+    assert probe.pair(torch.randn(6, 32), torch.randn(6, 32)) == 6032
+    assert probe.pair(torch.randn(6, 32, dtype=torch.float64),
+                      torch.randn(6, 32, dtype=torch.float64)) == 6032
+
+
+def test_size_mismatch_message_names_tensor_dimension_and_line(probe):
+    message = expect_error(lambda: probe.rows_of(torch.randn(10, 64), 128))
+    assert message == (
+        "Tensor match failed for 'x' Tensor<10, 64>[strides=<64, 1>, dtype=float32, "
+        f"device=cpu] at {at('rows')} - Root cause: Size mismatch for shape#1('head_dim'): "
+        "expected 128 but got 64"
+    )
+
+
+def test_symbol_bound_by_first_tensor_checks_the_second(probe):
+    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(5, 32)),
+                 "'b' Tensor<5, 32>", "Size mismatch for shape#0('num_tokens'): expected 6 but got 5")
+
+
+def test_ndim_mismatch(probe):
+    expect_error(lambda: probe.rows_of(torch.randn(3, 128, 1), 128),
+                 "Dimension mismatch: expected 2 dims but got 3", at("rows"))
+
+
+def test_fixed_sizes(probe):
+    probe.exactly_4x8(torch.randn(4, 8))
+    expect_error(lambda: probe.exactly_4x8(torch.randn(4, 9)),
+                 "Size mismatch for shape#1: expected 8 but got 9", at("fixed"))
+
+
+def test_any_size_and_contiguity(probe):
+    probe.contiguous_2d(torch.randn(3, 5))
+    expect_error(lambda: probe.contiguous_2d(torch.randn(5, 3).t()),
+                 "Stride mismatch for stride#1: expected 1 (contiguous) but got 3", at("contig"))
+    expect_error(lambda: probe.contiguous_2d(torch.randn(4, 6)[:, :3]),
+                 "Stride mismatch for stride#0: expected 3 (contiguous) but got 6")
+
+
+def test_size_one_dimension_stride_is_not_checked(probe):
+    column = torch.randn(7, 1).as_strided((7, 1), (1, 99))
+    probe.contiguous_2d(column)
+    row = torch.randn(1, 7).as_strided((1, 7), (1000, 1))
+    probe.contiguous_2d(row)
+
+
+def test_empty_tensor_strides_are_not_checked(probe):
+    probe.contiguous_2d(torch.empty(0, 5).as_strided((0, 5), (1, 9)))
+
+
+def test_with_strides_binds_row_stride(probe):
+    wide = torch.randn(10, 256)
+    assert probe.row_stride(wide[:, :128]) == 256
+    assert probe.row_stride(torch.randn(10, 128)) == 128
+    expect_error(lambda: probe.row_stride(wide[:, :128].t()),
+                 "Stride mismatch for stride#1: expected 1 but got 256", at("strided"))
+
+
+def test_dtype_not_allowed(probe):
+    expect_error(lambda: probe.rows_of(torch.randn(2, 4).half(), 4),
+                 "DType mismatch: expected float32 but got float16")
+    expect_error(lambda: probe.pair(torch.randn(2, 4).half(), torch.randn(2, 4).half()),
+                 "DType mismatch: expected one of [float32, float64, int32] but got float16")
+
+
+def test_dtype_symbol_shared_across_tensors_and_matchers(probe):
+    expect_error(lambda: probe.pair(torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64)),
+                 "'b'", "DType mismatch for 'cache dtype': expected float32", "but got float64")
+    assert probe.shared_dtype_bits(torch.randn(3), torch.randn(2, 2)) == 32
+    assert probe.shared_dtype_bits(torch.randn(3).double(), torch.randn(2, 2).double()) == 64
+    expect_error(lambda: probe.shared_dtype_bits(torch.randn(3), torch.randn(2, 2).double()),
+                 "'b'", "expected float32", "but got float64", at("shared"))
+
+
+def test_device_mismatch_names_devices(probe):
+    expect_error(lambda: probe.needs_cuda(torch.randn(3)),
+                 "'x' Tensor<3>[strides=<1>, dtype=float32, device=cpu]",
+                 "Device mismatch: expected cuda but got cpu", at("cuda"))
+
+
+def test_numpy_arrays_arrive_through_dlpack(probe):
+    x = np.random.default_rng(0).random((7, 128), dtype=np.float32)
+    assert probe.rows_of(x, 128) == 7
+    expect_error(lambda: probe.rows_of(x.astype(np.float64), 128),
+                 "DType mismatch: expected float32 but got float64")
+    expect_error(lambda: probe.contiguous_2d(np.asfortranarray(np.ones((3, 4), np.float32) * 2)),
+                 "Stride mismatch")
+
+
+def test_runtime_check_and_panic_name_the_caller(probe):
+    assert probe.positive(5) == 5
+    message = expect_error(lambda: probe.positive(0))
+    assert message == f"Runtime check failed at {at('check')}: n must be positive, got 0"
+    message = expect_error(lambda: probe.always_panics(7))
+    assert message == f"Panic at {at('panic')}: gave up with code 7"
+
+
+def test_unwrap_of_unbound_symbol(probe):
+    expect_error(lambda: probe.read_unbound(),
+                 f"Panic at {at('unwrap')}: symbol 'never bound' was read before any tensor bound it")
+
+
+def test_irange_div_ceil_and_pointer_offset(probe):
+    for n in (0, 1, 10, 13):
+        expected = sum(range(n)) + 100 * (2 + 3 + 4) + 10000 * -(-n // 4) + 1000000 * 24
+        assert probe.helpers(n) == expected
+
+
+def test_error_location_is_a_real_line(probe):
+    # The marker lines really hold the calls: a stale marker would make the other tests lie.
+    for marker in ("rows", "check", "panic", "unwrap", "cuda", "strided", "fixed", "contig"):
+        line = int(at(marker).split(":")[1])
+        text = HEADER_PROBE.read_text().splitlines()[line - 1]
+        assert re.search(r"verify|RuntimeCheck|Panic|unwrap", text), text

@@ -1,0 +1,235 @@
+"""load_jit, make_cpp_args and the disk cache: hits, rebuilds on header edits and only then,
+one build for concurrent processes, failed builds not cached, corrupt entries rebuilt."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import jitk
+from jitk import toolchain
+from jitk.cache import META_FILE, list_entries
+
+KERNEL = textwrap.dedent("""\
+    #include <jitk/utils.h>
+    #include "scale.h"
+    #include <cstdint>
+    int64_t scaled(int64_t x) {
+      jitk::RuntimeCheck(x >= 0, "x must not be negative, got ", x);
+      return x * kScale;
+    }
+""")
+
+
+def write_kernel(folder: Path, scale: int = 3) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scale.h").write_text(f"constexpr long kScale = {scale};\n")
+    kernel = folder / "scaled.cuh"
+    kernel.write_text(KERNEL)
+    return kernel
+
+
+LOAD_SNIPPET = textwrap.dedent("""\
+    import sys, jitk
+    module = jitk.load_jit("scaled", cpp_files=[sys.argv[1]], cpp_wrappers=[("scaled", "scaled")])
+    print("result", module.scaled(int(sys.argv[2])))
+""")
+
+
+def run_loader(kernel: Path, cache: Path, x: int = 5, extra_env=None) -> subprocess.CompletedProcess:
+    """load_jit in a fresh process, with build logging on."""
+    env = {**os.environ, "JITK_CACHE_DIR": str(cache), "JITK_VERBOSE": "1", **(extra_env or {})}
+    return subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(kernel), str(x)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def builds_in(result: subprocess.CompletedProcess) -> int:
+    assert result.returncode == 0, result.stderr
+    return result.stderr.count("jitk: built scaled")
+
+
+# ------------------------------------------------------------------------------ cpp args
+def test_make_cpp_args_renders_template_arguments():
+    args = jitk.make_cpp_args(128, True, False, 0.5, 1e-6, torch.bfloat16, torch.float16,
+                              torch.float32, torch.int64)
+    assert tuple(args) == ("128", "true", "false", "0.5", "1e-06", "bf16_t", "fp16_t", "fp32_t",
+                           "int64_t")
+    assert str(jitk.make_cpp_args(4096, torch.bfloat16)) == "4096, bf16_t"
+    assert str(jitk.make_cpp_args()) == ""
+
+
+def test_make_cpp_args_rejects_what_has_no_cpp_form():
+    with pytest.raises(TypeError, match="argument 1 has type str"):
+        jitk.make_cpp_args(1, "bf16")
+    with pytest.raises(ValueError, match="argument 0 is nan"):
+        jitk.make_cpp_args(float("nan"))
+    with pytest.raises(TypeError, match="complex64 has no C\\+\\+ type"):
+        jitk.make_cpp_args(torch.complex64)
+
+
+# ------------------------------------------------------------------------------ arguments
+def test_load_jit_argument_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="'nope.cuh' not found in .*csrc"):
+        jitk.load_jit("x", cuda_files=["nope.cuh"], cuda_wrappers=[("f", "f")])
+    with pytest.raises(FileNotFoundError, match="absolute path"):
+        jitk.load_jit("x", cpp_files=[tmp_path / "missing.cuh"], cpp_wrappers=[("f", "f")])
+    kernel = write_kernel(tmp_path)
+    with pytest.raises(ValueError, match="would export nothing"):
+        jitk.load_jit("x", cpp_files=[kernel])
+    with pytest.raises(ValueError, match="'not-an-identifier' is not a C identifier"):
+        jitk.load_jit("x", cpp_files=[kernel], cpp_wrappers=[("not-an-identifier", "f")])
+    with pytest.raises(TypeError, match="expected \\(export_name, cpp_callable\\)"):
+        jitk.load_jit("x", cpp_files=[kernel], cpp_wrappers=["scaled"])
+    with pytest.raises(ValueError, match="at least one name part"):
+        jitk.load_jit(cpp_files=[kernel], cpp_wrappers=[("f", "f")])
+
+
+def test_arch_setting_is_validated(monkeypatch):
+    assert toolchain.parse_archs("9.0") == ("9.0",)
+    assert toolchain.parse_archs("9.0a;8.0") == ("9.0a", "8.0")
+    assert toolchain.parse_archs(" 8.6, 9.0 ") == ("8.6", "9.0")
+    monkeypatch.setenv("JITK_CUDA_ARCH", "sm90")
+    with pytest.raises(jitk.ToolchainError, match="JITK_CUDA_ARCH='sm90'"):
+        toolchain.target_archs()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_build_without_gpu_or_arch_says_what_to_set(monkeypatch, tmp_path):
+    monkeypatch.delenv("JITK_CUDA_ARCH", raising=False)
+    with pytest.raises(jitk.ToolchainError, match="no CUDA GPU is visible.*set JITK_CUDA_ARCH"):
+        jitk.load_jit("no_arch", cuda_files=[write_kernel(tmp_path)],
+                      cuda_wrappers=[("f", "scaled")])
+
+
+def test_machine_code_compatibility_rules():
+    assert toolchain.runs_on(("9.0",), (9, 0))
+    assert toolchain.runs_on(("8.0",), (8, 6))
+    assert not toolchain.runs_on(("8.6",), (8, 0))
+    assert not toolchain.runs_on(("8.0",), (9, 0))
+    assert toolchain.runs_on(("9.0a",), (9, 0))
+    assert not toolchain.runs_on(("10.0a",), (10, 3))
+    assert toolchain.runs_on(("10.0f",), (10, 3))
+    assert toolchain.runs_on(("8.0", "9.0"), (9, 0))
+
+
+def test_wrong_architecture_is_caught_at_load_naming_both(monkeypatch):
+    monkeypatch.setattr(toolchain, "current_gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    with pytest.raises(jitk.ToolchainError, match="holds code for sm_80, but the current GPU "
+                       r"\(cuda:0, NVIDIA H100\) is sm_90"):
+        toolchain.check_runs_on_current_gpu("rmsnorm", ("8.0",))
+    toolchain.check_runs_on_current_gpu("rmsnorm", ("9.0",))
+
+
+# ------------------------------------------------------------------------------ toolkit
+def test_cuda_toolkit_found_through_a_wrapper_script(monkeypatch):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    found = toolchain.cuda_home.__wrapped__()
+    assert (found / "include" / "cuda_runtime.h").is_file()
+    assert (found / "lib64").is_dir() or (found / "lib").is_dir()
+
+
+def test_wrong_cuda_home_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    with pytest.raises(jitk.ToolchainError, match=f"CUDA_HOME={tmp_path} is not a CUDA toolkit"):
+        toolchain.cuda_home.__wrapped__()
+
+
+# ------------------------------------------------------------------------------ cache
+def test_user_kernel_outside_the_package_loads_and_validates(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = write_kernel(tmp_path / "repo")
+    module = jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])
+    assert module.scaled(7) == 21
+    with pytest.raises(RuntimeError, match="Runtime check failed at scaled.cuh:5: x must not be "
+                                           "negative, got -1"):
+        module.scaled(-1)
+    [entry] = list_entries(tmp_path / "cache")
+    assert entry.module == "scaled" and entry.archs == () and entry.size_bytes > 0
+
+
+def test_cache_hit_in_a_new_process_builds_nothing(tmp_path):
+    kernel = write_kernel(tmp_path / "repo")
+    assert builds_in(run_loader(kernel, tmp_path / "cache")) == 1
+    second = run_loader(kernel, tmp_path / "cache")
+    assert builds_in(second) == 0
+    assert "result 15" in second.stdout
+
+
+def test_editing_an_included_user_header_rebuilds(tmp_path):
+    kernel = write_kernel(tmp_path / "repo", scale=3)
+    assert "result 15" in run_loader(kernel, tmp_path / "cache").stdout
+    write_kernel(tmp_path / "repo", scale=4)
+    result = run_loader(kernel, tmp_path / "cache")
+    assert builds_in(result) == 1 and "result 20" in result.stdout
+
+
+def test_editing_a_jitk_header_rebuilds(tmp_path, monkeypatch):
+    include = tmp_path / "include"
+    shutil.copytree(jitk.jit.INCLUDE_DIR, include)
+    monkeypatch.setattr(jitk.jit, "INCLUDE_DIR", include)
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = write_kernel(tmp_path / "repo")
+    load = lambda: jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])
+    load()
+    load()
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    with (include / "jitk" / "utils.h").open("a") as header:
+        header.write("\n// an edit\n")
+    load()
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_concurrent_processes_build_once(tmp_path):
+    kernel = write_kernel(tmp_path / "repo")
+    env = {**os.environ, "JITK_CACHE_DIR": str(tmp_path / "cache"), "JITK_VERBOSE": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", LOAD_SNIPPET, str(kernel), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(4)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    assert sum(err.count("jitk: built scaled") for _, err in outputs) == 1
+    assert sorted(out.strip() for out, _ in outputs) == [f"result {3 * r}" for r in range(4)]
+
+
+def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cuh"
+    broken.write_text("#include <jitk/utils.h>\nint64_t f(int64_t x) { return x + undeclared; }\n")
+    for _ in range(2):  # the second attempt compiles again: nothing was remembered
+        with pytest.raises(jitk.JitCompileError) as info:
+            jitk.load_jit("broken", cpp_files=[broken], cpp_wrappers=[("f", "f")])
+        error = info.value
+        assert isinstance(error, RuntimeError)
+        assert any("broken.cuh:2" in line and "undeclared" in line for line in error.errors)
+        assert "c++" in error.command and "main.cpp" in error.command
+        assert "undeclared" in str(error) and "command:" in str(error)
+    [build_dir] = (tmp_path / "cache").iterdir()
+    assert not list(build_dir.glob("*.so")) and not (build_dir / META_FILE).exists()
+    assert list_entries(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_cached_library_is_rebuilt(tmp_path, damage):
+    kernel = write_kernel(tmp_path / "repo")
+    assert builds_in(run_loader(kernel, tmp_path / "cache")) == 1
+    [library] = (tmp_path / "cache").glob("*/scaled.so")
+    data = library.read_bytes()
+    library.write_bytes(data[: len(data) // 3] if damage == "truncate" else b"\x7fELF" + b"x" * 64)
+    result = run_loader(kernel, tmp_path / "cache")
+    assert builds_in(result) == 1 and "result 15" in result.stdout
+    assert "did not load" in result.stderr
+
+
+def test_verbose_log_names_module_arch_and_seconds(tmp_path):
+    kernel = write_kernel(tmp_path / "repo")
+    result = run_loader(kernel, tmp_path / "cache")
+    assert builds_in(result) == 1
+    assert "jitk: built scaled for host only in" in result.stderr and " s (" in result.stderr
