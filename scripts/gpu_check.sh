@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call on the device machine: set-up, the GPU tests,
+# compute-sanitizer on one small case of each kernel, the benchmarks, and a short table last.
+#   bash scripts/gpu_check.sh [setup] [tests] [sanitize] [bench] [quick]   (default: all)
+# The device has no network: apache-tvm-ffi travels as a wheel in .whl/ (see README).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stages="${*:-tests sanitize bench}"
+out="${OUT:-/tmp/jitk-gpu-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
+
+if ! python3 -c "import tvm_ffi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "no apache-tvm-ffi wheel in .whl/"; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 - <<'PY'
+import torch, tvm_ffi
+pinned = torch.empty(4, pin_memory=True)
+print(f"torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, "
+      f"dlpack exchange api: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, "
+      f"pinned tensor dlpack device: {pinned.__dlpack_device__()}")
+PY
+
+summary=()
+if [[ " $stages " == *" tests "* ]]; then
+  python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$out/pytest.log"
+  summary+=("pytest: $(tail -n 1 "$out/pytest.log")")
+fi
+if [[ " $stages " == *" sanitize "* ]]; then
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_cases.py \
+    > "$out/sanitizer.log" 2>&1
+  status=$?
+  tail -n 5 "$out/sanitizer.log"
+  summary+=("compute-sanitizer memcheck: exit $status ($(grep -c 'ran ' "$out/sanitizer.log") cases; $(grep -m1 'ERROR SUMMARY' "$out/sanitizer.log"))")
+fi
+if [[ " $stages " == *" bench "* ]]; then
+  quick=""; [[ " $stages " == *" quick "* ]] && quick="--quick"
+  for bench in benchmarks/bench_*.py; do
+    name=$(basename "$bench" .py)
+    python3 "$bench" $quick --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
+  done
+  python3 scripts/summarize.py "$out"
+fi
+
+echo
+echo "== summary =="
+for line in "${summary[@]}"; do echo "$line"; done

@@ -1,0 +1,69 @@
+"""The developer guide's worked example (docs/developer_guide/example) runs as a test, and the
+code shown in the guide is the code tested, so the guide cannot rot."""
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import jitk
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "developer_guide"
+EXAMPLE = GUIDE / "example"
+
+
+def load_example_module():
+    spec = importlib.util.spec_from_file_location("axpy_example", EXAMPLE / "axpy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_example_module()
+
+
+def test_guide_shows_the_tested_files_verbatim():
+    guide = (GUIDE / "adding_a_kernel.md").read_text()
+    for name in ("axpy.cuh", "axpy.py"):
+        match = re.search(rf"<!-- file: example/{re.escape(name)} -->\n```\w+\n(.*?)```", guide, re.S)
+        assert match, f"the guide does not show example/{name}"
+        assert match.group(1) == (EXAMPLE / name).read_text(), f"the guide's {name} is stale"
+
+
+def test_from_a_users_repository_validates_on_cpu(example):
+    with pytest.raises(RuntimeError, match=r"Tensor match failed for 'x' Tensor<4>.* at axpy.cuh:\d+ "
+                                           r"- Root cause: Device mismatch: expected cuda but got cpu"):
+        example.axpy(2.0, torch.randn(4), torch.randn(4))
+
+
+def test_inside_the_package_by_file_name(tmp_path, monkeypatch):
+    shutil.copy(EXAMPLE / "axpy.cuh", tmp_path / "axpy.cuh")
+    monkeypatch.setattr(jitk.jit, "KERNEL_DIR", tmp_path)
+    axpy = jitk.load_jit("axpy_in_package", cuda_files=["axpy.cuh"],
+                         cuda_wrappers=[("axpy", "axpy::Axpy<fp32_t>::run")]).axpy
+    with pytest.raises(RuntimeError, match="Device mismatch: expected cuda but got cpu"):
+        axpy(1.0, torch.randn(3), torch.randn(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_matches_reference_on_the_gpu(example, dtype, tol):
+    for n in (1, 1000, 1 << 20):
+        x = torch.randn(n, device="cuda").to(dtype)
+        y = torch.randn(n, device="cuda").to(dtype)
+        expected = 0.5 * x.double() + y.double()
+        example.axpy(0.5, x, y)
+        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_length_mismatch_on_the_gpu(example):
+    with pytest.raises(RuntimeError, match=r"'y' Tensor<5>.*device=cuda:0\] at axpy.cuh:\d+ - Root "
+                                           r"cause: Size mismatch for shape#0\('vector length'\): "
+                                           r"expected 4 but got 5"):
+        example.axpy(2.0, torch.randn(4, device="cuda"), torch.randn(5, device="cuda"))
