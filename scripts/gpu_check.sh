@@ -28,7 +28,9 @@ PY
 
 summary=()
 if [[ " $stages " == *" tests "* ]]; then
-  python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$out/pytest.log"
+  # One worker per test file: files build their modules in parallel, a file's GPU tests
+  # stay in order (the wait_value tests spin on flags).
+  python3 -m pytest tests -q -p no:cacheprovider -n 6 --dist loadfile 2>&1 | tee "$out/pytest.log"
   summary+=("pytest: $(tail -n 1 "$out/pytest.log")")
 fi
 if [[ " $stages " == *" sanitize "* ]]; then

@@ -1,0 +1,85 @@
+"""RMSNorm over the last dimension, and its fused residual form.
+
+    y = rmsnorm(x, weight)                 # in place: x is normalised and returned
+    y = rmsnorm(x, weight, out=y)          # into `out`
+    fused_add_rmsnorm(x, residual, weight) # residual += x; x = rmsnorm(residual) * weight
+
+rmsnorm(x) = x / sqrt(mean(x^2) + eps) * weight, accumulated in float32 and rounded to the
+input dtype (float32, float16 or bfloat16). `x` may have any leading shape; its leading
+dimensions are read as rows and must step through memory with one stride (any slice of rows
+or of a wider last dimension qualifies), and the last dimension must be contiguous. `out`
+(and `residual`) need the same number of rows and hidden size, each with a row stride of
+its own. `weight` is a contiguous 1-d tensor of the hidden size and the input's dtype.
+
+fused_add_rmsnorm keeps the sum in the residual's dtype and normalises the sum as stored,
+so afterwards `x` equals rmsnorm(residual, weight) exactly.
+
+Both launch on PyTorch's current stream, allocate nothing and never synchronise, so they
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .cpp_args import make_cpp_args
+from .jit import load_jit
+
+__all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HIDDEN = 2**31 - 1  # a C++ int template argument
+
+
+class _Kernels(NamedTuple):
+    rmsnorm: Callable
+    fused_add_rmsnorm: Callable
+
+
+@functools.cache
+def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
+    """The module for one hidden size and dtype; raises before building for ones it lacks."""
+    if dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"rmsnorm supports float32, float16 and bfloat16 inputs, got {dtype}")
+    if not 1 <= hidden <= _MAX_HIDDEN:
+        raise ValueError(f"rmsnorm needs a hidden size (last dimension) of 1 to {_MAX_HIDDEN}, "
+                         f"got {hidden}")
+    args = make_cpp_args(hidden, dtype)
+    norm = f"jitk::norm::RMSNorm<{args}>"
+    module = load_jit(
+        "rmsnorm", *args,
+        cuda_files=["rmsnorm.cuh"],
+        cuda_wrappers=[("rmsnorm", f"{norm}::run"),
+                       ("fused_add_rmsnorm", f"{norm}::run_fused_add")],
+    )
+    # Fetched once: a module attribute lookup goes through the FFI each time.
+    return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
+
+
+def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+            eps: float = 1e-6) -> torch.Tensor:
+    """out = input / sqrt(mean(input^2, -1) + eps) * weight; in place when out is None.
+    Returns the tensor written."""
+    if out is None:
+        out = input
+    _kernels(input.shape[-1], input.dtype).rmsnorm(input, weight, out, eps)
+    return out
+
+
+def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float = 1e-6) -> None:
+    """residual += input; input = rmsnorm(residual) * weight, both in place."""
+    _kernels(input.shape[-1], input.dtype).fused_add_rmsnorm(input, residual, weight, eps)
+
+
+def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
+    """Common model widths in bfloat16 (each module holds both entry points), plus the
+    head dimension that q/k norms use."""
+    configs = [(128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
+               (8192, torch.bfloat16), (4096, torch.float16)]
+    return [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
+             functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]

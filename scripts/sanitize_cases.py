@@ -1,0 +1,79 @@
+"""One small case of every shipped kernel, for compute-sanitizer (memcheck):
+    compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
+Each case checks its result too, so a case that runs but computes garbage also fails."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import probes  # noqa: E402
+from jitk import hicache, norm, wait_value  # noqa: E402
+
+
+def case(name):
+    def register(fn):
+        fn()
+        torch.cuda.synchronize()
+        print(f"ran {name}", flush=True)
+        return fn
+    return register
+
+
+@case("launch_probe add_one")
+def _():
+    x = torch.randn(1000, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    probes.launch_probe().add_one(x, y)
+    assert torch.equal(y, x + 1)
+
+
+@case("rmsnorm bf16 3x4096, fp32 5x100 strided, fused add")
+def _():
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    norm.rmsnorm(x, w, out=out)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)) * w.float()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    wide = torch.randn(5, 130, device="cuda")[:, :100]
+    w100 = torch.randn(100, device="cuda")
+    norm.rmsnorm(wide, w100)
+    residual = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    norm.fused_add_rmsnorm(x, residual, w)
+
+
+@case("hicache one layer d2h/h2d/d2d, mla, all layer")
+def _():
+    tokens, dim = 64, 512
+    gpu = [torch.randn(256, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    host = [torch.randn(256, dim, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
+    idx_gpu = torch.randperm(256, device="cuda")[:tokens]
+    idx_host = torch.randperm(256, device="cuda")[:tokens]
+    hicache.transfer_hicache_one_layer(host[0], host[1], idx_host, gpu[0], gpu[1], idx_gpu)
+    torch.cuda.synchronize()
+    assert torch.equal(host[0][idx_host.cpu()], gpu[0][idx_gpu].cpu())
+    hicache.transfer_hicache_one_layer(gpu[0], gpu[1], idx_gpu, host[0], host[1], idx_host)
+    dst = torch.randn(300, dim, device="cuda", dtype=torch.bfloat16)
+    hicache.transfer_hicache_one_layer_mla(dst, idx_gpu.int(), gpu[0], idx_gpu)
+    assert torch.equal(dst[idx_gpu], gpu[0][idx_gpu])
+    layers_src = [torch.randn(256, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    layers_dst = [torch.randn(256, dim, dtype=torch.bfloat16).pin_memory() for _ in range(3)]
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")
+    stride = dim * 2
+    hicache.transfer_hicache_all_layer_mla(table(layers_dst), idx_host, table(layers_src), idx_gpu,
+                                           kv_cache_src_stride_bytes=stride,
+                                           kv_cache_dst_stride_bytes=stride)
+    torch.cuda.synchronize()
+    for src, dst in zip(layers_src, layers_dst):
+        assert torch.equal(dst[idx_host.cpu()], src[idx_gpu].cpu())
+
+
+@case("wait_value write then wait, cuda and pinned flags")
+def _():
+    for event in (wait_value.Event(), wait_value.Event(host=True)):
+        event.record(7)
+        event.wait(7)

@@ -1,0 +1,400 @@
+"""jitk.norm: rmsnorm and fused_add_rmsnorm (python/jitk/csrc/rmsnorm.cuh).
+
+Without a GPU the module is built for sm_90 and every check of the host entry points runs:
+CPU tensors are refused, and tensors that only claim to live on a GPU (DLPack views of a
+made-up address, never read) reach the checks behind the device check. On a GPU the
+kernels are compared with a float64 reference on fresh random data, outputs poisoned with
+NaN before each run."""
+
+import ctypes
+import re
+
+import pytest
+import torch
+import tvm_ffi
+
+from jitk import norm
+
+HAS_GPU = torch.cuda.is_available()
+LOCATION = re.compile(r"rmsnorm\.cuh:\d+")
+TOLERANCES = {  # (rtol, atol): one unit in the last place of the output dtype, and margin
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1e-2),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors that claim to be on cuda:0 without a GPU.
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]  # none: the memory below lives in _ALIVE
+
+
+_DL_CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16),
+             torch.int32: (0, 32)}
+_ALIVE = []
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class _ClaimsCuda:
+    """A DLPack producer whose tensor says cuda:0; its address is never read."""
+
+    def __init__(self, shape, strides, dtype, address):
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.strides = (ctypes.c_int64 * max(len(shape), 1))(*strides)
+        self.managed = _DLManagedTensor()
+        code, bits = _DL_CODES[dtype]
+        self.managed.dl_tensor = _DLTensor(address, _DLDevice(2, 0), len(shape),
+                                           _DLDataType(code, bits, 1), self.shape, self.strides, 0)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kwargs):
+        return _PyCapsule_New(ctypes.addressof(self.managed), b"dltensor", None)
+
+
+def fake_cuda(shape, dtype=torch.bfloat16, strides=None, offset_elements=0):
+    """A tensor on 'cuda:0' of `shape` (contiguous unless `strides`), at an address that is
+    16-byte aligned plus `offset_elements`."""
+    if strides is None:
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.insert(0, step)
+            step *= size
+    element = _DL_CODES[dtype][1] // 8
+    producer = _ClaimsCuda(shape, strides, dtype, (1 << 30) + offset_elements * element)
+    _ALIVE.append(producer)
+    return tvm_ffi.from_dlpack(producer)
+
+
+def kernels():
+    """The module the CPU tests share: hidden size 128, bfloat16."""
+    return norm._kernels(128, torch.bfloat16)
+
+
+def failure(call, *args):
+    with pytest.raises(RuntimeError) as info:
+        call(*args)
+    message = str(info.value)
+    assert LOCATION.search(message), message
+    return message
+
+
+# ---------------------------------------------------------------------------------------
+# Without a GPU: the module builds, and every check says precisely what is wrong.
+
+def test_cpu_tensors_are_refused():
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    w = torch.randn(128, dtype=torch.bfloat16)
+    for call in (lambda: norm.rmsnorm(x, w), lambda: norm.rmsnorm(x, w, out=torch.empty_like(x)),
+                 lambda: norm.fused_add_rmsnorm(x, x.clone(), w)):
+        message = failure(call)
+        assert "Tensor match failed for 'input' Tensor<4, 128>" in message
+        assert "Device mismatch: expected cuda but got cpu" in message
+
+
+def test_unsupported_dtypes_and_sizes_are_refused_before_building():
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16.*torch.float64"):
+        norm.rmsnorm(torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="torch.int32"):
+        norm.fused_add_rmsnorm(torch.ones(4, 8, dtype=torch.int32),
+                               torch.ones(4, 8, dtype=torch.int32),
+                               torch.ones(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="hidden size .* got 0"):
+        norm.rmsnorm(torch.empty(4, 0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.bfloat16))
+
+
+def test_out_must_match_the_input():
+    k, x, w = kernels(), fake_cuda((4, 128)), fake_cuda((128,))
+    message = failure(k.rmsnorm, x, w, fake_cuda((5, 128)), 1e-6)
+    assert "'out'" in message
+    assert "Size mismatch for shape#0('rows'): expected 4 but got 5" in message
+    message = failure(k.rmsnorm, x, w, fake_cuda((4, 64)), 1e-6)
+    assert "Size mismatch for shape#1('hidden size'): expected 128 but got 64" in message
+    message = failure(k.rmsnorm, x, w, fake_cuda((4, 128), torch.float16), 1e-6)
+    assert "'out'" in message and "DType mismatch: expected bfloat16 but got float16" in message
+    message = failure(k.rmsnorm, x, w, torch.empty(4, 128, dtype=torch.bfloat16), 1e-6)
+    assert "'out'" in message and "Device mismatch" in message
+    message = failure(k.rmsnorm, x, w, fake_cuda((4, 128), strides=(256, 2)), 1e-6)
+    assert "'out'" in message and "Stride mismatch for stride#1" in message
+    message = failure(k.rmsnorm, x, w, fake_cuda(()), 1e-6)
+    assert "'out' must have at least one dimension" in message
+
+
+def test_weight_must_be_contiguous_hidden_size_and_input_dtype():
+    k, x = kernels(), fake_cuda((4, 128))
+    message = failure(k.rmsnorm, x, fake_cuda((64,)), x, 1e-6)
+    assert "'weight'" in message and "('hidden size'): expected 128 but got 64" in message
+    message = failure(k.rmsnorm, x, fake_cuda((128,), torch.float32), x, 1e-6)
+    assert "'weight'" in message and "DType mismatch: expected bfloat16 but got float32" in message
+    message = failure(k.rmsnorm, x, fake_cuda((1, 128)), x, 1e-6)
+    assert "'weight'" in message and "expected 1 dims but got 2" in message
+    message = failure(k.rmsnorm, x, fake_cuda((128,), strides=(2,)), x, 1e-6)
+    assert "'weight'" in message and "Stride mismatch" in message
+
+
+def test_leading_dimensions_must_collapse_into_rows():
+    k, w = kernels(), fake_cuda((128,))
+    # [2, 3, 128] cut from [2, 5, 128]: the rows of one batch entry do not continue into
+    # the next, so no single row stride reaches them all.
+    x = fake_cuda((2, 3, 128), strides=(640, 128, 1))
+    message = failure(k.rmsnorm, x, w, x, 1e-6)
+    assert "'input' Tensor<2, 3, 128>" in message
+    assert "do not collapse into one row dimension" in message
+    assert "stride#0 is 640, not 384" in message
+
+
+def test_last_dimension_must_be_contiguous():
+    k, w = kernels(), fake_cuda((128,))
+    x = fake_cuda((4, 128), strides=(1, 4))
+    message = failure(k.rmsnorm, x, w, x, 1e-6)
+    assert "'input'" in message and "Stride mismatch for stride#1" in message
+
+
+def test_written_rows_must_not_overlap():
+    k, w = kernels(), fake_cuda((128,))
+    overlapping = fake_cuda((4, 128), strides=(64, 1))
+    message = failure(k.rmsnorm, fake_cuda((4, 128)), w, overlapping, 1e-6)
+    assert "rows of 'out' overlap in memory (row stride 64 < hidden size 128)" in message
+    message = failure(k.fused_add_rmsnorm, fake_cuda((4, 128)), overlapping, w, 1e-6)
+    assert "rows of 'residual' overlap" in message
+    broadcast = fake_cuda((4, 128), strides=(0, 1))
+    message = failure(k.fused_add_rmsnorm, broadcast, fake_cuda((4, 128)), w, 1e-6)
+    assert "rows of 'input' overlap" in message
+
+
+def test_fused_add_checks_the_residual():
+    k, x, w = kernels(), fake_cuda((4, 128)), fake_cuda((128,))
+    message = failure(k.fused_add_rmsnorm, x, fake_cuda((3, 128)), w, 1e-6)
+    assert "'residual'" in message and "('rows'): expected 4 but got 3" in message
+    message = failure(k.fused_add_rmsnorm, x, fake_cuda((4, 128), torch.float32), w, 1e-6)
+    assert "'residual'" in message and "expected bfloat16 but got float32" in message
+
+
+def test_eps_must_be_finite_and_non_negative():
+    k, x, w = kernels(), fake_cuda((4, 128)), fake_cuda((128,))
+    for eps in (-1.0, float("nan"), float("inf")):
+        assert "eps must be finite and >= 0" in failure(k.rmsnorm, x, w, x, eps)
+        assert "eps must be finite and >= 0" in failure(k.fused_add_rmsnorm, x, x, w, eps)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="would launch on a made-up address")
+def test_valid_inputs_pass_every_check():
+    """Without a driver the launch itself fails: every check before it passed."""
+    k, w = kernels(), fake_cuda((128,))
+    valid = [
+        (fake_cuda((4, 128)), fake_cuda((4, 128))),
+        (fake_cuda((2, 3, 128), strides=(3 * 200, 200, 1)), fake_cuda((6, 128))),
+        (fake_cuda((1, 1, 128), strides=(7, 3, 1)), fake_cuda((128,))),
+        (fake_cuda((4, 128), offset_elements=1), fake_cuda((4, 128), strides=(129, 1))),
+    ]
+    for x, out in valid:
+        assert "CUDA error" in failure(k.rmsnorm, x, w, out, 1e-6)
+        assert "CUDA error" in failure(k.fused_add_rmsnorm, x, out, w, 0)
+    empty = fake_cuda((0, 128))
+    k.rmsnorm(empty, w, empty, 1e-6)  # nothing to launch
+    k.fused_add_rmsnorm(empty, empty, w, 1e-6)
+
+
+def test_precompile_configs_name_cached_loaders():
+    configs = norm.precompile_configs()
+    assert 1 <= len(configs) <= 8
+    labels = [label for label, _ in configs]
+    assert len(set(labels)) == len(labels)
+    assert labels[0] == "hidden=128 bfloat16"
+    assert configs[0][1]() is kernels()  # the module the tests above built
+
+
+# ---------------------------------------------------------------------------------------
+# On a GPU: results against a float64 reference.
+
+def reference(x, weight, eps=1e-6):
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def random(*shape, dtype, scale=1.0):
+    """Normal values shifted off zero, so that no row is all zeros and no sign cancels."""
+    return (torch.randn(*shape, device="cuda") * scale + 0.25 * scale).to(dtype)
+
+
+def poisoned_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+def assert_matches(out, expected, dtype):
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol)
+
+
+GPU_CASES = (
+    [(torch.bfloat16, h) for h in (1, 7, 64, 100, 128, 1000, 4096, 5120, 8192, 16384, 40000)]
+    + [(torch.float16, h) for h in (7, 128, 5120)]
+    + [(torch.float32, h) for h in (1, 100, 4096, 16384)]
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", GPU_CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_matches_reference(dtype, hidden):
+    torch.manual_seed(hidden)
+    weight = random(hidden, dtype=dtype)
+    for rows in (1, 3, 257):
+        x = random(rows, hidden, dtype=dtype, scale=3.0)
+        x_before = x.clone()
+        out = poisoned_like(x)
+        assert norm.rmsnorm(x, weight, out=out) is out
+        assert_matches(out, reference(x, weight), dtype)
+        assert torch.equal(x, x_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 128), (torch.bfloat16, 5120),
+                                          (torch.float16, 128), (torch.float32, 100)])
+@pytest.mark.parametrize("offset", [0, 8, 1], ids=["aligned", "aligned-stride", "misaligned"])
+def test_strided_rows_in_and_out(dtype, hidden, offset):
+    """Rows cut from wider tensors; an offset of one element takes the element-wise path.
+    The columns around the output rows must stay untouched."""
+    torch.manual_seed(offset)
+    rows, pad = 37, 24
+    weight = random(hidden, dtype=dtype)
+    wide_in = random(rows, hidden + pad, dtype=dtype)
+    wide_out = torch.full((rows, hidden + pad + 8), float("nan"), dtype=dtype, device="cuda")
+    x = wide_in[:, offset:offset + hidden]
+    out = wide_out[:, offset:offset + hidden]
+    norm.rmsnorm(x, weight, out=out)
+    assert_matches(out, reference(x, weight), dtype)
+    outside = torch.ones_like(wide_out, dtype=torch.bool)
+    outside[:, offset:offset + hidden] = False
+    assert wide_out[outside].isnan().all()
+
+
+@pytest.mark.gpu
+def test_three_dimensional_input_and_output():
+    dtype, hidden = torch.bfloat16, 128
+    weight = random(hidden, dtype=dtype)
+    x = random(2, 5, hidden + 16, dtype=dtype)[:, :, :hidden]  # rows of one stride
+    out = poisoned_like(torch.empty(2, 5, hidden, dtype=dtype, device="cuda"))
+    norm.rmsnorm(x, weight, out=out)
+    assert_matches(out, reference(x, weight), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 4096), (torch.float32, 100),
+                                          (torch.bfloat16, 40000)])
+def test_in_place(dtype, hidden):
+    weight = random(hidden, dtype=dtype)
+    x = random(3, 7, hidden, dtype=dtype)
+    expected = reference(x, weight)
+    assert norm.rmsnorm(x, weight) is x
+    assert_matches(x, expected, dtype)
+
+
+def cut(rows, hidden, dtype, layout):
+    """Fresh random rows of `layout`: contiguous, cut from wider rows ("strided"), or cut
+    one element off 16-byte alignment ("misaligned", the element-wise path)."""
+    offset, pad = {"contiguous": (0, 0), "strided": (8, 16), "misaligned": (1, 16)}[layout]
+    return random(rows, hidden + pad, dtype=dtype, scale=2.0)[:, offset:offset + hidden]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 128), (torch.bfloat16, 5120),
+                                          (torch.float16, 5120), (torch.float32, 4096),
+                                          (torch.bfloat16, 40000)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_fused_add(dtype, hidden, layout):
+    """residual becomes input + residual rounded to the dtype (as torch adds), and input
+    the norm of that stored sum."""
+    torch.manual_seed(hidden)
+    rows = 257
+    weight = random(hidden, dtype=dtype)
+    x, residual = cut(rows, hidden, dtype, layout), cut(rows, hidden, dtype, layout)
+    expected_sum = x + residual
+    norm.fused_add_rmsnorm(x, residual, weight)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(x, reference(expected_sum, weight), dtype)
+    # To the bit what rmsnorm of the stored sum gives through the same path.
+    mirror = cut(rows, hidden, dtype, layout)
+    mirror.copy_(expected_sum)
+    assert torch.equal(x, norm.rmsnorm(mirror, weight))
+
+
+@pytest.mark.gpu
+def test_eps_is_honoured():
+    dtype, hidden = torch.float32, 100
+    weight = random(hidden, dtype=dtype)
+    x = random(5, hidden, dtype=dtype, scale=0.1)  # mean square about 0.01
+    for eps in (0.0, 1e-6, 1.0):
+        out = norm.rmsnorm(x, weight, out=poisoned_like(x), eps=eps)
+        assert_matches(out, reference(x, weight, eps), dtype)
+    assert not torch.allclose(out.double(), reference(x, weight, 1e-6), rtol=0.1)
+
+
+@pytest.mark.gpu
+def test_empty_and_single_element_rows():
+    weight = random(128, dtype=torch.bfloat16)
+    empty = torch.empty(0, 128, dtype=torch.bfloat16, device="cuda")
+    assert norm.rmsnorm(empty, weight, out=empty) is empty
+    norm.fused_add_rmsnorm(empty, empty.clone(), weight)
+    x = random(9, 1, dtype=torch.float32)
+    one = random(1, dtype=torch.float32)
+    out = norm.rmsnorm(x, one, out=poisoned_like(x))
+    assert_matches(out, reference(x, one), torch.float32)  # sign(x) * weight, nearly
+
+
+@pytest.mark.gpu
+def test_runs_on_the_callers_current_stream():
+    dtype, hidden = torch.bfloat16, 4096
+    weight = random(hidden, dtype=dtype)
+    source = random(4096, hidden, dtype=dtype)
+    x, out = poisoned_like(source), poisoned_like(source)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # on another stream the kernel would read NaNs
+        x.copy_(source)
+        norm.rmsnorm(x, weight, out=out)
+    side.synchronize()
+    assert_matches(out, reference(source, weight), dtype)
+
+
+@pytest.mark.gpu
+def test_captured_in_a_cuda_graph():
+    dtype, hidden = torch.bfloat16, 4096
+    weight = random(hidden, dtype=dtype)
+    x, residual = random(16, hidden, dtype=dtype), random(16, hidden, dtype=dtype)
+    out = poisoned_like(x)
+    norm.rmsnorm(x, weight, out=out)  # load outside the capture
+    norm.fused_add_rmsnorm(out, residual, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        norm.rmsnorm(x, weight, out=out)
+        norm.fused_add_rmsnorm(out, residual, weight)
+    for _ in range(3):
+        x.copy_(random(16, hidden, dtype=dtype))
+        residual_before = random(16, hidden, dtype=dtype)
+        residual.copy_(residual_before)
+        out.fill_(float("nan"))
+        graph.replay()
+        normed = norm.rmsnorm(x, weight, out=poisoned_like(x))
+        assert torch.equal(residual, normed + residual_before)
+        assert_matches(out, reference(residual, weight), dtype)
