@@ -58,7 +58,7 @@ def _():
     assert torch.equal(host[0][idx_host.cpu()], gpu[0][idx_gpu].cpu())
     hicache.transfer_hicache_one_layer(gpu[0], gpu[1], idx_gpu, host[0], host[1], idx_host)
     dst = torch.randn(300, dim, device="cuda", dtype=torch.bfloat16)
-    hicache.transfer_hicache_one_layer_mla(dst, idx_gpu.int(), gpu[0], idx_gpu)
+    hicache.transfer_hicache_one_layer_mla(dst, idx_gpu.int(), gpu[0], idx_gpu.int())
     assert torch.equal(dst[idx_gpu], gpu[0][idx_gpu])
     layers_src = [torch.randn(256, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     layers_dst = [torch.randn(256, dim, dtype=torch.bfloat16).pin_memory() for _ in range(3)]
