@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import jitk
+import jitk.jit
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "developer_guide"
 EXAMPLE = GUIDE / "example"

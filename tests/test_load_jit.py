@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import jitk
+import jitk.jit
 from jitk import toolchain
 from jitk.cache import META_FILE, list_entries
 
@@ -134,6 +135,11 @@ def test_cuda_toolkit_found_through_a_wrapper_script(monkeypatch):
     found = toolchain.cuda_home.__wrapped__()
     assert (found / "include" / "cuda_runtime.h").is_file()
     assert (found / "lib64").is_dir() or (found / "lib").is_dir()
+    # Whatever nvcc on PATH is (here, a shell script that execs the real one), asking it
+    # gives the toolkit whose nvcc is the real compiler.
+    asked = toolchain._root_reported_by_nvcc(shutil.which("nvcc"))
+    assert (asked / "include" / "cuda_runtime.h").is_file()
+    assert (asked / "bin" / "nvcc").read_bytes()[:4] == b"\x7fELF"
 
 
 def test_wrong_cuda_home_is_reported(monkeypatch, tmp_path):

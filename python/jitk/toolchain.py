@@ -33,7 +33,7 @@ def _root_reported_by_nvcc(nvcc: str) -> Path | None:
         return None
     for line in (out.stdout + out.stderr).splitlines():
         if line.startswith("#$ TOP="):
-            return Path(line.split("=", 1)[1].strip()).resolve().parent
+            return Path(line.split("=", 1)[1].strip()).resolve()  # TOP is <root>/bin/..
     return None
 
 

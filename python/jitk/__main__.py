@@ -1,0 +1,237 @@
+"""The jitk command line: `python -m jitk [command]`.
+
+  (no command)  write .clangd here, so clangd understands jitk kernels
+  demo          run jitk's demo
+  cache         list the module cache; `cache clear` empties it
+  precompile    build the kernels' common configurations into the cache ahead of time
+
+Exit codes: 0 success, 1 failure, 2 bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import cache, clangd, precompile, toolchain
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class CommandError(RuntimeError):
+    """A failure to report in one line and exit 1."""
+
+
+class UsageError(CommandError):
+    """A command that cannot run as given: reported in one line, exit 2."""
+
+
+def write_clangd(args: argparse.Namespace) -> int:
+    try:
+        path, text = clangd.write(Path.cwd(), force=args.force)
+    except clangd.ForeignConfigError as error:
+        raise CommandError(str(error)) from None
+    print(f"wrote {path}:\n{text}", end="")
+    return EXIT_OK
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        demo = importlib.import_module("jitk.demo")
+    except ModuleNotFoundError as error:
+        if error.name != "jitk.demo":
+            raise
+        message = "this jitk installation has no demo (jitk/demo.py is missing)"
+        raise CommandError(message) from None
+    return demo.main() or EXIT_OK
+
+
+def human_size(size: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def human_age(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def list_cache(args: argparse.Namespace) -> int:
+    entries = cache.list_entries()
+    root = cache.cache_root()
+    if not entries:
+        print(f"no modules cached in {root}")
+        return EXIT_OK
+    rows = [(e.module, ",".join(toolchain.sm_name(a) for a in e.archs) or "host",
+             human_size(e.size_bytes), human_age(e.age_seconds), e.path.name) for e in entries]
+    rows.insert(0, ("MODULE", "ARCH", "SIZE", "AGE", "FOLDER"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print(f"{len(entries)} module(s) cached in {root}:")
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return EXIT_OK
+
+
+def clear_cache(args: argparse.Namespace) -> int:
+    removed = cache.clear()
+    print(f"removed {removed} cache entr{'y' if removed == 1 else 'ies'} from "
+          f"{cache.cache_root()}")
+    return EXIT_OK
+
+
+def default_precompile_archs() -> list[str]:
+    """$JITK_CUDA_ARCH (as one target, as a process with it set would build), else the
+    current GPU's."""
+    setting = os.environ.get(toolchain.ARCH_ENV)
+    if setting:
+        toolchain.parse_archs(setting)  # a bad setting fails here, before any build
+        return [setting]
+    capability = toolchain.current_gpu_capability()
+    if capability is None:
+        raise UsageError(f"no architecture to build for: pass --arch (e.g. --arch 9.0), set "
+                         f"{toolchain.ARCH_ENV}, or run on a machine with a GPU")
+    return [f"{capability[0]}.{capability[1]}"]
+
+
+def selected_modules(chosen: list[str] | None) -> list[str]:
+    registered = precompile.registered_modules()
+    unknown = [name for name in chosen or () if name not in registered]
+    if unknown:
+        raise UsageError(f"unknown kernel module(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(registered)} (add more with {precompile.MODULES_ENV})")
+    return chosen or registered
+
+
+def print_configs(labels: dict[str, list[str]]) -> None:
+    for module, module_labels in labels.items():
+        print(f"{module}: {len(module_labels)} configuration(s)")
+        for label in module_labels:
+            print(f"  {label}")
+
+
+def print_summary(outcomes: list[precompile.Outcome], wall: float, jobs: int) -> None:
+    for module in dict.fromkeys(o.task.module for o in outcomes):
+        mine = [o for o in outcomes if o.task.module == module]
+        built = sum(o.built for o in mine)
+        print(f"{precompile.short_name(module)}: {sum(o.seconds for o in mine):.1f} s over "
+              f"{len(mine)} configuration(s) ({built} built, {len(mine) - built} cached)")
+    print(f"{len(outcomes)} configuration(s) in {wall:.1f} s with {jobs} job(s); "
+          f"cache: {cache.cache_root()}")
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    labels, missing = precompile.config_labels(selected_modules(args.module))
+    for name in missing:
+        print(f"{name} is not installed; skipped", file=sys.stderr)
+    if args.list:
+        print_configs(labels)
+        return EXIT_OK
+    if not any(labels.values()):
+        raise CommandError("no kernel configurations to precompile")
+    archs = args.arch or default_precompile_archs()
+    tasks = precompile.make_tasks(labels, archs)
+    jobs = args.jobs or os.cpu_count() or 1
+    finished = itertools.count(1)
+
+    def report(outcome: precompile.Outcome) -> None:
+        result = (f"FAILED after {outcome.seconds:.1f} s" if outcome.error else
+                  f"{outcome.seconds:.1f} s" + ("" if outcome.built else " (cached)"))
+        print(f"[{next(finished)}/{len(tasks)}] {outcome.task.describe()}: {result}",
+              flush=True)
+
+    started = time.perf_counter()
+    outcomes = precompile.run(tasks, jobs, report)
+    print_summary(outcomes, time.perf_counter() - started, min(jobs, len(tasks)))
+    failed = [o for o in outcomes if o.error]
+    for outcome in failed:
+        print(f"\nFAILED: {outcome.task.describe()}\n{outcome.error}", file=sys.stderr)
+    if failed:
+        names = ", ".join(o.task.describe() for o in failed)
+        print(f"\njitk: {len(failed)} build(s) failed: {names}", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def valid_arch(text: str) -> str:
+    try:
+        toolchain.parse_archs(text)
+    except toolchain.ToolchainError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jitk", usage="%(prog)s [-h] [--force] [COMMAND ...]",
+        description="Without a command: write .clangd in the current directory, so that "
+                    "clangd understands kernels that include <jitk/...> headers.",
+        epilog="Exit codes: 0 success, 1 failure, 2 bad usage.")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a .clangd that jitk did not write")
+    parser.set_defaults(handler=write_clangd)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", prog=parser.prog)
+
+    demo = commands.add_parser("demo", help="run jitk's demo", description="Run jitk's demo.")
+    demo.set_defaults(handler=run_demo)
+
+    cache_parser = commands.add_parser(
+        "cache", help="list the module cache (or empty it: cache clear)",
+        usage="%(prog)s [-h] [clear]",
+        description="List the compiled modules in the cache ($JITK_CACHE_DIR, else "
+                    "~/.cache/jitk), newest first.")
+    cache_parser.set_defaults(handler=list_cache)
+    cache_actions = cache_parser.add_subparsers(title="actions", metavar="ACTION",
+                                              prog=cache_parser.prog)
+    cache_actions.add_parser("clear", help="remove every cached module",
+                             description="Remove every cached module.").set_defaults(
+        handler=clear_cache)
+
+    build = commands.add_parser(
+        "precompile", help="build the kernels' common configurations into the cache",
+        description="Build every precompile_configs() entry of the kernel modules "
+                    f"({', '.join(precompile.KERNEL_MODULES)} and those named in "
+                    f"${precompile.MODULES_ENV}) into the cache, so that a later first call "
+                    "only loads.")
+    build.add_argument("--arch", action="append", type=valid_arch, metavar="ARCH",
+                       help="a JITK_CUDA_ARCH value to build for, e.g. 9.0; repeat for "
+                            f"more (default: ${toolchain.ARCH_ENV}, else the current GPU's)")
+    build.add_argument("--jobs", "-j", type=positive_int, metavar="N",
+                       help="builds at a time (default: the number of CPUs)")
+    build.add_argument("--module", action="append", metavar="NAME",
+                       help="only this kernel module; repeat for more (default: all)")
+    build.add_argument("--list", action="store_true",
+                       help="print the configurations and build nothing")
+    build.set_defaults(handler=run_precompile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.force and args.handler is not write_clangd:
+        parser.error("--force only applies to writing .clangd (no command)")
+    try:
+        return args.handler(args)
+    except UsageError as error:
+        parser.exit(EXIT_USAGE, f"jitk: error: {error}\n")
+    except (CommandError, precompile.PrecompileError, toolchain.ToolchainError) as error:
+        print(f"jitk: error: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

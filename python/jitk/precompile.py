@@ -1,0 +1,178 @@
+"""Filling the module cache ahead of time with the kernels' common configurations.
+
+Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
+calls the module's cached loader for one configuration. Here every thunk runs once per
+target architecture, in a pool of worker processes, so that a later first call in a new
+process only loads from the cache."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from types import ModuleType
+
+from . import toolchain
+
+# The kernel modules shipped with jitk: the one list of them.
+KERNEL_MODULES = ("jitk.hicache", "jitk.norm", "jitk.wait_value")
+# More modules with precompile_configs(), e.g. a project's own kernels: "pkg.a,pkg.b".
+MODULES_ENV = "JITK_PRECOMPILE_MODULES"
+
+
+class PrecompileError(RuntimeError):
+    """A kernel module could not be imported or has no precompile_configs()."""
+
+
+@dataclass(frozen=True)
+class Task:
+    module: str
+    index: int
+    label: str
+    arch: str  # a JITK_CUDA_ARCH value: one architecture, or several for one fat library
+
+    def describe(self) -> str:
+        archs = "+".join(toolchain.sm_name(a) for a in toolchain.parse_archs(self.arch))
+        return f"{short_name(self.module)} {self.label} ({archs})"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    task: Task
+    seconds: float
+    built: bool  # False when the thunk found its module already in the cache
+    error: str | None = None
+
+
+def short_name(module: str) -> str:
+    return module.removeprefix("jitk.")
+
+
+def registered_modules() -> list[str]:
+    """KERNEL_MODULES, then those named in $JITK_PRECOMPILE_MODULES."""
+    extra = [name for name in re.split(r"[,;\s]+", os.environ.get(MODULES_ENV, "")) if name]
+    return list(dict.fromkeys([*KERNEL_MODULES, *extra]))
+
+
+def import_kernel_module(name: str) -> ModuleType | None:
+    """The module, or None for a shipped kernel module that is not installed."""
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # any failure here is the module's, reported by its name
+        not_installed = isinstance(error, ModuleNotFoundError) and error.name == name
+        if not_installed and name in KERNEL_MODULES:
+            return None
+        raise PrecompileError(f"cannot import kernel module {name}: "
+                              f"{type(error).__name__}: {error}") from error
+
+
+def config_labels(modules: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """The labels of each present module's configurations, and the modules not installed."""
+    labels, missing = {}, []
+    for name in modules:
+        module = import_kernel_module(name)
+        if module is None:
+            missing.append(name)
+            continue
+        if not callable(getattr(module, "precompile_configs", None)):
+            raise PrecompileError(f"kernel module {name} has no precompile_configs()")
+        labels[name] = [label for label, _ in module.precompile_configs()]
+    return labels, missing
+
+
+def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
+    return [Task(module, index, label, arch)
+            for arch in archs
+            for module, module_labels in labels.items()
+            for index, label in enumerate(module_labels)]
+
+
+def _init_worker(arch: str) -> None:
+    os.environ[toolchain.ARCH_ENV] = arch
+
+
+@contextlib.contextmanager
+def _workers_see_no_gpu() -> Iterator[None]:
+    """Workers only build. With no GPU visible, load_jit skips its check that the library
+    runs on this machine's GPU, so code for other architectures can be built too. It must
+    be in the environment the workers start with: once CUDA is initialised, hiding devices
+    makes torch and the CUDA runtime disagree on how many there are."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+class _BuildCounter(logging.Handler):
+    """Counts load_jit's "built" log records: a thunk that only loaded logs none."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.builds = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.builds += record.getMessage().startswith("jitk: built")
+
+
+@contextlib.contextmanager
+def _counting_builds() -> Iterator[_BuildCounter]:
+    logger = logging.getLogger("jitk")
+    counter = _BuildCounter()
+    saved_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(counter)
+    try:
+        yield counter
+    finally:
+        logger.removeHandler(counter)
+        logger.setLevel(saved_level)
+
+
+def _run_in_worker(module: str, index: int) -> tuple[float, bool, str | None]:
+    """Runs one thunk; returns its seconds, whether it built, and its error if any."""
+    started = time.perf_counter()
+    with _counting_builds() as counter:
+        try:
+            _, thunk = importlib.import_module(module).precompile_configs()[index]
+            thunk()
+            error = None
+        except Exception as failure:  # reported with the task's name, not raised
+            error = f"{type(failure).__name__}: {failure}"
+    return time.perf_counter() - started, counter.builds > 0, error
+
+
+def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list[Outcome]:
+    """Runs every task, `jobs` at a time, calling `report` as each one finishes.
+
+    One pool per architecture, since a worker's loaders cache their modules: a worker
+    that built a configuration for one architecture would return it for another. Workers
+    are spawned, not forked, so that none inherits a CUDA context from this process."""
+    outcomes = []
+    context = multiprocessing.get_context("spawn")
+    for arch in dict.fromkeys(task.arch for task in tasks):
+        group = [task for task in tasks if task.arch == arch]
+        with _workers_see_no_gpu(), ProcessPoolExecutor(
+                max_workers=min(jobs, len(group)), mp_context=context,
+                initializer=_init_worker, initargs=(arch,)) as pool:
+            futures = {pool.submit(_run_in_worker, task.module, task.index): task
+                       for task in group}
+            for future in as_completed(futures):
+                try:
+                    outcome = Outcome(futures[future], *future.result())
+                except Exception as crash:  # the worker died, e.g. killed for memory
+                    outcome = Outcome(futures[future], 0.0, False, f"worker failed: {crash}")
+                outcomes.append(outcome)
+                report(outcome)
+    return outcomes
