@@ -15,7 +15,7 @@ import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD = (
-    "import sys, time; sys.path.insert(0, 'tests'); import jitk, probes\n"
+    "import sys, time; sys.path.insert(0, 'tests'); import torch, jitk.jit, probes\n"
     "t = time.perf_counter(); probes.launch_probe(); print(time.perf_counter() - t)\n"
 )
 

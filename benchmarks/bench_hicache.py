@@ -11,6 +11,7 @@ together touch more than the 50 MB L2. The first run builds one module per row s
 """
 
 import itertools
+import statistics
 import os
 import sys
 
@@ -33,7 +34,7 @@ QUICK_SHAPES = [(d, 4096, b) for d in ("d2h", "h2d") for b in (256, 1024, 2048)]
     ("d2d", 4096, 1024), ("d2h", 64, 1024)]
 ALL_LAYER = (32, 4096, 1024)  # layers, tokens, bytes per token and layer
 COLUMNS = ["direction", "tokens", "bytes/token", "jitk us", "jitk GB/s", "ceiling GB/s",
-           "ratio", "torch-index us", "graph us"]
+           "ratio", "same-size copy GB/s", "vs same-size copy", "torch-index us", "graph us"]
 
 
 def random_rows(rows: int, row_bytes: int, where: str) -> torch.Tensor:
@@ -58,14 +59,25 @@ def rotating(calls):
     return lambda: next(cycle)()
 
 
-def ceiling_gbps(direction: str, nbytes: int, device_copy: float) -> float:
-    if direction == "d2d":
-        return device_copy
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).random_()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    copy = (lambda: dev.copy_(host, non_blocking=True)) if direction == "h2d" else (
-        lambda: host.copy_(dev, non_blocking=True))
-    return nbytes / common.time_us(copy) / 1e3
+def same_size_copy(direction: str, nbytes: int):
+    """A contiguous copy_ of the same bytes between the same kinds of memory."""
+    src_at, dst_at = PLACES[direction]
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    src = src if src_at == "cuda" else src.cpu().pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_at, pin_memory=dst_at == "cpu")
+    return lambda: dst.copy_(src, non_blocking=True)
+
+
+def timed_against_copy(direction, moved, jitk_call, timing, rounds=3):
+    """(jitk us, same-size copy us), each the median of rounds taken alternately: PCIe
+    bandwidth drifts by a few percent between measurements, and a ratio of two numbers
+    taken minutes apart would carry that drift."""
+    copy_call = same_size_copy(direction, moved)
+    jitk, copy = [], []
+    for _ in range(rounds):
+        copy.append(common.time_us(copy_call, **timing))
+        jitk.append(common.time_us(jitk_call, **timing))
+    return statistics.median(jitk), statistics.median(copy)
 
 
 def torch_index_call(direction, dst, src, idx_dst, idx_src):
@@ -100,18 +112,28 @@ def measure_one_layer(direction, tokens, row_bytes, device_copy, timing):
     jitk_calls = [lambda d=d, s=s: hicache.transfer_hicache_one_layer(dst[0], dst[1], d, src[0],
                                                                       src[1], s)
                   for d, s in sets]
-    jitk_us = common.time_us(rotating(jitk_calls), **timing)
+    moved = 2 * tokens * row_bytes
+    jitk_us, copy_us = timed_against_copy(direction, moved, rotating(jitk_calls), timing)
     torch_us = common.time_us(rotating([torch_index_call(direction, dst, src, d, s)
                                         for d, s in sets[:4]]), **timing)
     # Latency rows: the kernel's own time, launch gaps removed by graph replay.
     graph_us = common.time_graph_us(jitk_calls[0]) if tokens <= 64 else ""
-    moved = 2 * tokens * row_bytes
-    counted = 2 * moved if direction == "d2d" else moved
-    ceiling = ceiling_gbps(direction, moved, device_copy)
+    return row(direction, tokens, row_bytes, moved, jitk_us, copy_us, device_copy, torch_us,
+               graph_us)
+
+
+def row(direction, tokens, row_bytes, moved, jitk_us, copy_us, device_copy, torch_us, graph_us):
+    """The ceiling is the same-size pinned copy for PCIe, the 1 GiB device copy for d2d
+    (counting bytes read and written); the same-size copy is shown for d2d too."""
+    counted = 2 * moved if direction.startswith("d2d") else moved
     gbps = counted / jitk_us / 1e3
+    copy_gbps = counted / copy_us / 1e3
+    ceiling = device_copy if direction.startswith("d2d") else copy_gbps
     return {"direction": direction, "tokens": tokens, "bytes/token": row_bytes,
             "jitk us": jitk_us, "jitk GB/s": gbps, "ceiling GB/s": ceiling,
-            "ratio": gbps / ceiling, "torch-index us": torch_us, "graph us": graph_us}
+            "ratio": gbps / ceiling, "same-size copy GB/s": copy_gbps,
+            "vs same-size copy": gbps / copy_gbps, "torch-index us": torch_us,
+            "graph us": graph_us}
 
 
 def measure_all_layer(direction, device_copy, timing):
@@ -133,16 +155,11 @@ def measure_all_layer(direction, device_copy, timing):
 
     per_layer = [torch_index_call(direction, [dst[0][i], dst[1][i]], [src[0][i], src[1][i]],
                                   idx_dst, idx_src) for i in range(layers)]
-    jitk_us = common.time_us(jitk_call, **timing)
-    torch_us = common.time_us(lambda: [call() for call in per_layer], **timing)
     moved = 2 * layers * tokens * row_bytes
-    counted = 2 * moved if direction == "d2d" else moved
-    ceiling = ceiling_gbps(direction, moved, device_copy)
-    gbps = counted / jitk_us / 1e3
-    return {"direction": f"{direction} all-layer x{layers}", "tokens": tokens,
-            "bytes/token": row_bytes, "jitk us": jitk_us, "jitk GB/s": gbps,
-            "ceiling GB/s": ceiling, "ratio": gbps / ceiling, "torch-index us": torch_us,
-            "graph us": ""}
+    jitk_us, copy_us = timed_against_copy(direction, moved, jitk_call, timing)
+    torch_us = common.time_us(lambda: [call() for call in per_layer], **timing)
+    return row(f"{direction} all-layer x{layers}", tokens, row_bytes, moved, jitk_us, copy_us,
+               device_copy, torch_us, "")
 
 
 def main():

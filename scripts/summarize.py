@@ -21,11 +21,13 @@ def main(folder: Path) -> None:
     hicache = load(folder, "bench_hicache")
     for row in hicache.get("rows", []):
         lines.append((f"hicache {row['direction']} {row['tokens']} tok x {row['bytes/token']} B",
-                      f"{fmt(row['jitk GB/s'])} GB/s = {row['ratio']:.0%} of {fmt(row['ceiling GB/s'])}"))
+                      f"{fmt(row['jitk GB/s'])} GB/s = {row['ratio']:.0%} of {fmt(row['ceiling GB/s'])}, "
+                      f"{row.get('vs same-size copy', 0):.0%} of same-size copy"))
     rmsnorm = load(folder, "bench_rmsnorm")
     for row in rmsnorm.get("rows", []):
         lines.append((f"rmsnorm {row['dtype']} {row['shape']} (graph)",
                       f"{fmt(row['jitk graph us'])} us, {row['of copy']:.0%} of copy, "
+                      f"{row.get('vs same-size copy', 0):.0%} of same-size copy, "
                       f"{fmt(row['speedup graph'])}x torch, goal {row['goal']}"))
     wait = load(folder, "bench_wait_value")
     lines += [(f"wait_value {row['figure']}", fmt(row["value"]))
