@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from jitk.timing import median_us
+
 
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
@@ -34,18 +36,7 @@ def time_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100
         do_bench = None
     if do_bench is not None:
         return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    return median_us(fn, repeats=50, warmup=10)
 
 
 def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 100, replays: int = 20) -> float:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from errors import expect_error
 from probes import HEADER_PROBE, header_probe, line_of
 
 
@@ -17,15 +18,6 @@ def probe(request):
 
 def at(marker):
     return line_of(HEADER_PROBE, marker)
-
-
-def expect_error(call, *fragments):
-    with pytest.raises(RuntimeError) as info:
-        call()
-    message = str(info.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 def test_matching_tensor_binds_symbols(probe):

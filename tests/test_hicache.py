@@ -11,6 +11,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from errors import expect_error
+
 from jitk import hicache
 
 POISON = 0x7F
@@ -18,15 +20,6 @@ POISON = 0x7F
 # The one module the CPU tests build: rows of 128 float16 = 256 bytes.
 ROW = 128
 ROW_BYTES = 256
-
-
-def expect_error(call, *parts, kind=RuntimeError) -> str:
-    with pytest.raises(kind) as info:
-        call()
-    message = str(info.value)
-    for part in parts:
-        assert part in message, f"{part!r} not in: {message}"
-    return message
 
 
 def cpu_rows(rows=16, width=ROW, dtype=torch.float16) -> torch.Tensor:

@@ -7,26 +7,12 @@ would see it, and the demo says what it skipped."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import torch
 
 from . import hicache, norm, toolchain, wait_value
-
-
-def _median_us(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+from .timing import median_us
 
 
 def _report(name: str, check: str, us: float, moved_bytes: int | None) -> None:
@@ -41,7 +27,7 @@ def _rmsnorm_on_gpu() -> None:
     norm.rmsnorm(x, weight, out=out)
     reference = torch.nn.functional.rms_norm(x.float(), (8192,), weight.float(), eps=1e-6)
     error = ((out.float() - reference).norm() / reference.norm()).item()
-    us = _median_us(lambda: norm.rmsnorm(x, weight, out=out))
+    us = median_us(lambda: norm.rmsnorm(x, weight, out=out))
     _report("rmsnorm bf16 4096x8192", f"rel. error {error:.1e}", us, 2 * x.nbytes)
 
 
@@ -58,7 +44,7 @@ def _hicache_on_gpu() -> None:
     torch.cuda.synchronize()
     exact = torch.equal(k_host[dst.cpu()], k_gpu[src].cpu()) and torch.equal(
         v_host[dst.cpu()], v_gpu[src].cpu())
-    us = _median_us(offload)
+    us = median_us(offload)
     _report("hicache GPU -> pinned host, 4096 x 1 KiB", "exact" if exact else "MISMATCH",
             us, 2 * tokens * row * 2)
 
@@ -78,7 +64,7 @@ def _wait_value_on_gpu() -> None:
     torch.cuda.synchronize()
     check = "consumer saw all" if seen.item() == 3 * data.numel() else "MISMATCH"
     # What a wait costs a stream once its flag is set: the kernel launch and one read.
-    _report("wait_value: producer -> consumer stream", check, _median_us(lambda: event.wait(1)),
+    _report("wait_value: producer -> consumer stream", check, median_us(lambda: event.wait(1)),
             None)
 
 
