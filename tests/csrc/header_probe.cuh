@@ -73,6 +73,7 @@ int64_t helpers(int64_t n) {
   int64_t sum = 0;
   for (auto i : irange(n)) sum += i;
   for (auto i : irange(int64_t{2}, 5)) sum += 100 * i;
+  for (auto i : irange(5, 2)) sum += 1000000000 * i;  // empty: an end before the begin
   char buffer[64];
   void* base = buffer;
   const auto moved = static_cast<char*>(pointer::offset(base, 16, int64_t{8})) - buffer;
