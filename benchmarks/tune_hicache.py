@@ -25,9 +25,9 @@ def build(config):
     hicache._kernels(*config)
 
 
-def prebuild():
+def prebuild(unrolls):
     """Every (row bytes, unroll) module, in parallel processes: serially they take minutes."""
-    configs = {(row_bytes, unroll) for _, _, row_bytes in SHAPES for unroll in UNROLLS}
+    configs = {(row_bytes, unroll) for _, _, row_bytes in SHAPES for unroll in unrolls}
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=len(configs), mp_context=context) as pool:
         list(pool.map(build, sorted(configs)))
@@ -35,18 +35,18 @@ def prebuild():
 
 def main():
     args = common.parse_args(__doc__)
-    prebuild()
+    prebuild((4,) if args.quick else UNROLLS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("device:", common.device_name())
     rows = []
     for direction, tokens, row_bytes in SHAPES:
-        dst_where, src_where = PLACES[direction]
+        src_where, dst_where = PLACES[direction]
         pool = max(2 * tokens, (64 << 20) // row_bytes)
         dst = [random_rows(pool, row_bytes, dst_where) for _ in range(2)]
         src = [random_rows(pool, row_bytes, src_where) for _ in range(2)]
         sets = index_sets(tokens, pool, row_bytes)
         moved = 2 * tokens * row_bytes * (2 if direction == "d2d" else 1)
-        for unroll, quota_per_sm in SETTINGS:
+        for unroll, quota_per_sm in [(4, None)] if args.quick else SETTINGS:
             quota = None if quota_per_sm is None else quota_per_sm * sms
             call = rotating([lambda i=i, j=j: hicache.transfer_hicache_one_layer(
                 dst[0], dst[1], i, src[0], src[1], j, unroll=unroll, block_quota=quota)
