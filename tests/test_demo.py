@@ -1,0 +1,36 @@
+"""`python -m jitk demo`, the README's first command, on both kinds of machine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def run_demo() -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "jitk", "demo"], capture_output=True,
+                            text=True, env=dict(os.environ), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU demo is tested below")
+def test_demo_without_gpu_builds_shows_an_error_and_says_what_it_skipped():
+    out = run_demo().stdout
+    assert "No CUDA GPU is visible: building for sm_90" in out
+    assert ("RuntimeError: Tensor match failed for 'input' Tensor<4, 4096>[strides=<4096, 1>, "
+            "dtype=bfloat16, device=cpu] at rmsnorm.cuh:") in out
+    assert "Root cause: Device mismatch: expected cuda but got cpu" in out
+    assert "Skipped (they need a GPU)" in out
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu_runs_every_kernel_against_its_reference():
+    out = run_demo().stdout
+    assert "MISMATCH" not in out
+    for line in ("rmsnorm bf16 4096x8192", "hicache GPU -> pinned host", "wait_value"):
+        assert line in out
+    assert "exact" in out and "consumer saw all" in out
+    error = float(out.split("rel. error ")[1].split()[0])
+    assert error < 1e-2
