@@ -135,3 +135,14 @@ def test_error_location_is_a_real_line(probe):
         line = int(at(marker).split(":")[1])
         text = HEADER_PROBE.read_text().splitlines()[line - 1]
         assert re.search(r"verify|RuntimeCheck|Panic|unwrap", text), text
+
+
+def test_wrong_argument_types_and_counts_are_python_type_errors(probe):
+    expect_error(lambda: probe.positive("five"), "argument 0: expected an int, got str",
+                 kind=TypeError)
+    expect_error(lambda: probe.rows_of(5, 128), "argument 0: expected a tensor, got int",
+                 kind=TypeError)
+    expect_error(lambda: probe.positive(1, 2), "positive() takes 1 arguments but 2 were given",
+                 kind=TypeError)
+    expect_error(lambda: probe.positive(2**70), kind=Exception)  # too big for int64 anywhere
+    assert probe.positive(True) == 1  # a bool is an int, as in Python

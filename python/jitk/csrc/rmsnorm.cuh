@@ -430,8 +430,8 @@ class RowMatrix {
 
   // Valid while this object lives: the view points at its shape and strides.
   TensorView view() const {
-    return tensor_.as_strided(tvm::ffi::ShapeView(shape_.data(), 2),
-                              tvm::ffi::ShapeView(strides_.data(), 2));
+    return tensor_.as_strided(ShapeView(shape_.data(), 2),
+                              ShapeView(strides_.data(), 2));
   }
 
  private:

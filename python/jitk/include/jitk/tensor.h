@@ -13,8 +13,6 @@
 #include <jitk/utils.h>
 
 #include <dlpack/dlpack.h>
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/dtype.h>
 
 #include <algorithm>
 #include <array>
@@ -24,6 +22,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <stdexcept>
 #include <string_view>
 
 #ifdef __CUDACC__
@@ -31,9 +30,105 @@
 #include <cuda_fp16.h>
 #endif
 
+// DLPack's dtype compared and printed ("float32", "bfloat16") as tvm-ffi does, for the
+// translation units that do not include tvm-ffi's C++ headers (jitk kernels never do: they
+// cost every build seconds of parsing).
+#ifndef TVM_FFI_DTYPE_H_
+inline bool operator==(const DLDataType& a, const DLDataType& b) {
+  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+inline bool operator!=(const DLDataType& a, const DLDataType& b) { return !(a == b); }
+inline std::ostream& operator<<(std::ostream& os, const DLDataType& dtype) {
+  if (dtype.code == kDLBool) return os << "bool";
+  switch (dtype.code) {
+    case kDLInt: os << "int"; break;
+    case kDLUInt: os << "uint"; break;
+    case kDLFloat: os << "float"; break;
+    case kDLBfloat: os << "bfloat"; break;
+    default: os << "dtype" << static_cast<int>(dtype.code) << '_';
+  }
+  os << static_cast<int>(dtype.bits);
+  if (dtype.lanes != 1) os << 'x' << dtype.lanes;
+  return os;
+}
+#endif
+
 namespace jitk {
 
-using tvm::ffi::TensorView;
+// A list of sizes or strides: a pointer and a length, as DLPack keeps them.
+class ShapeView {
+ public:
+  constexpr ShapeView(const int64_t* data, size_t size) : data_(data), size_(size) {}
+  constexpr size_t size() const { return size_; }
+  constexpr const int64_t* data() const { return data_; }
+  constexpr int64_t operator[](size_t i) const { return data_[i]; }
+  constexpr const int64_t* begin() const { return data_; }
+  constexpr const int64_t* end() const { return data_ + size_; }
+
+ private:
+  const int64_t* data_;
+  size_t size_;
+};
+
+// A non-owning view of a DLPack tensor: what every jitk entry point receives. The tensor it
+// views (and its shape and strides arrays) must outlive it, as for any view.
+class TensorView {
+ public:
+  static constexpr int kMaxCompactDims = 8;
+
+  explicit TensorView(const DLTensor* tensor) : tensor_(*tensor) {
+    if (tensor_.strides == nullptr) use_compact_strides();
+  }
+  TensorView(const TensorView& other) { *this = other; }
+  TensorView& operator=(const TensorView& other) {
+    tensor_ = other.tensor_;
+    compact_ = other.compact_;
+    if (other.tensor_.strides == other.compact_.data()) tensor_.strides = compact_.data();
+    return *this;
+  }
+
+  void* data_ptr() const { return tensor_.data; }
+  uint64_t byte_offset() const { return tensor_.byte_offset; }
+  DLDevice device() const { return tensor_.device; }
+  DLDataType dtype() const { return tensor_.dtype; }
+  int32_t ndim() const { return tensor_.ndim; }
+  ShapeView shape() const { return {tensor_.shape, static_cast<size_t>(tensor_.ndim)}; }
+  ShapeView strides() const { return {tensor_.strides, static_cast<size_t>(tensor_.ndim)}; }
+  // Negative indices count from the end, as in Python.
+  int64_t size(int64_t i) const { return tensor_.shape[i < 0 ? i + tensor_.ndim : i]; }
+  int64_t stride(int64_t i) const { return tensor_.strides[i < 0 ? i + tensor_.ndim : i]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < tensor_.ndim; ++i) n *= tensor_.shape[i];
+    return n;
+  }
+  // The same memory seen with another shape and strides (which must outlive the view).
+  TensorView as_strided(ShapeView shape, ShapeView strides) const {
+    DLTensor t = tensor_;
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.shape = const_cast<int64_t*>(shape.data());
+    t.strides = const_cast<int64_t*>(strides.data());
+    return TensorView(&t);
+  }
+
+ private:
+  // DLPack allows no strides for a compact tensor; the view then keeps its own, so that
+  // stride(i) always answers.
+  void use_compact_strides() {
+    if (tensor_.ndim > kMaxCompactDims) {
+      throw std::invalid_argument("a tensor of more than 8 dimensions must carry strides");
+    }
+    int64_t step = 1;
+    for (int i = tensor_.ndim - 1; i >= 0; --i) {
+      compact_[i] = step;
+      step *= tensor_.shape[i];
+    }
+    tensor_.strides = compact_.data();
+  }
+
+  DLTensor tensor_;
+  std::array<int64_t, kMaxCompactDims> compact_{};
+};
 
 // ---------------------------------------------------------------------------------------
 // C++ type -> DLPack dtype.
@@ -107,7 +202,7 @@ namespace jitk {
 
 // "<100, 256>"
 struct PrintDims {
-  tvm::ffi::ShapeView dims;
+  ShapeView dims;
 };
 inline std::ostream& operator<<(std::ostream& os, const PrintDims& p) {
   os << '<';
@@ -243,7 +338,7 @@ class TensorMatcher {
     os << "Tensor match failed for ";
     if (!name.empty()) os << '\'' << name << "' ";
     os << PrintTensor{t} << " at " << where << " - Root cause: " << cause;
-    detail::raise("RuntimeError", os.str(), where);
+    detail::raise("RuntimeError", os.str());
   }
 
   static std::string describe(const char* what, int index, const SymbolicSize* symbol) {

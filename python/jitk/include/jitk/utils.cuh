@@ -25,8 +25,7 @@ inline void RuntimeDeviceCheck(cudaError_t error, DebugInfo where = {}) {
   if (error != cudaSuccess) [[unlikely]] {
     detail::raise("RuntimeError",
                   detail::concat("CUDA error at ", where, ": ", cudaGetErrorName(error), " (",
-                                 cudaGetErrorString(error), ")"),
-                  where);
+                                 cudaGetErrorString(error), ")"));
   }
 }
 // Checks (and clears) the last error of the calling thread.

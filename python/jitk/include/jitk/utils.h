@@ -2,13 +2,11 @@
 // turn into Python exceptions, and a few small helpers. Compiles with g++ and nvcc (C++20).
 #pragma once
 
-#include <tvm/ffi/c_api.h>
-#include <tvm/ffi/error.h>
-
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -51,6 +49,17 @@ inline std::ostream& operator<<(std::ostream& os, const DebugInfo& where) {
   return os << where.file_name() << ':' << where.line();
 }
 
+// What every jitk check throws. At the boundary to Python (jitk/export.h) it becomes the
+// Python exception named by `kind()`, with the message as it is.
+class Error : public std::runtime_error {
+ public:
+  Error(const char* kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  const char* kind() const { return kind_; }
+
+ private:
+  const char* kind_;
+};
+
 namespace detail {
 
 template <typename... Args>
@@ -60,23 +69,22 @@ std::string concat(Args&&... args) {
   return os.str();
 }
 
-// Raise a Python exception (through tvm-ffi) whose traceback ends at `where`.
-[[noreturn]] inline void raise(const char* kind, std::string message, const DebugInfo& where) {
-  throw tvm::ffi::Error(kind, std::move(message),
-                        TVMFFIBacktrace(where.file(), where.line(), "", 0));
+// Raise a Python exception of type `kind` (through jitk/export.h).
+[[noreturn]] inline void raise(const char* kind, const std::string& message) {
+  throw Error(kind, message);
 }
 
 // For code that already holds the location to blame (a header checking on behalf of its
 // caller): Panic and RuntimeCheck would take a DebugInfo argument as part of the message.
 template <typename... Args>
 [[noreturn]] void panic_at(const DebugInfo& where, Args&&... args) {
-  raise("RuntimeError", concat("Panic at ", where, ": ", std::forward<Args>(args)...), where);
+  raise("RuntimeError", concat("Panic at ", where, ": ", std::forward<Args>(args)...));
 }
 template <typename... Args>
 void check_at(bool condition, const DebugInfo& where, Args&&... args) {
   if (!condition) [[unlikely]] {
     raise("RuntimeError",
-          concat("Runtime check failed at ", where, ": ", std::forward<Args>(args)...), where);
+          concat("Runtime check failed at ", where, ": ", std::forward<Args>(args)...));
   }
 }
 
