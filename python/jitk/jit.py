@@ -1,7 +1,9 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is tvm-ffi's (ninja, which tracks included headers, under a file lock).
-jitk adds the parts tvm-ffi leaves to its callers: a cache key over the contents of every
+The build itself is tvm-ffi's (ninja, which tracks included headers, under a file lock);
+the exports are jitk's (jitk/export.h, on tvm-ffi's C ABI, which keeps tvm-ffi's C++ headers
+and their seconds of parsing out of every kernel build). jitk also adds what tvm-ffi leaves
+to its callers: a cache key over the contents of every
 header and kernel file, the compiler versions and the target architectures; recovery from
 a corrupt cache entry; compile errors that show the compiler's own lines; and a load-time
 check that the library holds code for the GPU it is about to run on."""
