@@ -121,6 +121,10 @@ def test_unsupported_dtypes_and_sizes_are_refused_before_building():
                                torch.ones(8, dtype=torch.int32))
     with pytest.raises(ValueError, match="hidden size .* got 0"):
         norm.rmsnorm(torch.empty(4, 0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'input' is a 0-d tensor"):
+        norm.rmsnorm(torch.tensor(1.5), torch.ones(1))
+    with pytest.raises(ValueError, match="'input' is a 0-d tensor"):
+        norm.fused_add_rmsnorm(torch.tensor(1.5), torch.tensor(1.0), torch.ones(1))
 
 
 def test_out_must_match_the_input():

@@ -60,20 +60,28 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
 
 
+def _hidden_size(input: torch.Tensor) -> int:
+    try:
+        return input.shape[-1]
+    except IndexError:
+        raise ValueError("rmsnorm: 'input' is a 0-d tensor; it needs a last dimension (the "
+                         "hidden size)") from None
+
+
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
             eps: float = 1e-6) -> torch.Tensor:
     """out = input / sqrt(mean(input^2, -1) + eps) * weight; in place when out is None.
     Returns the tensor written."""
     if out is None:
         out = input
-    _kernels(input.shape[-1], input.dtype).rmsnorm(input, weight, out, eps)
+    _kernels(_hidden_size(input), input.dtype).rmsnorm(input, weight, out, eps)
     return out
 
 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _kernels(input.shape[-1], input.dtype).fused_add_rmsnorm(input, residual, weight, eps)
+    _kernels(_hidden_size(input), input.dtype).fused_add_rmsnorm(input, residual, weight, eps)
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
