@@ -1,7 +1,9 @@
-"""Core costs: cold build and warm load of a small CUDA module, and the host time of one
-call of a small kernel (the per-call Python + tvm-ffi + launch path)."""
+"""Core costs: the cold build and warm load of a small CUDA module and of each shipped
+module, and the host time of one call of a small kernel (the per-call Python + tvm-ffi +
+launch path)."""
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,19 +15,39 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
+from jitk.precompile import KERNEL_MODULES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-LOAD = (
-    "import sys, time; sys.path.insert(0, 'tests'); import torch, jitk.jit, probes\n"
-    "t = time.perf_counter(); probes.launch_probe(); print(time.perf_counter() - t)\n"
-)
+# What a first call of each module does in a new process, timed around load_jit alone
+# (imports excluded): the small test module, then each shipped module's first configuration.
+SMALL = "import sys; sys.path.insert(0, 'tests'); import probes; label, build = 'add_one', probes.launch_probe"
+SHIPPED = "import importlib; label, build = importlib.import_module('{}').precompile_configs()[0]"
+TIMED = "\nimport time; t = time.perf_counter(); build(); print(label, time.perf_counter() - t)"
 
 
-def load_seconds(cache: str) -> float:
-    """Seconds spent in load_jit in a fresh process (imports excluded)."""
+def load_seconds(setup: str, cache: str) -> tuple[str, float]:
     env = {**os.environ, "JITK_CACHE_DIR": cache}
-    out = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, env=env,
-                         cwd=ROOT, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", "import torch, jitk.jit\n" + setup + TIMED],
+                         capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    label, seconds = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    return label, float(seconds)
+
+
+def first_call_rows(repeats: int) -> list[dict]:
+    """Cold build (empty cache) and warm load (built) of each module: medians of `repeats`."""
+    rows = []
+    for module, setup in [("launch_probe", SMALL),
+                          *((m, SHIPPED.format(m)) for m in KERNEL_MODULES)]:
+        cold, warm = [], []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                label, seconds = load_seconds(setup, cache)
+                cold.append(seconds)
+                warm.append(load_seconds(setup, cache)[1])
+        name = module.removeprefix("jitk.")
+        rows.append({"what": f"cold build, {name} {label} (s)", "value": statistics.median(cold)})
+        rows.append({"what": f"warm load, {name} (ms)", "value": statistics.median(warm) * 1e3})
+    return rows
 
 
 def host_us_per_call(fn, calls=2000, rounds=5) -> float:
@@ -43,9 +65,6 @@ def host_us_per_call(fn, calls=2000, rounds=5) -> float:
 def main():
     args = common.parse_args(__doc__)
     print("device:", common.device_name())
-    with tempfile.TemporaryDirectory() as cache:
-        cold = load_seconds(cache)
-        warm = sorted(load_seconds(cache) for _ in range(3))[1]
     sys.path.insert(0, str(ROOT / "tests"))
     import probes
 
@@ -53,8 +72,7 @@ def main():
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     rows = [
-        {"what": "cold build, launch_probe (s)", "value": cold},
-        {"what": "warm load in a new process (ms)", "value": warm * 1e3},
+        *first_call_rows(repeats=1 if args.quick else 3),
         {"what": "host time per call, jitk add_one (us)", "value": host_us_per_call(lambda: add_one(x, y))},
         {"what": "host time per call, torch add (us)", "value": host_us_per_call(lambda: torch.add(x, 1, out=y))},
     ]

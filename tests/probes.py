@@ -11,7 +11,7 @@ LAUNCH_PROBE = CSRC / "launch_probe.cuh"
 
 HEADER_PROBE_FUNCTIONS = (
     "rows_of", "pair", "row_stride", "contiguous_2d", "exactly_4x8", "needs_cuda",
-    "shared_dtype_bits", "positive", "always_panics", "read_unbound", "helpers",
+    "shared_dtype_bits", "positive", "always_panics", "print_values", "read_unbound", "helpers",
 )
 
 

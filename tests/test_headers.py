@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import jitk
 from errors import expect_error
 from probes import HEADER_PROBE, header_probe, line_of
 
@@ -118,6 +119,28 @@ def test_runtime_check_and_panic_name_the_caller(probe):
     assert message == f"Panic at {at('panic')}: gave up with code 7"
 
 
+def test_message_arguments_of_every_kind(probe):
+    message = expect_error(lambda: probe.print_values(-42, 0.125, True))
+    assert message == (
+        f"Panic at {at('values')}: n=-42 x=0.125 flag=true c=c small=-5 "
+        "big=18446744073709551615 hex=0xff std::string string_view dtype=uint16 "
+        f"device=cuda:3 mode=3 t=21.5 C at={at('values')}"
+    )
+
+
+def test_unprintable_message_argument_fails_to_compile_with_a_clear_error(tmp_path):
+    kernel = tmp_path / "unprintable.cuh"
+    kernel.write_text(
+        "#include <jitk/utils.h>\n"
+        "struct Opaque {};\n"
+        "void fails() { jitk::Panic(\"got \", Opaque{}); }\n"
+    )
+    with pytest.raises(jitk.JitCompileError) as info:
+        jitk.load_jit("unprintable", cpp_files=[kernel], cpp_wrappers=[("fails", "fails")],
+                      build_directory=tmp_path / "build")
+    assert "jitk: a message argument has a type jitk cannot print" in str(info.value)
+
+
 def test_unwrap_of_unbound_symbol(probe):
     expect_error(lambda: probe.read_unbound(),
                  f"Panic at {at('unwrap')}: symbol 'never bound' was read before any tensor bound it")
@@ -131,10 +154,11 @@ def test_irange_div_ceil_and_pointer_offset(probe):
 
 def test_error_location_is_a_real_line(probe):
     # The marker lines really hold the calls: a stale marker would make the other tests lie.
-    for marker in ("rows", "check", "panic", "unwrap", "cuda", "strided", "fixed", "contig"):
+    for marker in ("rows", "check", "panic", "values", "unwrap", "cuda", "strided", "fixed",
+                   "contig"):
         line = int(at(marker).split(":")[1])
         text = HEADER_PROBE.read_text().splitlines()[line - 1]
-        assert re.search(r"verify|RuntimeCheck|Panic|unwrap", text), text
+        assert re.search(r"verify|RuntimeCheck|Panic|unwrap|DebugInfo", text), text
 
 
 def test_wrong_argument_types_and_counts_are_python_type_errors(probe):

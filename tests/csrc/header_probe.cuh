@@ -5,10 +5,20 @@
 #include <jitk/utils.h>
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 namespace probe {
 
 using namespace jitk;
+
+// A type of the kernel's own, printable in messages through its append_to.
+struct Celsius {
+  double degrees;
+};
+void append_to(Text& out, const Celsius& t) { append(out, t.degrees, " C"); }
+
+enum class Mode { kFast = 3 };
 
 // Rows of a fixed head dimension: [num_tokens, head_dim], float32, on the CPU.
 int64_t rows_of(TensorView x, int64_t head_dim) {
@@ -62,6 +72,19 @@ int64_t positive(int64_t n) {
 }
 
 void always_panics(int64_t code) { Panic("gave up with code ", code); }  // at:panic
+
+// Every kind of message argument, in one message.
+void print_values(int64_t n, double x, bool flag) {
+  const std::string owned = "std::string";
+  const std::string_view view = "string_view";
+  const int8_t small = -5;
+  const uint64_t big = 18446744073709551615ull;
+  const DebugInfo here;  // at:values
+  detail::panic_at(here, "n=", n, " x=", x, " flag=", flag, " c=", 'c', " small=", small,
+                   " big=", big, " hex=", hex(255), " ", owned, " ", view, " dtype=",
+                   dtype_v<uint16_t>, " device=", DLDevice{kDLCUDA, 3}, " mode=", Mode::kFast,
+                   " t=", Celsius{21.5}, " at=", here);
+}
 
 int64_t read_unbound() {
   SymbolicSize never_bound{"never bound"};

@@ -3,6 +3,9 @@
 #include <jitk/tensor.h>    // TensorMatcher, SymbolicSize, SymbolicDevice
 #include <jitk/utils.cuh>   // LaunchKernel, fp16_t / bf16_t / fp32_t
 
+#include <cuda_bf16.h>  // arithmetic on bf16_t and fp16_t: a kernel includes what it uses
+#include <cuda_fp16.h>
+
 namespace axpy {
 
 using namespace jitk;

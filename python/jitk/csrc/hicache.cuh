@@ -18,11 +18,8 @@
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
 #include <limits>
-#include <string_view>
 
 namespace jitk::hicache {
 
@@ -33,7 +30,7 @@ inline constexpr int kVecBytes = 16;
 // never spill. The in-flight bytes live in registers: a deeper unroll only trades threads
 // for depth.
 template <int kUnroll>
-inline constexpr int kResidentThreadsPerSM = std::min(1024, 4096 / kUnroll);
+inline constexpr int kResidentThreadsPerSM = 4096 / kUnroll < 1024 ? 4096 / kUnroll : 1024;
 // Python's "not given" for block_quota (fill the GPU) and for the all-layer row counts.
 inline constexpr int64_t kNotGiven = -1;
 
@@ -156,8 +153,8 @@ namespace host {
 // The caches of one side of a transfer (K and V, or the one MLA cache) and their names.
 template <int kNumCaches>
 struct Caches {
-  std::array<TensorView, kNumCaches> tensors;
-  std::array<std::string_view, kNumCaches> names;
+  TensorView tensors[kNumCaches];
+  const char* names[kNumCaches];
 };
 
 // A cache seen as t.view(-1, element_dim): `rows` rows of element_dim contiguous elements,
@@ -169,7 +166,7 @@ struct RowLayout {
 
 // Innermost dimensions first must be contiguous until they cover whole rows; the outer ones
 // must then step over rows evenly, so that one stride reaches every row.
-inline RowLayout row_layout(const TensorView& t, int64_t element_dim, std::string_view name,
+inline RowLayout row_layout(const TensorView& t, int64_t element_dim, const char* name,
                             DebugInfo where = {}) {
   detail::check_at(element_dim > 0, where, "element_dim must be positive, got ", element_dim);
   const int64_t numel = t.numel();
@@ -212,14 +209,14 @@ inline RowLayout row_layout(const TensorView& t, int64_t element_dim, std::strin
 
 // The layout as a 2-d tensor, so that a TensorMatcher can check (and name) its sizes.
 inline void verify_rows(const TensorMatcher& matcher, const TensorView& t, RowLayout layout,
-                        int64_t element_dim, std::string_view name) {
+                        int64_t element_dim, const char* name) {
   int64_t shape[2] = {layout.rows, element_dim};
   int64_t strides[2] = {layout.row_stride, 1};
   DLTensor rows{t.data_ptr(), t.device(), 2, t.dtype(), shape, strides, t.byte_offset()};
   matcher.verify(TensorView(&rows), name);
 }
 
-inline int64_t dtype_bytes(DLDataType dtype, std::string_view name, DebugInfo where = {}) {
+inline int64_t dtype_bytes(DLDataType dtype, const char* name, DebugInfo where = {}) {
   detail::check_at(dtype.bits % 8 == 0 && dtype.lanes == 1, where, "'", name, "' has dtype ",
                    dtype, ", which is not a whole number of bytes");
   return dtype.bits / 8;
@@ -229,10 +226,10 @@ inline uint64_t address_of(const TensorView& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr()) + t.byte_offset();
 }
 
-inline void check_aligned(uint64_t address, int64_t row_stride_bytes, std::string_view name,
+inline void check_aligned(uint64_t address, int64_t row_stride_bytes, const char* name,
                           DebugInfo where = {}) {
-  detail::check_at(address % kVecBytes == 0, where, "'", name, "' starts at 0x", std::hex,
-                   address, std::dec, ", which is not 16-byte aligned (rows move as 16-byte "
+  detail::check_at(address % kVecBytes == 0, where, "'", name, "' starts at ", hex(address),
+                   ", which is not 16-byte aligned (rows move as 16-byte "
                    "vectors)");
   detail::check_at(row_stride_bytes % kVecBytes == 0, where, "'", name, "' has a row stride of ",
                    row_stride_bytes, " bytes, not a multiple of 16 (rows move as 16-byte "
@@ -257,7 +254,7 @@ inline bool gpu_reachable(uint64_t address) {
 // Caches must be on the indices' GPU or in host memory that GPU can reach. Checks the first
 // and the last byte a transfer may touch.
 inline void check_reachable(const TensorView& t, RowLayout layout, int64_t element_bytes,
-                            int64_t item_bytes, std::string_view name, DLDevice gpu,
+                            int64_t item_bytes, const char* name, DLDevice gpu,
                             DebugInfo where = {}) {
   const DLDevice device = t.device();
   if (device.device_type == kDLCUDA) {
@@ -298,7 +295,7 @@ struct Indices {
 template <int kNumCaches>
 struct OneLayerSide {
   OneLayerSide(const Caches<kNumCaches>& caches, int64_t element_dim, DLDataType dtype,
-               std::string_view dtype_owner, const char* tokens_name, DebugInfo where = {})
+               const char* dtype_owner, const char* tokens_name, DebugInfo where = {})
       : caches_(caches), tokens_(tokens_name), element_bytes_(dtype.bits / 8) {
     SymbolicSize element{"element dim", element_dim};
     SymbolicDevice device{"cache device"};
@@ -306,7 +303,7 @@ struct OneLayerSide {
     matcher.with_strides({-1, 1}).with_device<kDLCUDA, kDLCUDAHost, kDLCPU>(device);
     for (int c = 0; c < kNumCaches; ++c) {
       const TensorView& t = caches.tensors[c];
-      const std::string_view name = caches.names[c];
+      const char* const name = caches.names[c];
       detail::check_at(t.dtype() == dtype, where, "'", name, "' has dtype ", t.dtype(),
                        " but '", dtype_owner, "' has ", dtype, "; all caches must share one");
       layouts_[c] = row_layout(t, element_dim, name);
@@ -333,7 +330,7 @@ struct OneLayerSide {
   const Caches<kNumCaches>& caches_;
   SymbolicSize tokens_;
   int64_t element_bytes_;
-  std::array<RowLayout, kNumCaches> layouts_{};
+  RowLayout layouts_[kNumCaches]{};
 };
 
 // Per-layer base pointer tables: 1-d, one entry per layer, uint64 or int64. Returns the
@@ -526,9 +523,13 @@ struct HiCache {
     }
     constexpr int64_t kMaxGridY = 65535;
     const int64_t vecs_per_layer = params.num_items * kNumCaches * (kElementBytes / kVecBytes);
-    const int64_t grid_y = std::min({params.num_layers, max_blocks, kMaxGridY});
-    const int64_t grid_x = std::clamp<int64_t>(max_blocks / grid_y, 1,
-                                               div_ceil(vecs_per_layer, int64_t{kThreads}));
+    int64_t grid_y = params.num_layers < max_blocks ? params.num_layers : max_blocks;
+    if (grid_y > kMaxGridY) grid_y = kMaxGridY;
+    // Never more blocks than vectors to move, never fewer than one.
+    int64_t grid_x = max_blocks / grid_y;
+    const int64_t useful_x = div_ceil(vecs_per_layer, int64_t{kThreads});
+    if (grid_x > useful_x) grid_x = useful_x;
+    if (grid_x < 1) grid_x = 1;
     const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
     LaunchKernel(grid, kThreads, gpu)(
         kernel::transfer<kElementBytes, kUnroll, kThreads, kAllLayers, Index, kNumCaches>,

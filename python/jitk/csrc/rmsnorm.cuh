@@ -17,8 +17,9 @@
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
-#include <algorithm>
-#include <array>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -55,14 +56,15 @@ struct RowLayout {
   static constexpr int kVecBytes = kVecSize * static_cast<int>(sizeof(T));
   static constexpr int kVecsPerRow = kHidden / kVecSize;
   // Four 16-byte vectors, or sixteen narrower ones (a 16-bit element takes a register).
-  static constexpr int kVecsInRegisters = kRowRegisters / std::max(1, kVecBytes / 4);
+  static constexpr int kVecsInRegisters = kRowRegisters / (kVecBytes >= 4 ? kVecBytes / 4 : 1);
   static constexpr int kWantedThreads = div_ceil(kVecsPerRow, kVecsInRegisters);
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
       kSubWarp ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(kWantedThreads)))
-               : std::min(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads,
-                          kMaxBlockThreads);
+               : div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads < kMaxBlockThreads
+                   ? div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads
+                   : kMaxBlockThreads;
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
@@ -388,8 +390,10 @@ __global__ void __launch_bounds__(Layout::kBlockThreads) rmsnorm_kernel(const Pa
 // target architecture is sm_90+ the launch attribute is always accepted.
 inline constexpr bool kPdlOnAllTargets = [] {
 #ifdef __CUDA_ARCH_LIST__
-  constexpr int kArchs[] = {__CUDA_ARCH_LIST__};
-  return std::ranges::all_of(kArchs, [](int arch) { return arch >= 900; });
+  for (const int arch : {__CUDA_ARCH_LIST__}) {
+    if (arch < 900) return false;
+  }
+  return true;
 #else
   return false;
 #endif
@@ -403,8 +407,10 @@ class RowMatrix {
     detail::check_at(t.ndim() >= 1, where, "'", name, "' must have at least one dimension ",
                      "(the hidden size), got ", PrintTensor{t});
     const int last = t.ndim() - 1;
-    shape_ = {1, t.size(last)};
-    strides_ = {0, t.stride(last)};  // a single row is never stepped over
+    shape_[0] = 1;
+    shape_[1] = t.size(last);
+    strides_[0] = 0;  // a single row is never stepped over
+    strides_[1] = t.stride(last);
     bool have_row_stride = false;
     int64_t continuing_stride = 0;  // the stride that would continue the dimensions inside
     int broken = -1;                // the first dimension that does not
@@ -430,14 +436,13 @@ class RowMatrix {
 
   // Valid while this object lives: the view points at its shape and strides.
   TensorView view() const {
-    return tensor_.as_strided(ShapeView(shape_.data(), 2),
-                              ShapeView(strides_.data(), 2));
+    return tensor_.as_strided(ShapeView(shape_, 2), ShapeView(strides_, 2));
   }
 
  private:
   TensorView tensor_;
-  std::array<int64_t, 2> shape_{};
-  std::array<int64_t, 2> strides_{};
+  int64_t shape_[2]{};
+  int64_t strides_[2]{};
 };
 
 struct RowOperand {

@@ -14,46 +14,39 @@
 
 #include <dlpack/dlpack.h>
 
-#include <algorithm>
-#include <array>
 #include <concepts>
 #include <cstdint>
 #include <initializer_list>
-#include <optional>
-#include <ostream>
-#include <string>
-#include <stdexcept>
-#include <string_view>
 
-#ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
+// Declared, not included: dtype_trait only needs the names, and <cuda_fp16.h> with
+// <cuda_bf16.h> cost about 0.4 s of every build. Kernels that compute on them include them.
+struct __half;
+struct __nv_bfloat16;
 
-// DLPack's dtype compared and printed ("float32", "bfloat16") as tvm-ffi does, for the
-// translation units that do not include tvm-ffi's C++ headers (jitk kernels never do: they
-// cost every build seconds of parsing).
+// DLPack's dtype compared as tvm-ffi does, for the translation units that do not include
+// tvm-ffi's C++ headers (jitk kernels never do: they cost every build seconds of parsing).
 #ifndef TVM_FFI_DTYPE_H_
 inline bool operator==(const DLDataType& a, const DLDataType& b) {
   return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
 }
 inline bool operator!=(const DLDataType& a, const DLDataType& b) { return !(a == b); }
-inline std::ostream& operator<<(std::ostream& os, const DLDataType& dtype) {
-  if (dtype.code == kDLBool) return os << "bool";
-  switch (dtype.code) {
-    case kDLInt: os << "int"; break;
-    case kDLUInt: os << "uint"; break;
-    case kDLFloat: os << "float"; break;
-    case kDLBfloat: os << "bfloat"; break;
-    default: os << "dtype" << static_cast<int>(dtype.code) << '_';
-  }
-  os << static_cast<int>(dtype.bits);
-  if (dtype.lanes != 1) os << 'x' << dtype.lanes;
-  return os;
-}
 #endif
 
 namespace jitk {
+
+// "float32", "bfloat16", "int64x4": DLPack's dtype as tvm-ffi and PyTorch users read it.
+inline void append_to(Text& out, const DLDataType& dtype) {
+  if (dtype.code == kDLBool) return append_to(out, "bool");
+  switch (dtype.code) {
+    case kDLInt: append_to(out, "int"); break;
+    case kDLUInt: append_to(out, "uint"); break;
+    case kDLFloat: append_to(out, "float"); break;
+    case kDLBfloat: append_to(out, "bfloat"); break;
+    default: append(out, "dtype", static_cast<int>(dtype.code), '_');
+  }
+  append_to(out, static_cast<int>(dtype.bits));
+  if (dtype.lanes != 1) append(out, 'x', static_cast<int>(dtype.lanes));
+}
 
 // A list of sizes or strides: a pointer and a length, as DLPack keeps them.
 class ShapeView {
@@ -82,8 +75,8 @@ class TensorView {
   TensorView(const TensorView& other) { *this = other; }
   TensorView& operator=(const TensorView& other) {
     tensor_ = other.tensor_;
-    compact_ = other.compact_;
-    if (other.tensor_.strides == other.compact_.data()) tensor_.strides = compact_.data();
+    for (int i = 0; i < kMaxCompactDims; ++i) compact_[i] = other.compact_[i];
+    if (other.tensor_.strides == other.compact_) tensor_.strides = compact_;
     return *this;
   }
 
@@ -116,18 +109,20 @@ class TensorView {
   // stride(i) always answers.
   void use_compact_strides() {
     if (tensor_.ndim > kMaxCompactDims) {
-      throw std::invalid_argument("a tensor of more than 8 dimensions must carry strides");
+      detail::raise("ValueError", detail::concat("a tensor of ", tensor_.ndim, " dimensions "
+                                                 "must carry strides (at most ",
+                                                 kMaxCompactDims, " without)"));
     }
     int64_t step = 1;
     for (int i = tensor_.ndim - 1; i >= 0; --i) {
       compact_[i] = step;
       step *= tensor_.shape[i];
     }
-    tensor_.strides = compact_.data();
+    tensor_.strides = compact_;
   }
 
   DLTensor tensor_;
-  std::array<int64_t, kMaxCompactDims> compact_{};
+  int64_t compact_[kMaxCompactDims]{};
 };
 
 // ---------------------------------------------------------------------------------------
@@ -152,10 +147,8 @@ JITK_DEFINE_DTYPE(uint32_t, kDLUInt, 32);
 JITK_DEFINE_DTYPE(uint64_t, kDLUInt, 64);
 JITK_DEFINE_DTYPE(float, kDLFloat, 32);
 JITK_DEFINE_DTYPE(double, kDLFloat, 64);
-#ifdef __CUDACC__
 JITK_DEFINE_DTYPE(__half, kDLFloat, 16);
 JITK_DEFINE_DTYPE(__nv_bfloat16, kDLBfloat, 16);
-#endif
 #undef JITK_DEFINE_DTYPE
 
 template <typename T>
@@ -188,35 +181,30 @@ constexpr bool operator==(const DLDevice& a, const DLDevice& b) {
   return a.device_type == b.device_type && a.device_id == b.device_id;
 }
 
-}  // namespace jitk
-
-// Printing lives in the global namespace next to DLPack's types so that argument-dependent
-// lookup finds it from any namespace. tvm-ffi already prints DLDataType.
-inline std::ostream& operator<<(std::ostream& os, const DLDevice& device) {
-  os << jitk::device_type_name(device.device_type);
-  if (device.device_type != kDLCPU) os << ':' << device.device_id;
-  return os;
+// "cuda:0", "cpu"
+inline void append_to(Text& out, const DLDevice& device) {
+  append_to(out, device_type_name(device.device_type));
+  if (device.device_type != kDLCPU) append(out, ':', device.device_id);
 }
-
-namespace jitk {
 
 // "<100, 256>"
 struct PrintDims {
   ShapeView dims;
 };
-inline std::ostream& operator<<(std::ostream& os, const PrintDims& p) {
-  os << '<';
-  for (size_t i = 0; i < p.dims.size(); ++i) os << (i ? ", " : "") << p.dims[i];
-  return os << '>';
+inline void append_to(Text& out, const PrintDims& p) {
+  append_to(out, '<');
+  for (size_t i = 0; i < p.dims.size(); ++i) append(out, i ? ", " : "", p.dims[i]);
+  append_to(out, '>');
 }
 
 // "Tensor<100, 256>[strides=<256, 1>, dtype=float32, device=cuda:0]"
 struct PrintTensor {
   const TensorView& t;
 };
-inline std::ostream& operator<<(std::ostream& os, const PrintTensor& p) {
-  return os << "Tensor" << PrintDims{p.t.shape()} << "[strides=" << PrintDims{p.t.strides()}
-            << ", dtype=" << p.t.dtype() << ", device=" << p.t.device() << ']';
+inline void append_to(Text& out, const PrintTensor& p) {
+  append(out, "Tensor", PrintDims{p.t.shape()}, "[strides=",
+                       PrintDims{p.t.strides()}, ", dtype=", p.t.dtype(), ", device=",
+                       p.t.device(), ']');
 }
 
 // ---------------------------------------------------------------------------------------
@@ -225,31 +213,33 @@ inline std::ostream& operator<<(std::ostream& os, const PrintTensor& p) {
 template <typename T>
 class Symbol {
  public:
-  explicit Symbol(std::string_view name = {}) : name_(name) {}
-  Symbol(std::string_view name, T value) : name_(name), value_(value) {}
+  explicit Symbol(const char* name = "") : name_(name) {}
+  Symbol(const char* name, T value) : name_(name), value_(value), bound_(true) {}
   Symbol(const Symbol&) = delete;
   Symbol& operator=(const Symbol&) = delete;
 
-  std::string_view name() const { return name_; }
-  bool has_value() const { return value_.has_value(); }
+  const char* name() const { return name_; }
+  bool has_value() const { return bound_; }
   T unwrap(DebugInfo where = {}) const {
-    if (!value_) [[unlikely]] {
+    if (!bound_) [[unlikely]] {
       detail::panic_at(where, "symbol '", name_, "' was read before any tensor bound it");
     }
-    return *value_;
+    return value_;
   }
   // Binds an unbound symbol; a bound one only agrees or not.
   bool bind_or_match(const T& got) {
-    if (!value_) {
+    if (!bound_) {
       value_ = got;
+      bound_ = true;
       return true;
     }
-    return *value_ == got;
+    return value_ == got;
   }
 
  private:
-  std::string_view name_;
-  std::optional<T> value_;
+  const char* name_;
+  T value_{};
+  bool bound_ = false;
 };
 
 using SymbolicSize = Symbol<int64_t>;
@@ -281,14 +271,16 @@ class TensorMatcher {
       : ndim_(static_cast<int>(dims.size())) {
     detail::check_at(dims.size() <= kMaxDims, where, "TensorMatcher supports at most ",
                      kMaxDims, " dimensions, got ", dims.size());
-    std::copy(dims.begin(), dims.end(), dims_.begin());
+    int i = 0;
+    for (const SizeSpec& dim : dims) dims_[i++] = dim;
   }
 
   // Without with_strides the tensor must be contiguous.
   TensorMatcher& with_strides(std::initializer_list<SizeSpec> strides, DebugInfo where = {}) {
     detail::check_at(static_cast<int>(strides.size()) == ndim_, where, "with_strides got ",
                      strides.size(), " entries for a ", ndim_, "-d matcher");
-    std::copy(strides.begin(), strides.end(), strides_.begin());
+    int i = 0;
+    for (const SizeSpec& stride : strides) strides_[i++] = stride;
     has_strides_ = true;
     return *this;
   }
@@ -323,134 +315,139 @@ class TensorMatcher {
 
   // Checks `t` and binds the symbols it is the first to see. `name` is how the error
   // refers to the tensor (the Python argument's name, say).
-  const TensorMatcher& verify(const TensorView& t, std::string_view name = {},
+  const TensorMatcher& verify(const TensorView& t, const char* name = "",
                               DebugInfo where = {}) const {
-    if (const auto cause = mismatch(t)) [[unlikely]] {
-      fail(t, name, *cause, where);
+    Text cause;
+    if (!matches(t, cause)) [[unlikely]] {
+      fail(t, name, cause, where);
     }
     return *this;
   }
 
  private:
-  [[noreturn]] static void fail(const TensorView& t, std::string_view name,
-                                const std::string& cause, const DebugInfo& where) {
-    std::ostringstream os;
-    os << "Tensor match failed for ";
-    if (!name.empty()) os << '\'' << name << "' ";
-    os << PrintTensor{t} << " at " << where << " - Root cause: " << cause;
-    detail::raise("RuntimeError", os.str());
+  [[noreturn, gnu::cold, gnu::noinline]] static void fail(const TensorView& t, const char* name,
+                                                        const Text& cause,
+                                const DebugInfo& where) {
+    Text message;
+    append(message, "Tensor match failed for ");
+    if (name[0] != '\0') append(message, '\'', name, "' ");
+    append(message, PrintTensor{t}, " at ", where, " - Root cause: ", cause);
+    detail::raise("RuntimeError", std::move(message));
   }
 
-  static std::string describe(const char* what, int index, const SymbolicSize* symbol) {
-    std::string s = detail::concat(what, '#', index);
-    if (symbol && !symbol->name().empty()) s += detail::concat("('", symbol->name(), "')");
-    return s;
+  // "shape#1('head_dim')"
+  static void describe(Text& out, const char* what, int index, const SymbolicSize* symbol) {
+    append(out, what, '#', index);
+    if (symbol != nullptr && symbol->name()[0] != '\0') append(out, "('", symbol->name(), "')");
   }
 
-  // Checks one size or stride entry; returns the root cause when it does not fit.
-  static std::optional<std::string> check_entry(const SizeSpec& spec, int64_t got,
-                                                const char* kind, const char* what, int index) {
-    if (SymbolicSize* symbol = spec.symbol()) {
-      if (symbol->bind_or_match(got)) return std::nullopt;
-      return detail::concat(kind, " mismatch for ", describe(what, index, symbol), ": expected ",
-                            symbol->unwrap(), " but got ", got);
+  // Checks one size or stride entry; says why in `cause` when it does not fit.
+  static bool entry_matches(const SizeSpec& spec, int64_t got, const char* kind,
+                            const char* what, int index, Text& cause) {
+    SymbolicSize* symbol = spec.symbol();
+    if (symbol != nullptr ? symbol->bind_or_match(got)
+                          : spec.fixed() == SizeSpec::kAny || spec.fixed() == got) {
+      return true;
     }
-    if (spec.fixed() == SizeSpec::kAny || spec.fixed() == got) return std::nullopt;
-    return detail::concat(kind, " mismatch for ", describe(what, index, nullptr), ": expected ",
-                          spec.fixed(), " but got ", got);
+    append(cause, kind, " mismatch for ");
+    describe(cause, what, index, symbol);
+    append(cause, ": expected ", symbol != nullptr ? symbol->unwrap() : spec.fixed(),
+           " but got ", got);
+    return false;
   }
 
-  std::optional<std::string> mismatch(const TensorView& t) const {
+  bool matches(const TensorView& t, Text& cause) const {
     if (t.ndim() != ndim_) {
-      return detail::concat("Dimension mismatch: expected ", ndim_, " dims but got ", t.ndim());
+      append(cause, "Dimension mismatch: expected ", ndim_, " dims but got ", t.ndim());
+      return false;
     }
     for (int i = 0; i < ndim_; ++i) {
-      if (auto cause = check_entry(dims_[i], t.size(i), "Size", "shape", i)) return cause;
+      if (!entry_matches(dims_[i], t.size(i), "Size", "shape", i, cause)) return false;
     }
-    if (auto cause = mismatch_strides(t)) return cause;
-    if (dtype_ != nullptr) {
-      if (auto cause = mismatch_dtype(t.dtype())) return cause;
-    }
-    if (device_ != nullptr) {
-      if (auto cause = mismatch_device(t.device())) return cause;
-    }
-    return std::nullopt;
+    return strides_match(t, cause) && (dtype_ == nullptr || dtype_matches(t.dtype(), cause)) &&
+           (device_ == nullptr || device_matches(t.device(), cause));
   }
 
-  std::optional<std::string> mismatch_strides(const TensorView& t) const {
-    if (t.numel() == 0) return std::nullopt;  // nothing is ever read through the strides
+  bool strides_match(const TensorView& t, Text& cause) const {
+    if (t.numel() == 0) return true;  // nothing is ever read through the strides
     int64_t contiguous = 1;
     for (int i = ndim_ - 1; i >= 0; --i) {
       const int64_t size = t.size(i);
       if (size != 1) {  // a size-1 dimension is never stepped over
         if (has_strides_) {
-          if (auto cause = check_entry(strides_[i], t.stride(i), "Stride", "stride", i)) {
-            return cause;
+          if (!entry_matches(strides_[i], t.stride(i), "Stride", "stride", i, cause)) {
+            return false;
           }
         } else if (t.stride(i) != contiguous) {
-          return detail::concat("Stride mismatch for stride#", i, ": expected ", contiguous,
-                                " (contiguous) but got ", t.stride(i));
+          append(cause, "Stride mismatch for stride#", i, ": expected ", contiguous,
+                 " (contiguous) but got ", t.stride(i));
+          return false;
         }
       }
       contiguous *= size;
     }
-    return std::nullopt;
+    return true;
   }
 
-  std::optional<std::string> mismatch_dtype(DLDataType got) const {
+  bool dtype_matches(DLDataType got, Text& cause) const {
     bool allowed = false;
     for (int i = 0; i < allowed_dtypes_count_; ++i) allowed |= allowed_dtypes_[i] == got;
     if (!allowed) {
-      std::ostringstream os;
-      os << "DType mismatch: expected ";
-      if (allowed_dtypes_count_ > 1) os << "one of [";
-      for (int i = 0; i < allowed_dtypes_count_; ++i) os << (i ? ", " : "") << allowed_dtypes_[i];
-      if (allowed_dtypes_count_ > 1) os << ']';
-      os << " but got " << got;
-      return os.str();
+      append(cause, "DType mismatch: expected ");
+      if (allowed_dtypes_count_ > 1) append(cause, "one of [");
+      for (int i = 0; i < allowed_dtypes_count_; ++i) {
+        append(cause, i ? ", " : "", allowed_dtypes_[i]);
+      }
+      if (allowed_dtypes_count_ > 1) append(cause, ']');
+      append(cause, " but got ", got);
+      return false;
     }
-    if (dtype_->bind_or_match(got)) return std::nullopt;
-    return detail::concat("DType mismatch", symbol_suffix(*dtype_), ": expected ",
-                          dtype_->unwrap(), " (as an earlier tensor) but got ", got);
+    if (dtype_->bind_or_match(got)) return true;
+    append(cause, "DType mismatch", SymbolSuffix{dtype_->name()}, ": expected ",
+           dtype_->unwrap(), " (as an earlier tensor) but got ", got);
+    return false;
   }
 
-  std::optional<std::string> mismatch_device(DLDevice got) const {
+  bool device_matches(DLDevice got, Text& cause) const {
     bool allowed = false;
     for (int i = 0; i < allowed_devices_count_; ++i) {
       allowed |= allowed_devices_[i] == got.device_type;
     }
     if (!allowed) {
-      std::ostringstream os;
-      os << "Device mismatch: expected ";
-      if (allowed_devices_count_ > 1) os << "one of [";
+      append(cause, "Device mismatch: expected ");
+      if (allowed_devices_count_ > 1) append(cause, "one of [");
       for (int i = 0; i < allowed_devices_count_; ++i) {
-        os << (i ? ", " : "") << device_type_name(allowed_devices_[i]);
+        append(cause, i ? ", " : "", device_type_name(allowed_devices_[i]));
       }
-      if (allowed_devices_count_ > 1) os << ']';
-      os << " but got " << got;
-      return os.str();
+      if (allowed_devices_count_ > 1) append(cause, ']');
+      append(cause, " but got ", got);
+      return false;
     }
-    if (device_->bind_or_match(got)) return std::nullopt;
-    return detail::concat("Device mismatch", symbol_suffix(*device_), ": expected ",
-                          device_->unwrap(), " (as an earlier tensor) but got ", got);
+    if (device_->bind_or_match(got)) return true;
+    append(cause, "Device mismatch", SymbolSuffix{device_->name()}, ": expected ",
+           device_->unwrap(), " (as an earlier tensor) but got ", got);
+    return false;
   }
 
-  template <typename T>
-  static std::string symbol_suffix(const Symbol<T>& symbol) {
-    return symbol.name().empty() ? std::string{} : detail::concat(" for '", symbol.name(), "'");
-  }
+  // " for 'cache dtype'", or nothing for a symbol without a name.
+  struct SymbolSuffix {
+    const char* name;
+    friend void append_to(Text& out, SymbolSuffix suffix) {
+      if (suffix.name[0] != '\0') append(out, " for '", suffix.name, "'");
+    }
+  };
 
   int ndim_;
-  std::array<SizeSpec, kMaxDims> dims_{};
-  std::array<SizeSpec, kMaxDims> strides_{};
+  SizeSpec dims_[kMaxDims]{};
+  SizeSpec strides_[kMaxDims]{};
   bool has_strides_ = false;
 
-  std::array<DLDataType, kMaxDims> allowed_dtypes_{};
+  DLDataType allowed_dtypes_[kMaxDims]{};
   int allowed_dtypes_count_ = 0;
   SymbolicDType* dtype_ = nullptr;
   SymbolicDType own_dtype_;
 
-  std::array<DLDeviceType, kMaxDims> allowed_devices_{};
+  DLDeviceType allowed_devices_[kMaxDims]{};
   int allowed_devices_count_ = 0;
   SymbolicDevice* device_ = nullptr;
   SymbolicDevice own_device_;

@@ -5,8 +5,6 @@
 #include <jitk/tensor.h>
 #include <jitk/utils.h>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
@@ -17,6 +15,8 @@ namespace jitk {
 
 inline constexpr int kWarpThreads = 32;
 
+// The names make_cpp_args gives dtypes. Only declared here (jitk/tensor.h): a kernel that
+// computes on fp16_t or bf16_t includes <cuda_fp16.h> or <cuda_bf16.h> itself.
 using fp16_t = __half;
 using bf16_t = __nv_bfloat16;
 using fp32_t = float;
