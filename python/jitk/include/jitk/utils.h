@@ -7,6 +7,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -113,26 +114,39 @@ class Text {
 // DebugInfo, and jitk's tensor types. To print a type of your own, define
 //   void append_to(jitk::Text& out, const YourType& value);
 // next to it (found by argument-dependent lookup).
-inline void append_to(Text& out, const char* chars) { out.append(chars, std::strlen(chars)); }
+namespace detail {
+// A printf conversion of a number, appended (the attribute checks each format against its
+// argument).
+[[gnu::format(printf, 2, 3)]] inline void append_printf(Text& out, const char* format, ...) {
+  char digits[32];
+  std::va_list args;
+  va_start(args, format);
+  const int count = std::vsnprintf(digits, sizeof(digits), format, args);
+  va_end(args);
+  out.append(digits, static_cast<size_t>(count));
+}
+}  // namespace detail
+
+inline void append_to(Text& out, const char* chars) {
+  if (chars == nullptr) chars = "(null)";
+  out.append(chars, std::strlen(chars));
+}
 inline void append_to(Text& out, char c) { out.append(&c, 1); }
 inline void append_to(Text& out, bool value) { append_to(out, value ? "true" : "false"); }
 
 template <std::integral T>
   requires(!std::same_as<T, bool> && !std::same_as<T, char>)
 void append_to(Text& out, T value) {
-  char digits[24];
-  const int count = std::is_signed_v<T>
-                        ? std::snprintf(digits, sizeof(digits), "%lld", static_cast<long long>(value))
-                        : std::snprintf(digits, sizeof(digits), "%llu",
-                                        static_cast<unsigned long long>(value));
-  out.append(digits, static_cast<size_t>(count));
+  if constexpr (std::is_signed_v<T>) {
+    detail::append_printf(out, "%lld", static_cast<long long>(value));
+  } else {
+    detail::append_printf(out, "%llu", static_cast<unsigned long long>(value));
+  }
 }
 
 template <std::floating_point T>
 void append_to(Text& out, T value) {
-  char digits[32];
-  const int count = std::snprintf(digits, sizeof(digits), "%g", static_cast<double>(value));
-  out.append(digits, static_cast<size_t>(count));
+  detail::append_printf(out, "%g", static_cast<double>(value));
 }
 
 template <typename T>
@@ -151,9 +165,7 @@ void append_to(Text& out, T value) {
 }
 
 inline void append_to(Text& out, const void* pointer) {
-  char digits[24];
-  const int count = std::snprintf(digits, sizeof(digits), "%p", pointer);
-  out.append(digits, static_cast<size_t>(count));
+  detail::append_printf(out, "%p", pointer);
 }
 
 // hex(address) reads "0x7f00c0000010".
@@ -162,10 +174,7 @@ struct Hex {
 };
 constexpr Hex hex(uint64_t value) { return {value}; }
 inline void append_to(Text& out, Hex number) {
-  char digits[24];
-  const int count = std::snprintf(digits, sizeof(digits), "0x%llx",
-                                  static_cast<unsigned long long>(number.value));
-  out.append(digits, static_cast<size_t>(count));
+  detail::append_printf(out, "0x%llx", static_cast<unsigned long long>(number.value));
 }
 
 // "rmsnorm.cuh:42"
