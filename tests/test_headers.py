@@ -111,6 +111,16 @@ def test_numpy_arrays_arrive_through_dlpack(probe):
                  "Stride mismatch")
 
 
+@pytest.mark.gpu
+def test_device_kinds_and_device_symbol(probe):
+    pinned = torch.randn(6, 32).pin_memory()  # DLPack calls it cuda_host
+    expect_error(lambda: probe.pair(pinned, pinned), "'a'",
+                 "Device mismatch: expected one of [cpu, cuda] but got cuda_host")
+    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(6, 32, device="cuda")), "'b'",
+                 "Device mismatch for 'cache device': expected cpu (as an earlier tensor) but "
+                 "got cuda:0")
+
+
 def test_runtime_check_and_panic_name_the_caller(probe):
     assert probe.positive(5) == 5
     message = expect_error(lambda: probe.positive(0))

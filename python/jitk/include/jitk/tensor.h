@@ -181,6 +181,8 @@ constexpr bool operator==(const DLDevice& a, const DLDevice& b) {
   return a.device_type == b.device_type && a.device_id == b.device_id;
 }
 
+inline void append_to(Text& out, DLDeviceType type) { append_to(out, device_type_name(type)); }
+
 // "cuda:0", "cpu"
 inline void append_to(Text& out, const DLDevice& device) {
   append_to(out, device_type_name(device.device_type));
@@ -390,42 +392,32 @@ class TensorMatcher {
   }
 
   bool dtype_matches(DLDataType got, Text& cause) const {
-    bool allowed = false;
-    for (int i = 0; i < allowed_dtypes_count_; ++i) allowed |= allowed_dtypes_[i] == got;
-    if (!allowed) {
-      append(cause, "DType mismatch: expected ");
-      if (allowed_dtypes_count_ > 1) append(cause, "one of [");
-      for (int i = 0; i < allowed_dtypes_count_; ++i) {
-        append(cause, i ? ", " : "", allowed_dtypes_[i]);
-      }
-      if (allowed_dtypes_count_ > 1) append(cause, ']');
-      append(cause, " but got ", got);
-      return false;
-    }
-    if (dtype_->bind_or_match(got)) return true;
-    append(cause, "DType mismatch", SymbolSuffix{dtype_->name()}, ": expected ",
-           dtype_->unwrap(), " (as an earlier tensor) but got ", got);
-    return false;
+    return kind_matches("DType", allowed_dtypes_, allowed_dtypes_count_, got, *dtype_, got,
+                        cause);
   }
 
   bool device_matches(DLDevice got, Text& cause) const {
-    bool allowed = false;
-    for (int i = 0; i < allowed_devices_count_; ++i) {
-      allowed |= allowed_devices_[i] == got.device_type;
-    }
-    if (!allowed) {
-      append(cause, "Device mismatch: expected ");
-      if (allowed_devices_count_ > 1) append(cause, "one of [");
-      for (int i = 0; i < allowed_devices_count_; ++i) {
-        append(cause, i ? ", " : "", device_type_name(allowed_devices_[i]));
-      }
-      if (allowed_devices_count_ > 1) append(cause, ']');
+    return kind_matches("Device", allowed_devices_, allowed_devices_count_, got.device_type,
+                        *device_, got, cause);
+  }
+
+  // A dtype or device: first one of the allowed kinds, then the symbol's value once bound.
+  template <typename Kind, typename T>
+  static bool kind_matches(const char* what, const Kind* allowed, int count, Kind got_kind,
+                           Symbol<T>& symbol, const T& got, Text& cause) {
+    bool is_allowed = false;
+    for (int i = 0; i < count; ++i) is_allowed |= allowed[i] == got_kind;
+    if (!is_allowed) {
+      append(cause, what, " mismatch: expected ");
+      if (count > 1) append(cause, "one of [");
+      for (int i = 0; i < count; ++i) append(cause, i ? ", " : "", allowed[i]);
+      if (count > 1) append(cause, ']');
       append(cause, " but got ", got);
       return false;
     }
-    if (device_->bind_or_match(got)) return true;
-    append(cause, "Device mismatch", SymbolSuffix{device_->name()}, ": expected ",
-           device_->unwrap(), " (as an earlier tensor) but got ", got);
+    if (symbol.bind_or_match(got)) return true;
+    append(cause, what, " mismatch", SymbolSuffix{symbol.name()}, ": expected ", symbol.unwrap(),
+           " (as an earlier tensor) but got ", got);
     return false;
   }
 
