@@ -185,7 +185,7 @@ inline void append_to(Text& out, DLDeviceType type) { append_to(out, device_type
 
 // "cuda:0", "cpu"
 inline void append_to(Text& out, const DLDevice& device) {
-  append_to(out, device_type_name(device.device_type));
+  append_to(out, device.device_type);
   if (device.device_type != kDLCPU) append(out, ':', device.device_id);
 }
 
