@@ -10,7 +10,7 @@ HEADER_PROBE = CSRC / "header_probe.cuh"
 LAUNCH_PROBE = CSRC / "launch_probe.cuh"
 
 HEADER_PROBE_FUNCTIONS = (
-    "rows_of", "pair", "row_stride", "contiguous_2d", "exactly_4x8", "needs_cuda",
+    "rows_of", "pair", "row_stride", "contiguous_2d", "exactly_4x8", "needs_cuda", "gpu_reachable",
     "shared_dtype_bits", "positive", "always_panics", "print_values", "read_unbound", "helpers",
 )
 

@@ -197,7 +197,9 @@ def test_precompile_builds_each_config_with_progress(probe_cache):
     _, result = probe_cache
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    progress = sorted(line for line in lines if line.startswith("["))
+    # Sorted by configuration: "[n/2]" counts completions, which finish in either order.
+    progress = sorted((line for line in lines if line.startswith("[")),
+                      key=lambda line: line.split("] ", 1)[-1])
     assert len(progress) == 2
     assert re.fullmatch(r"\[\d/2\] precompile_probe header cpp \(sm_90\): \d+\.\d s", progress[0])
     assert re.fullmatch(r"\[\d/2\] precompile_probe launch add_one \(sm_90\): \d+\.\d s",

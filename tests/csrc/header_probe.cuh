@@ -58,6 +58,11 @@ void needs_cuda(TensorView x) {
   TensorMatcher({-1}).with_device<kDLCUDA>().verify(x, "x");  // at:cuda
 }
 
+// Memory a GPU kernel can reach directly.
+void gpu_reachable(TensorView x) {
+  TensorMatcher({-1}).with_device<kDLCUDA, kDLCUDAHost>().verify(x, "x");
+}
+
 // The same dtype symbol shared by two matchers of different rank.
 int64_t shared_dtype_bits(TensorView a, TensorView b) {
   SymbolicDType dtype;
