@@ -94,8 +94,13 @@ def _optional(value: int | None, name: str, least: int) -> int:
     return value
 
 
-def _row_elements(cache: torch.Tensor) -> int:
-    return math.prod(cache.shape[1:])
+def _one_layer_kernels(cache: torch.Tensor, element_dim: int | None,
+                       unroll: int | None) -> tuple[_Kernels, int]:
+    """The module for rows of `cache` (every dimension after the first unless element_dim is
+    given), and the element_dim it was built for."""
+    if element_dim is None:
+        element_dim = math.prod(cache.shape[1:])
+    return _kernels(element_dim * cache.element_size(), _unroll(unroll)), element_dim
 
 
 def transfer_hicache_one_layer(
@@ -111,10 +116,8 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
 ) -> None:
     """k_cache_dst[indices_dst[i]] = k_cache_src[indices_src[i]], the same for V."""
-    if element_dim is None:
-        element_dim = _row_elements(k_cache_dst)
-    element_size = element_dim * k_cache_dst.element_size()
-    _kernels(element_size, _unroll(unroll)).one_layer(
+    kernels, element_dim = _one_layer_kernels(k_cache_dst, element_dim, unroll)
+    kernels.one_layer(
         k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
         element_dim, _optional(block_quota, "block_quota", 1))
 
@@ -130,10 +133,8 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
 ) -> None:
     """cache_dst[indices_dst[i]] = cache_src[indices_src[i]]: one cache (MLA's latent KV)."""
-    if element_dim is None:
-        element_dim = _row_elements(cache_dst)
-    element_size = element_dim * cache_dst.element_size()
-    _kernels(element_size, _unroll(unroll)).one_layer_mla(
+    kernels, element_dim = _one_layer_kernels(cache_dst, element_dim, unroll)
+    kernels.one_layer_mla(
         cache_dst, indices_dst, cache_src, indices_src, element_dim,
         _optional(block_quota, "block_quota", 1))
 

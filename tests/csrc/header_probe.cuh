@@ -96,6 +96,9 @@ int64_t read_unbound() {
   return never_bound.unwrap();  // at:unwrap
 }
 
+static_assert(min_of(3, 5) == 3 && min_of(int64_t{-2}, int64_t{-7}) == -7);
+static_assert(max_of(3, 5) == 5 && max_of(int64_t{-2}, int64_t{-7}) == -2);
+
 // irange, div_ceil and pointer::offset, folded into one checkable number.
 int64_t helpers(int64_t n) {
   int64_t sum = 0;

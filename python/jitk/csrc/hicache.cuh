@@ -30,7 +30,7 @@ inline constexpr int kVecBytes = 16;
 // never spill. The in-flight bytes live in registers: a deeper unroll only trades threads
 // for depth.
 template <int kUnroll>
-inline constexpr int kResidentThreadsPerSM = 4096 / kUnroll < 1024 ? 4096 / kUnroll : 1024;
+inline constexpr int kResidentThreadsPerSM = min_of(1024, 4096 / kUnroll);
 // Python's "not given" for block_quota (fill the GPU) and for the all-layer row counts.
 inline constexpr int64_t kNotGiven = -1;
 
@@ -523,13 +523,11 @@ struct HiCache {
     }
     constexpr int64_t kMaxGridY = 65535;
     const int64_t vecs_per_layer = params.num_items * kNumCaches * (kElementBytes / kVecBytes);
-    int64_t grid_y = params.num_layers < max_blocks ? params.num_layers : max_blocks;
-    if (grid_y > kMaxGridY) grid_y = kMaxGridY;
+    const int64_t grid_y = min_of(min_of(params.num_layers, max_blocks), kMaxGridY);
     // Never more blocks than vectors to move, never fewer than one.
-    int64_t grid_x = max_blocks / grid_y;
-    const int64_t useful_x = div_ceil(vecs_per_layer, int64_t{kThreads});
-    if (grid_x > useful_x) grid_x = useful_x;
-    if (grid_x < 1) grid_x = 1;
+    const int64_t grid_x =
+        max_of(min_of(max_blocks / grid_y, div_ceil(vecs_per_layer, int64_t{kThreads})),
+               int64_t{1});
     const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
     LaunchKernel(grid, kThreads, gpu)(
         kernel::transfer<kElementBytes, kUnroll, kThreads, kAllLayers, Index, kNumCaches>,

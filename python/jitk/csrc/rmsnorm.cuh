@@ -56,15 +56,14 @@ struct RowLayout {
   static constexpr int kVecBytes = kVecSize * static_cast<int>(sizeof(T));
   static constexpr int kVecsPerRow = kHidden / kVecSize;
   // Four 16-byte vectors, or sixteen narrower ones (a 16-bit element takes a register).
-  static constexpr int kVecsInRegisters = kRowRegisters / (kVecBytes >= 4 ? kVecBytes / 4 : 1);
+  static constexpr int kVecsInRegisters = kRowRegisters / max_of(1, kVecBytes / 4);
   static constexpr int kWantedThreads = div_ceil(kVecsPerRow, kVecsInRegisters);
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
       kSubWarp ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(kWantedThreads)))
-               : div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads < kMaxBlockThreads
-                   ? div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads
-                   : kMaxBlockThreads;
+               : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads,
+                        kMaxBlockThreads);
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);

@@ -337,6 +337,17 @@ constexpr auto div_ceil(T a, U b) {
   return (a + b - 1) / b;
 }
 
+// Integer min and max, host and device, in constant expressions too: std::min and std::max
+// live in <algorithm>, which costs every build about 0.3 s.
+template <std::integral T>
+constexpr T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+template <std::integral T>
+constexpr T max_of(T a, T b) {
+  return a < b ? b : a;
+}
+
 namespace pointer {
 
 // Byte offsets on untyped pointers. Typed pointers are refused so that nobody mistakes a
