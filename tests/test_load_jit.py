@@ -186,11 +186,11 @@ def test_editing_a_jitk_header_rebuilds(tmp_path, monkeypatch):
     load = lambda: jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])
     load()
     load()
-    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert len(list_entries(tmp_path / "cache")) == 1
     with (include / "jitk" / "utils.h").open("a") as header:
         header.write("\n// an edit\n")
     load()
-    assert len(list((tmp_path / "cache").iterdir())) == 2
+    assert len(list_entries(tmp_path / "cache")) == 2
 
 
 def test_concurrent_processes_build_once(tmp_path):
@@ -217,9 +217,12 @@ def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeyp
         assert any("broken.cuh:2" in line and "undeclared" in line for line in error.errors)
         assert "c++" in error.command and "main.cpp" in error.command
         assert "undeclared" in str(error) and "command:" in str(error)
-    [build_dir] = (tmp_path / "cache").iterdir()
-    assert not list(build_dir.glob("*.so")) and not (build_dir / META_FILE).exists()
+    # Nothing published; the failed build stays for inspection until the next build of it.
     assert list_entries(tmp_path / "cache") == []
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name[0] != "."]
+    [build_dir] = (tmp_path / "cache" / ".staging").iterdir()
+    assert (build_dir / "main.cpp").is_file() and str(build_dir) in error.command
+    assert not list(build_dir.glob("*.so")) and not (build_dir / META_FILE).exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])

@@ -4,7 +4,8 @@
     jitk.rmsnorm(x, weight)                          # kernels, built on first use
     module = jitk.load_jit("mine", *jitk.make_cpp_args(128, torch.bfloat16), ...)
 
-Names are imported on first use, so `python -m jitk cache` does not pay for torch."""
+Names are imported on first use, so `python -m jitk cache` does not pay for torch. The
+kernels' names come from the kernel modules themselves (jitk/registry.py)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,34 @@ import os
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "load_jit": "jit", "JitCompileError": "jit",
+# The toolkit's own names; each kernel module's entry points are added by registry.py.
+_CORE = {
+    "load_jit": "jit", "disable_jit": "jit",
+    "JitCompileError": "jit", "JitCacheMissError": "jit", "JitLockError": "lock",
     "make_cpp_args": "cpp_args", "CppArgs": "cpp_args",
     "ToolchainError": "toolchain",
-    "rmsnorm": "norm", "fused_add_rmsnorm": "norm",
-    "transfer_hicache_one_layer": "hicache", "transfer_hicache_all_layer": "hicache",
-    "transfer_hicache_one_layer_mla": "hicache", "transfer_hicache_all_layer_mla": "hicache",
-    "stream_wait_value": "wait_value", "stream_write_value": "wait_value", "Event": "wait_value",
 }
-__all__ = sorted(_EXPORTS)
+
+
+def _exports() -> dict[str, str]:
+    from .registry import exports
+
+    return {**_CORE, **{name: module.removeprefix("jitk.") for name, module in exports().items()}}
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    if name == "__all__":
+        return sorted(_exports())
+    module = _CORE.get(name) or _exports().get(name)
+    if module is None:
         raise AttributeError(f"module 'jitk' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *_exports()])
 
 
 if os.environ.get("JITK_VERBOSE", "0") not in ("", "0"):

@@ -2,7 +2,7 @@
 
   (no command)  write .clangd here, so clangd understands jitk kernels
   demo          run jitk's demo
-  cache         list the module cache; `cache clear` empties it
+  cache         list the module cache; `cache clear` empties it, `cache prune` trims it
   precompile    build the kernels' common configurations into the cache ahead of time
 
 Exit codes: 0 success, 1 failure, 2 bad usage."""
@@ -13,11 +13,13 @@ import argparse
 import importlib
 import itertools
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from . import cache, clangd, precompile, toolchain
+from .lock import JitLockError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -35,6 +37,8 @@ def write_clangd(args: argparse.Namespace) -> int:
         path, text = clangd.write(Path.cwd(), force=args.force)
     except clangd.ForeignConfigError as error:
         raise CommandError(str(error)) from None
+    except OSError as error:
+        raise CommandError(f"cannot write {error.filename}: {error.strerror}") from None
     print(f"wrote {path}:\n{text}", end="")
     return EXIT_OK
 
@@ -65,27 +69,59 @@ def human_age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
+def print_entries(entries: list[cache.CacheEntry]) -> None:
+    rows = [(e.module, ",".join(toolchain.sm_name(a) for a in e.archs) or "host",
+             human_size(e.size_bytes), human_age(e.age_seconds), e.path.name) for e in entries]
+    rows.insert(0, ("MODULE", "ARCH", "SIZE", "AGE", "FOLDER"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
 def list_cache(args: argparse.Namespace) -> int:
     entries = cache.list_entries()
     root = cache.cache_root()
     if not entries:
         print(f"no modules cached in {root}")
         return EXIT_OK
-    rows = [(e.module, ",".join(toolchain.sm_name(a) for a in e.archs) or "host",
-             human_size(e.size_bytes), human_age(e.age_seconds), e.path.name) for e in entries]
-    rows.insert(0, ("MODULE", "ARCH", "SIZE", "AGE", "FOLDER"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"{len(entries)} module(s) cached in {root}:")
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print_entries(entries)
+    return EXIT_OK
+
+
+def entries_word(count: int) -> str:
+    return f"{count} cache entr{'y' if count == 1 else 'ies'}"
+
+
+def report_removal(removed: int, failures: list[str]) -> int:
+    print(f"removed {entries_word(removed)} from {cache.cache_root()}")
+    if failures:
+        lines = "\n  ".join(failures)
+        raise CommandError(f"{len(failures)} item(s) could not be removed:\n  {lines}")
     return EXIT_OK
 
 
 def clear_cache(args: argparse.Namespace) -> int:
-    removed = cache.clear()
-    print(f"removed {removed} cache entr{'y' if removed == 1 else 'ies'} from "
-          f"{cache.cache_root()}")
-    return EXIT_OK
+    return report_removal(*cache.clear())
+
+
+def prune_cache(args: argparse.Namespace) -> int:
+    if args.older_than is None and args.keep is None and args.max_size is None:
+        raise UsageError("cache prune needs --older-than, --keep or --max-size")
+    entries = cache.list_entries()
+    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size)
+    left = sum(e.size_bytes for e in entries if e not in doomed)
+    if doomed:
+        print(f"{'would remove' if args.dry_run else 'removing'} {entries_word(len(doomed))} "
+              f"({human_size(sum(e.size_bytes for e in doomed))}):")
+        print_entries(doomed)
+    if args.dry_run:
+        print(f"dry run: nothing removed; {entries_word(len(entries) - len(doomed))} "
+              f"({human_size(left)}) would stay")
+        return EXIT_OK
+    status = report_removal(*cache.prune(doomed))
+    print(f"{entries_word(len(entries) - len(doomed))} ({human_size(left)}) left")
+    return status
 
 
 def default_precompile_archs() -> list[str]:
@@ -138,6 +174,11 @@ def run_precompile(args: argparse.Namespace) -> int:
     if not any(labels.values()):
         raise CommandError("no kernel configurations to precompile")
     archs = args.arch or default_precompile_archs()
+    for arch in archs:
+        try:
+            toolchain.check_buildable(toolchain.parse_archs(arch))
+        except toolchain.ToolchainError as error:
+            raise UsageError(str(error)) from None
     tasks = precompile.make_tasks(labels, archs)
     jobs = args.jobs or os.cpu_count() or 1
     finished = itertools.count(1)
@@ -174,6 +215,33 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of days >= 0, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'500M', '2G', '1.5GiB', '4096' -> bytes (units are powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 500M or 2G, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jitk", usage="%(prog)s [-h] [--force] [COMMAND ...]",
@@ -189,16 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=run_demo)
 
     cache_parser = commands.add_parser(
-        "cache", help="list the module cache (or empty it: cache clear)",
-        usage="%(prog)s [-h] [clear]",
+        "cache", help="list the module cache (cache clear: empty it; cache prune: trim it)",
+        usage="%(prog)s [-h] [clear | prune ...]",
         description="List the compiled modules in the cache ($JITK_CACHE_DIR, else "
                     "~/.cache/jitk), newest first.")
     cache_parser.set_defaults(handler=list_cache)
     cache_actions = cache_parser.add_subparsers(title="actions", metavar="ACTION",
                                               prog=cache_parser.prog)
-    cache_actions.add_parser("clear", help="remove every cached module",
-                             description="Remove every cached module.").set_defaults(
-        handler=clear_cache)
+    cache_actions.add_parser(
+        "clear", help="remove every cached module",
+        description="Remove every cached module. Safe beside running programs: builds in "
+                    "progress are left alone, and a program whose module went builds it "
+                    "again.").set_defaults(handler=clear_cache)
+    prune = cache_actions.add_parser(
+        "prune", help="remove old or surplus cached modules",
+        description="Remove the entries that any of the options selects (age counts from "
+                    "the build). Safe beside running programs, as clear is.")
+    prune.add_argument("--older-than", type=non_negative_number, metavar="DAYS",
+                       help="entries built more than DAYS days ago")
+    prune.add_argument("--keep", type=non_negative_int, metavar="N",
+                       help="all but the newest N entries of each module")
+    prune.add_argument("--max-size", type=byte_size, metavar="SIZE",
+                       help="the oldest entries, until the cache fits in SIZE (e.g. 2G)")
+    prune.add_argument("--dry-run", action="store_true",
+                       help="list what would be removed and remove nothing")
+    prune.set_defaults(handler=prune_cache)
 
     build = commands.add_parser(
         "precompile", help="build the kernels' common configurations into the cache",
@@ -228,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except UsageError as error:
         parser.exit(EXIT_USAGE, f"jitk: error: {error}\n")
-    except (CommandError, precompile.PrecompileError, toolchain.ToolchainError) as error:
+    except (CommandError, precompile.PrecompileError, toolchain.ToolchainError,
+            JitLockError) as error:
         print(f"jitk: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
 

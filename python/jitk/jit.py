@@ -1,12 +1,13 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is tvm-ffi's (ninja, which tracks included headers, under a file lock);
-the exports are jitk's (jitk/export.h, on tvm-ffi's C ABI, which keeps tvm-ffi's C++ headers
-and their seconds of parsing out of every kernel build). jitk also adds what tvm-ffi leaves
-to its callers: a cache key over the contents of every
-header and kernel file, the compiler versions and the target architectures; recovery from
-a corrupt cache entry; compile errors that show the compiler's own lines; and a load-time
-check that the library holds code for the GPU it is about to run on."""
+The build itself is tvm-ffi's (ninja); the exports are jitk's (jitk/export.h, on tvm-ffi's
+C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
+build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
+header and kernel file, the compiler versions and the target architectures, independent of
+where jitk is installed; a cache that readers use without locks or writes, filled by builds
+published in one rename (jitk/cache.py, jitk/build.py); a mode that never compiles; compile
+errors that show the compiler's own lines; and a load-time check that the library holds
+code for the GPU it is about to run on."""
 
 from __future__ import annotations
 
@@ -16,82 +17,141 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import tvm_ffi
-import tvm_ffi.cpp
-from tvm_ffi.utils import FileLock
 
-from . import toolchain
-from .cache import META_FILE, cache_root
+from . import cache, toolchain
+from .build import BuildSpec, JitCompileError, build_and_publish
+from .lock import build_lock
+
+__all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 
 logger = logging.getLogger("jitk")
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = cache.PACKAGE_DIR
 INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "csrc"
 
 DEFAULT_CFLAGS = ("-std=c++20", "-O3")
 DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr")
+DISABLE_ENV = "JITK_DISABLE_JIT"
+_MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Builds change process-wide environment variables that tvm-ffi reads; one at a time.
-_env_lock = threading.Lock()
+_state_lock = threading.Lock()
+_disabled_depth = 0  # how many disable_jit() blocks are open, in any thread
+_builds = 0  # modules this process has built
 
 
-class JitCompileError(RuntimeError):
-    """The compiler rejected a module. `errors` holds the compiler's error lines, `command`
-    the failing command line and `log` the whole build output."""
-
-    def __init__(self, module: str, command: str, errors: list[str], log: str) -> None:
-        self.module, self.command, self.errors, self.log = module, command, errors, log
-        shown = "\n".join(errors) if errors else log.strip()[-4000:]
-        super().__init__(
-            f"jitk failed to compile module '{module}':\n{shown}\n\ncommand: {command}"
-        )
+class JitCacheMissError(RuntimeError):
+    """A module is not in the cache (or its entry cannot be used) while JIT compilation is
+    disabled (JITK_DISABLE_JIT=1 or jitk.disable_jit())."""
 
 
-def _module_name(parts: Sequence[object]) -> str:
+@contextlib.contextmanager
+def disable_jit() -> Iterator[None]:
+    """Inside the block, for the whole process, a module missing from the cache raises
+    JitCacheMissError instead of being compiled, as under JITK_DISABLE_JIT=1."""
+    global _disabled_depth
+    with _state_lock:
+        _disabled_depth += 1
+    try:
+        yield
+    finally:
+        with _state_lock:
+            _disabled_depth -= 1
+
+
+def jit_disabled() -> bool:
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{DISABLE_ENV}={value!r}: expected 1 (never compile) or 0")
+    return _disabled_depth > 0 or value in ("1", "true", "yes", "on")
+
+
+def build_count() -> int:
+    """How many modules this process has built (rather than found in the cache)."""
+    return _builds
+
+
+# ------------------------------------------------------------------------------ arguments
+def _module_name(parts: tuple[object, ...]) -> str:
     if not parts:
         raise ValueError("load_jit needs at least one name part, e.g. load_jit('rmsnorm', ...)")
+    for i, part in enumerate(parts):
+        if isinstance(part, bool) or not isinstance(part, str | int):
+            raise TypeError(f"load_jit: name part {i} is {type(part).__name__} {part!r:.60}; "
+                            "expected a str or an int (make_cpp_args renders other values)")
     name = re.sub(r"[^A-Za-z0-9_]+", "_", "_".join(str(p) for p in parts)).strip("_")
     if not name:
         raise ValueError(f"load_jit name parts {parts!r} leave no usable module name")
+    if len(name) > _MAX_NAME:
+        raise ValueError(f"load_jit: the module name '{name[:40]}...' has {len(name)} "
+                         f"characters; at most {_MAX_NAME} fit a folder name")
     return name
 
 
-def _resolve_sources(files: Iterable[str | os.PathLike], argument: str) -> list[Path]:
+def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str) -> list:
+    """A list argument: a list or tuple of `kinds` (a bare string is refused: it would be
+    read one character at a time)."""
+    if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Iterable):
+        hint = f"; write {parameter}=[{value!r}]" if isinstance(value, str | os.PathLike) else ""
+        raise TypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
+                        f"{type(value).__name__}{hint}")
+    items = list(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, kinds) or isinstance(item, bool):
+            raise TypeError(f"load_jit({parameter}[{i}]): expected {expected}, got "
+                            f"{type(item).__name__} {item!r:.60}")
+    return items
+
+
+def _resolve_sources(files: object, parameter: str) -> list[Path]:
     resolved = []
-    for file in files:
+    for file in _listed(files, parameter, (str, os.PathLike), "paths (str or os.PathLike)"):
         path = Path(file)
         found = path if path.is_absolute() else KERNEL_DIR / path
         if not found.is_file():
             where = "" if path.is_absolute() else f" in {KERNEL_DIR}"
             raise FileNotFoundError(
-                f"load_jit({argument}=...): '{file}' not found{where}; "
+                f"load_jit({parameter}=...): '{file}' not found{where}; "
                 "give an absolute path for a file outside the jitk package"
             )
         resolved.append(found.resolve())
     return resolved
 
 
-def _check_wrappers(wrappers: Iterable[tuple[str, str]], argument: str) -> list[tuple[str, str]]:
+def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:
     checked = []
-    for wrapper in wrappers:
-        if not (isinstance(wrapper, tuple | list) and len(wrapper) == 2):
-            raise TypeError(f"load_jit({argument}=...): expected (export_name, cpp_callable), "
-                            f"got {wrapper!r}")
+    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)"):
+        if len(wrapper) != 2 or not all(isinstance(part, str) for part in wrapper):
+            raise TypeError(f"load_jit({parameter}=...): expected (export_name, cpp_callable) "
+                            f"as two strings, got {wrapper!r}")
         export_name, callable_name = wrapper
-        if not _IDENTIFIER.match(str(export_name)):
-            raise ValueError(f"load_jit({argument}=...): export name {export_name!r} is not "
+        if not _IDENTIFIER.match(export_name):
+            raise ValueError(f"load_jit({parameter}=...): export name {export_name!r} is not "
                              "a C identifier")
-        checked.append((str(export_name), str(callable_name)))
+        if not callable_name.strip() or "\n" in callable_name:
+            raise ValueError(f"load_jit({parameter}=...): {callable_name!r} for "
+                             f"'{export_name}' is not a C++ name")
+        checked.append((export_name, callable_name))
     return checked
 
 
+def _check_build_directory(value: object) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike) or not str(value):
+        raise TypeError(f"load_jit(build_directory=...): expected a path or None, got "
+                        f"{type(value).__name__} {value!r:.60}")
+    return Path(value).expanduser().resolve()
+
+
+# ------------------------------------------------------------------------------ the key
 def _render_source(module: str, files: list[Path], wrappers: list[tuple[str, str]],
                    cuda: bool) -> str:
     lines = [f"// Generated by jitk.load_jit for module '{module}'.", "#include <jitk/export.h>"]
@@ -103,155 +163,110 @@ def _render_source(module: str, files: list[Path], wrappers: list[tuple[str, str
     return "\n".join(lines) + "\n"
 
 
-def _write_if_changed(path: Path, text: str) -> None:
-    """An unchanged source keeps its time stamp, so ninja has nothing to rebuild."""
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-
-
 def _hash_tree(digest: hashlib._Hash, root: Path) -> None:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
 
 
-def _cache_key(parts: list[object], sources: list[Path]) -> str:
+def _cache_key(material: dict, sources: list[Path]) -> str:
+    """A digest of everything that goes into a build, with the package's location taken
+    out: installations of the same jitk share entries."""
     digest = hashlib.sha256()
-    digest.update(json.dumps(parts, default=str).encode())
+    text = json.dumps({"format": cache.FORMAT, **material}, sort_keys=True, default=str)
+    digest.update(text.replace(str(PACKAGE_DIR), cache.PACKAGE_MARK).encode())
     _hash_tree(digest, INCLUDE_DIR)  # any jitk header edit rebuilds everything
     for path in sources:
-        digest.update(str(path).encode())
+        digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _tvm_ffi_build_env(archs: tuple[str, ...]) -> Iterator[None]:
-    """tvm-ffi takes the CUDA root and target architectures from the environment."""
-    with _env_lock:
-        saved = {k: os.environ.get(k) for k in ("CUDA_HOME", "TVM_FFI_CUDA_ARCH_LIST")}
-        if archs:
-            os.environ["CUDA_HOME"] = str(toolchain.cuda_home())
-            os.environ["TVM_FFI_CUDA_ARCH_LIST"] = " ".join(archs)
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+# ------------------------------------------------------------------------------ loading
+def _caller_module() -> str | None:
+    """The module that called load_jit, for the hint of a cache miss."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") in (__name__, "functools"):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__") if frame is not None else None
 
 
-def _compile_error(module: str, error: RuntimeError) -> JitCompileError:
-    log = str(error)
-    lines = log.splitlines()
-    command = ""
-    for i, line in enumerate(lines):
-        if line.startswith("FAILED:") and i + 1 < len(lines):
-            command = lines[i + 1].strip()
-            break
-    errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)
-              and not ln.startswith(("ninja", "FAILED"))]
-    return JitCompileError(module, command, errors, log)
+def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
+                problem: str | None) -> JitCacheMissError:
+    caller = _caller_module()
+    has_configs = callable(getattr(sys.modules.get(caller or ""), "precompile_configs", None))
+    arch = f" --arch '{';'.join(spec.archs)}'" if spec.archs else ""
+    if has_configs:
+        extra = "" if caller.startswith("jitk.") else f"JITK_PRECOMPILE_MODULES={caller} "
+        fill = (f"`{extra}python -m jitk precompile{arch} --module {caller}` (its common "
+                "configurations; add this one to its precompile_configs() if it is not there)")
+    else:
+        fill = f"a run of this call with JIT enabled (or `python -m jitk precompile{arch}`)"
+    why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
+    return JitCacheMissError(
+        f"jitk: module '{spec.name}' (template arguments: "
+        f"{', '.join(map(str, template_args)) or 'none'}; architectures: "
+        f"{', '.join(toolchain.sm_name(a) for a in spec.archs) or 'host only'}) is needed, "
+        f"but {why} ({spec.entry}) and JIT compilation is disabled ({DISABLE_ENV}=1 or "
+        f"jitk.disable_jit()). Fill the cache where compiling is allowed, with {fill}.")
 
 
-def _build_outputs(build_dir: Path) -> list[Path]:
-    return [p for p in build_dir.iterdir() if p.suffix in (".so", ".o") or p.name == META_FILE]
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _write_meta(build_dir: Path, name: str, archs: tuple[str, ...], library: Path,
-                seconds: float) -> None:
-    meta = {"module": name, "archs": list(archs), "build_seconds": round(seconds, 3),
-            "built_at": time.time(), "sha256": _digest(library)}
-    partial = build_dir / f"{META_FILE}.partial"
-    partial.write_text(json.dumps(meta))
-    partial.replace(build_dir / META_FILE)  # readers never see half a file
-
-
-def _library_intact(build_dir: Path, library: Path) -> bool:
-    """A damaged library can kill the process inside dlopen (SIGBUS on a truncated file),
-    so it is checked against the digest taken when it was built, before it is loaded."""
+def _load_published(library: Path) -> tvm_ffi.Module | None:
+    """The loaded library, or None when its entry vanished meanwhile (a cache clear)."""
     try:
-        meta = json.loads((build_dir / META_FILE).read_text())
-        return meta.get("sha256") == _digest(library)
-    except (OSError, ValueError):
-        return False
+        return tvm_ffi.load_module(str(library))
+    except Exception:
+        if library.exists():
+            raise
+        return None
 
 
-def _write_sources(build_dir: Path, sources: dict[str, str]) -> list[str]:
-    paths = []
-    for file_name, text in sources.items():
-        _write_if_changed(build_dir / file_name, text)
-        paths.append(str(build_dir / file_name))
-    return paths
-
-
-def _build_and_load(name: str, build_dir: Path, archs: tuple[str, ...], sources: dict[str, str],
-                    build_kwargs: dict) -> tvm_ffi.Module:
-    build_dir.mkdir(parents=True, exist_ok=True)
-    library = build_dir / f"{name}.so"
-    # One lock per cache entry: ranks building the same module queue here, the first
-    # builds and the others find the library ready. tvm-ffi takes its own lock inside.
-    with FileLock(str(build_dir / "jitk.lock")):
-        for attempt in (1, 2):
-            before = library.stat().st_mtime_ns if library.exists() else None
-            started = time.perf_counter()
-            try:
-                with _tvm_ffi_build_env(archs):
-                    path = tvm_ffi.cpp.build(name, build_directory=str(build_dir),
-                                             sources=_write_sources(build_dir, sources),
-                                             **build_kwargs)
-            except RuntimeError as error:
-                raise _compile_error(name, error) from None
-            seconds = time.perf_counter() - started
-            built = before is None or library.stat().st_mtime_ns != before
-            if built:
-                _write_meta(build_dir, name, archs, library, seconds)
-            elif not _library_intact(build_dir, library) and attempt == 1:
-                logger.warning("jitk: cached %s did not load (damaged); rebuilding", library)
-                for output in _build_outputs(build_dir):
-                    output.unlink()
-                continue
-            try:
-                module = tvm_ffi.load_module(path)
-            except Exception as error:
-                if attempt == 2:
-                    raise
-                logger.warning("jitk: cached %s did not load (%s); rebuilding", library, error)
-                for output in _build_outputs(build_dir):
-                    output.unlink()
-                continue
-            if built:
-                logger.info("jitk: built %s for %s in %.2f s (%s)", name,
-                            ", ".join(toolchain.sm_name(a) for a in archs) or "host only",
-                            seconds, build_dir)
-            return module
-    raise AssertionError("unreachable")
+def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
+                    ) -> tuple[tvm_ffi.Module, bool]:
+    """The module of `spec` and whether this call built it. A complete, intact entry is
+    loaded without a lock or a write; anything else is built under the entry's lock."""
+    global _builds
+    found = cache.look_up(spec.entry)
+    if found.library and (module := _load_published(found.library)):
+        return module, False
+    if jit_disabled():
+        raise _miss_error(spec, template_args, found.problem)
+    if spec.archs:
+        toolchain.check_buildable(spec.archs)
+    with build_lock(spec.entry):
+        found = cache.look_up(spec.entry)  # another process may have built it meanwhile
+        if found.library and (module := _load_published(found.library)):
+            return module, False
+        if found.problem:
+            logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry,
+                           found.problem)
+        module = build_and_publish(spec)
+    with _state_lock:
+        _builds += 1
+    return module, True
 
 
 def load_jit(
-    *name_parts: object,
-    cpp_files: Sequence[str | os.PathLike] = (),
-    cuda_files: Sequence[str | os.PathLike] = (),
-    cpp_wrappers: Sequence[tuple[str, str]] = (),
-    cuda_wrappers: Sequence[tuple[str, str]] = (),
-    extra_cflags: Sequence[str] = (),
-    extra_cuda_cflags: Sequence[str] = (),
-    extra_ldflags: Sequence[str] = (),
-    extra_include_paths: Sequence[str | os.PathLike] = (),
+    *name_parts: str | int,
+    cpp_files: Iterable[str | os.PathLike] = (),
+    cuda_files: Iterable[str | os.PathLike] = (),
+    cpp_wrappers: Iterable[tuple[str, str]] = (),
+    cuda_wrappers: Iterable[tuple[str, str]] = (),
+    extra_cflags: Iterable[str] = (),
+    extra_cuda_cflags: Iterable[str] = (),
+    extra_ldflags: Iterable[str] = (),
+    extra_include_paths: Iterable[str | os.PathLike] = (),
     build_directory: str | os.PathLike | None = None,
 ) -> tvm_ffi.Module:
     """Build (or find in the cache) and load a module.
 
-    name_parts are joined with '_' into the module name. Files are names in jitk/csrc or
-    absolute paths; C++ files are compiled by the host compiler, CUDA files by nvcc. Each
-    wrapper (export_name, cpp_callable) exports `cpp_callable` (a function or a template
+    name_parts (str or int) are joined with '_' into the module name; the parts after the
+    first are its template arguments. Files are names in jitk/csrc or absolute paths; C++
+    files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
+    (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
+    `build_directory` replaces the cache entry's folder. Under JITK_DISABLE_JIT=1 or
+    jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -261,6 +276,15 @@ def load_jit(
     if not (cpp_exports or cuda_exports):
         raise ValueError(f"load_jit('{name}'): no cpp_wrappers or cuda_wrappers, so the "
                          "module would export nothing")
+    exported = [export for export, _ in cpp_exports + cuda_exports]
+    if twice := sorted({e for e in exported if exported.count(e) > 1}):
+        raise ValueError(f"load_jit('{name}'): export name(s) {', '.join(twice)} given twice")
+    flags = {p: _listed(v, p, (str,), "strings") for p, v in (
+        ("extra_cflags", extra_cflags), ("extra_cuda_cflags", extra_cuda_cflags),
+        ("extra_ldflags", extra_ldflags))}
+    includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
+                       "paths (str or os.PathLike)")
+    build_dir = _check_build_directory(build_directory)
 
     has_cpp = bool(cpp_paths or cpp_exports)
     has_cuda = bool(cuda_paths or cuda_exports)
@@ -271,19 +295,22 @@ def load_jit(
     if has_cuda:
         sources["cuda.cu"] = _render_source(name, cuda_paths, cuda_exports, True)
     build_kwargs = {
-        "extra_cflags": [*DEFAULT_CFLAGS, *extra_cflags],
-        "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *extra_cuda_cflags],
-        "extra_ldflags": list(extra_ldflags),
-        "extra_include_paths": [str(INCLUDE_DIR),
-                                *(str(Path(p).resolve()) for p in extra_include_paths)],
+        "extra_cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
+        "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
+        "extra_ldflags": flags["extra_ldflags"],
+        "extra_include_paths": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
     compilers = [toolchain.host_compiler_version()]
     if has_cuda:
         compilers.append(toolchain.nvcc_version())
-    key = _cache_key([name, archs, compilers, tvm_ffi.__version__, sources, build_kwargs],
-                     cpp_paths + cuda_paths)
-    build_dir = Path(build_directory) if build_directory else cache_root() / f"{name}_{key}"
-    module = _build_and_load(name, build_dir.resolve(), archs, sources, build_kwargs)
+    kernel_files = cpp_paths + cuda_paths
+    key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
+                      "tvm_ffi": tvm_ffi.__version__, "sources": sources,
+                      "build_kwargs": build_kwargs}, kernel_files)
+    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
+    spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
+                     build_kwargs)
+    module, _ = _build_and_load(spec, name_parts[1:])
     if archs:
         toolchain.check_runs_on_current_gpu(name, archs)
     return module

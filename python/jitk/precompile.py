@@ -1,7 +1,7 @@
 """Filling the module cache ahead of time with the kernels' common configurations.
 
 Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
-calls the module's cached loader for one configuration. Here every thunk runs once per
+calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own). Here every thunk runs once per
 target architecture, in a pool of worker processes, so that a later first call in a new
 process only loads from the cache."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import multiprocessing
 import os
 import re
@@ -19,10 +18,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import toolchain
+from . import registry, toolchain
 
-# The kernel modules shipped with jitk: the one list of them.
-KERNEL_MODULES = ("jitk.hicache", "jitk.norm", "jitk.wait_value")
+# The kernel modules shipped with jitk, as they declare themselves.
+KERNEL_MODULES = tuple(registry.kernel_modules())
 # More modules with precompile_configs(), e.g. a project's own kernels: "pkg.a,pkg.b".
 MODULES_ENV = "JITK_PRECOMPILE_MODULES"
 
@@ -96,6 +95,7 @@ def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
 
 def _init_worker(arch: str) -> None:
     os.environ[toolchain.ARCH_ENV] = arch
+    os.environ.pop("JITK_DISABLE_JIT", None)  # precompiling is building, asked for by name
 
 
 @contextlib.contextmanager
@@ -115,42 +115,19 @@ def _workers_see_no_gpu() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-class _BuildCounter(logging.Handler):
-    """Counts load_jit's "built" log records: a thunk that only loaded logs none."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.builds = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.builds += record.getMessage().startswith("jitk: built")
-
-
-@contextlib.contextmanager
-def _counting_builds() -> Iterator[_BuildCounter]:
-    logger = logging.getLogger("jitk")
-    counter = _BuildCounter()
-    saved_level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(counter)
-    try:
-        yield counter
-    finally:
-        logger.removeHandler(counter)
-        logger.setLevel(saved_level)
-
-
 def _run_in_worker(module: str, index: int) -> tuple[float, bool, str | None]:
     """Runs one thunk; returns its seconds, whether it built, and its error if any."""
+    from .jit import build_count
+
     started = time.perf_counter()
-    with _counting_builds() as counter:
-        try:
-            _, thunk = importlib.import_module(module).precompile_configs()[index]
-            thunk()
-            error = None
-        except Exception as failure:  # reported with the task's name, not raised
-            error = f"{type(failure).__name__}: {failure}"
-    return time.perf_counter() - started, counter.builds > 0, error
+    builds_before = build_count()
+    try:
+        _, thunk = importlib.import_module(module).precompile_configs()[index]
+        thunk()
+        error = None
+    except Exception as failure:  # reported with the task's name, not raised
+        error = f"{type(failure).__name__}: {failure}"
+    return time.perf_counter() - started, build_count() > builds_before, error
 
 
 def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list[Outcome]:

@@ -139,22 +139,82 @@ def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
     )
 
 
-def _first_line(command: list[str]) -> str:
+def _run(command: list[str]) -> subprocess.CompletedProcess:
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-    except OSError as error:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as error:
         raise ToolchainError(f"cannot run {command[0]}: {error}") from error
+
+
+def _first_line(command: list[str]) -> str:
+    out = _run(command)
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     if out.returncode != 0 or not lines:
         raise ToolchainError(f"'{' '.join(command)}' failed: {out.stderr.strip()}")
     return lines[-1] if "nvcc" in command[0] else lines[0]
 
 
+def host_compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
 @functools.cache
 def host_compiler_version() -> str:
-    return _first_line([os.environ.get("CXX", "c++"), "--version"])
+    return _first_line([host_compiler(), "--version"])
+
+
+def nvcc_path() -> str:
+    """The nvcc that builds run: $CUDA_HOME's (or $CUDA_PATH's), else the one on PATH, else
+    /usr/local/cuda's. Cheaper than cuda_home(), which may have to ask a wrapper script."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return str(cuda_home() / "bin" / "nvcc")
+    return shutil.which("nvcc") or str(cuda_home() / "bin" / "nvcc")
 
 
 @functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return _first_line([nvcc, "--version"])
+
+
 def nvcc_version() -> str:
-    return _first_line([str(cuda_home() / "bin" / "nvcc"), "--version"])
+    return _nvcc_version(nvcc_path())
+
+
+@functools.cache
+def _supported_archs(nvcc: str) -> tuple[str, ...]:
+    out = _run([nvcc, "--list-gpu-arch"])
+    found = re.findall(r"^compute_(\d+)(\d)$", out.stdout, re.MULTILINE)
+    if out.returncode != 0 or not found:
+        raise ToolchainError(f"'{nvcc} --list-gpu-arch' failed: {out.stderr.strip()}")
+    return tuple(f"{major}.{minor}" for major, minor in found)
+
+
+def supported_archs() -> tuple[str, ...]:
+    """The compute capabilities the installed nvcc can build for ('7.5', ..., '12.1')."""
+    return _supported_archs(nvcc_path())
+
+
+def check_buildable(archs: tuple[str, ...]) -> None:
+    """Refuses, before any build, an architecture the installed nvcc cannot target."""
+    supported = supported_archs()
+    bad = [a for a in archs if a.rstrip("af") not in supported]
+    if bad:
+        raise ToolchainError(
+            f"the installed nvcc ({nvcc_path()}) cannot build for "
+            f"{', '.join(sm_name(a) for a in bad)} ({ARCH_ENV} or --arch {';'.join(bad)}); "
+            f"it supports {', '.join(supported)}")
+
+
+@functools.cache
+def host_system_include_dirs() -> tuple[Path, ...]:
+    """The host compiler's own include directories (its headers change with its version,
+    which is part of every cache key)."""
+    out = _run([host_compiler(), "-x", "c++", "-E", "-v", os.devnull])
+    lines = out.stderr.splitlines()
+    try:
+        first = lines.index("#include <...> search starts here:") + 1
+        last = lines.index("End of search list.", first)
+    except ValueError:
+        return ()
+    return tuple(Path(line.strip()).resolve() for line in lines[first:last])

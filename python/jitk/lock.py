@@ -1,0 +1,135 @@
+"""The build lock of one cache entry: an flock on `<entry>.lock` beside the entry.
+
+Only a build takes it; loading a finished entry takes no lock. An flock belongs to the
+process holding it, so the kernel releases it when that process dies, however it dies: a
+lock left by a killed build is never mistaken for a live one. The holder writes
+"<pid> <host>" into the file, so that a process that waits too long can say who holds it.
+
+Every wait is bounded: a lock that cannot be created fails at once, and one held longer
+than $JITK_LOCK_TIMEOUT seconds (default 300) fails naming its holder."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+TIMEOUT_ENV = "JITK_LOCK_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+SUFFIX = ".lock"
+
+
+class JitLockError(RuntimeError):
+    """A build lock could not be created, or was held by another process for too long."""
+
+
+def lock_timeout() -> float:
+    """$JITK_LOCK_TIMEOUT in seconds: the longest jitk waits for a build, another process's
+    or its own."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise JitLockError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+    return seconds
+
+
+def lock_path(entry: Path) -> Path:
+    return entry.with_name(entry.name + SUFFIX)
+
+
+def _open(path: Path) -> int:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a new (or just cleared) cache
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise JitLockError(f"jitk cannot create the build lock {path}: {error.strerror} "
+                           f"(errno {error.errno}); building needs a writable cache (set "
+                           f"JITK_CACHE_DIR), or fill this one where it is writable") from None
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file `fd` locked: a clear may have unlinked it, and
+    a lock on an unlinked file excludes nobody."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def holder(path: Path) -> str:
+    """Who holds (or last held) the lock, as its holder wrote it: 'pid 123 on host h'."""
+    try:
+        pid, host = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return "an unknown process"
+    here = " (this machine)" if host == socket.gethostname() else ""
+    return f"pid {pid} on {host}{here}"
+
+
+def try_lock(path: Path) -> int | None:
+    """The locked file descriptor, or None when another process holds the lock."""
+    fd = _open(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as error:
+        os.close(fd)
+        raise JitLockError(f"jitk cannot lock {path}: {error.strerror}") from None
+    if not _still_at(fd, path):
+        os.close(fd)
+        return try_lock(path)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def release(fd: int) -> None:
+    os.close(fd)  # closing the last descriptor drops the flock
+
+
+@contextlib.contextmanager
+def build_lock(entry: Path, timeout: float | None = None) -> Iterator[None]:
+    """Holds the build lock of `entry` for the body, waiting at most `timeout` seconds
+    (default $JITK_LOCK_TIMEOUT) for another process to release it."""
+    path = lock_path(entry)
+    timeout = lock_timeout() if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    pause = 0.01
+    while (fd := try_lock(path)) is None:
+        if time.monotonic() > deadline:
+            raise JitLockError(
+                f"jitk waited {timeout:.0f} s for the build lock {path}, held by "
+                f"{holder(path)}, which is still building {entry.name}; wait for it, stop "
+                f"it, or raise {TIMEOUT_ENV}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    try:
+        yield
+    finally:
+        release(fd)
+
+
+def is_held(path: Path) -> bool:
+    """Whether a live process holds the lock at `path` (an unlinked or missing one: no)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
