@@ -1,6 +1,9 @@
 """Core costs: the cold build and warm load of a small CUDA module and of each shipped
 module, and the host time of one call of a small kernel (the per-call Python + tvm-ffi +
-launch path)."""
+launch path).
+
+Without a GPU (JITK_CUDA_ARCH must then be set, e.g. 9.0) only the cold builds and warm
+loads are timed: `JITK_CUDA_ARCH=9.0 python benchmarks/bench_core.py --quick`."""
 
 import os
 import statistics
@@ -29,7 +32,8 @@ TIMED = "\nimport time; t = time.perf_counter(); build(); print(label, time.perf
 
 def load_seconds(setup: str, cache: str) -> tuple[str, float]:
     env = {**os.environ, "JITK_CACHE_DIR": cache}
-    code = "import torch, jitk.jit\ntorch.zeros(1, device='cuda')\n" + setup + TIMED
+    code = ("import torch, jitk.jit\n"
+            "if torch.cuda.is_available(): torch.zeros(1, device='cuda')\n" + setup + TIMED)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=ROOT, check=True)
     label, seconds = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
@@ -67,6 +71,14 @@ def host_us_per_call(fn, calls=2000, rounds=5) -> float:
 
 def main():
     args = common.parse_args(__doc__)
+    repeats = 1 if args.quick else 3
+    if not torch.cuda.is_available():
+        device = f"no GPU (builds for JITK_CUDA_ARCH={os.environ.get('JITK_CUDA_ARCH')})"
+        print("device:", device)
+        rows = first_call_rows(repeats)
+        common.print_table("core costs", rows, ["what", "value"])
+        common.write_json(args.json, {"device": device, "rows": rows})
+        return
     print("device:", common.device_name())
     sys.path.insert(0, str(ROOT / "tests"))
     import probes
@@ -75,7 +87,7 @@ def main():
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     rows = [
-        *first_call_rows(repeats=1 if args.quick else 3),
+        *first_call_rows(repeats),
         {"what": "host time per call, jitk add_one (us)", "value": host_us_per_call(lambda: add_one(x, y))},
         {"what": "host time per call, torch add (us)", "value": host_us_per_call(lambda: torch.add(x, 1, out=y))},
     ]

@@ -47,8 +47,7 @@ def jitk_cli(*args, cwd, env=None, timeout=600):
 
 
 def builds_logged(result):
-    """load_jit's "built" lines (JITK_VERBOSE=1); precompile's "N built" count reads the same
-    lines, so test_precompile_builds_each_config_with_progress shows they appear."""
+    """load_jit's "built" lines (JITK_VERBOSE=1)."""
     return [line for line in result.stderr.splitlines() if line.startswith("jitk: built")]
 
 
@@ -132,10 +131,12 @@ def test_clangd_understands_a_kernel_with_the_written_config(tmp_path):
 
 # In-process where only argparse runs (a new process costs ~2 s of imports); the two
 # end-to-end tests below check that `python -m jitk` passes the same exit codes on.
-COMMANDS = [[], ["demo"], ["cache"], ["cache", "clear"], ["precompile"]]
+COMMANDS = [[], ["demo"], ["cache"], ["cache", "clear"], ["cache", "prune"], ["precompile"]]
 BAD_USAGE = [["nonsense"], ["cache", "nonsense"], ["--force", "cache"],
-             ["precompile", "--arch", "nine"], ["precompile", "-j", "0"],
-             ["precompile", "--module", "no.such.module"]]
+             ["cache", "prune"], ["cache", "prune", "--keep", "x"],
+             ["cache", "prune", "--max-size", "lots"], ["cache", "prune", "--older-than", "-1"],
+             ["precompile", "--arch", "nine"], ["precompile", "--arch", "7.0"],
+             ["precompile", "-j", "0"], ["precompile", "--module", "no.such.module"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -153,6 +154,23 @@ def test_bad_usage_exits_2(command, capsys, monkeypatch):
         jitk_main(command)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_kernels_are_declared_once_in_their_modules():
+    """A kernel module's __all__ and precompile_configs() are all there is to register: jitk
+    exports the one and precompile builds the other."""
+    import jitk
+    from jitk import registry
+
+    assert precompile.KERNEL_MODULES == tuple(registry.kernel_modules())
+    assert {"jitk.norm", "jitk.hicache", "jitk.wait_value"} <= set(precompile.KERNEL_MODULES)
+    for module_name, entry_points in registry.kernel_modules().items():
+        module = importlib.import_module(module_name)
+        assert set(entry_points) == set(module.__all__) - {"precompile_configs"}
+        assert callable(module.precompile_configs)
+        for name in entry_points:
+            assert getattr(jitk, name) is getattr(module, name)
+            assert name in jitk.__all__ and name in dir(jitk)
 
 
 def test_exit_codes_reach_the_shell(tmp_path):

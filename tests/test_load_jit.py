@@ -16,6 +16,8 @@ import jitk.jit
 from jitk import toolchain
 from jitk.cache import META_FILE, list_entries
 
+from errors import expect_error
+
 KERNEL = textwrap.dedent("""\
     #include <jitk/utils.h>
     #include "scale.h"
@@ -36,7 +38,9 @@ def write_kernel(folder: Path, scale: int = 3) -> Path:
 
 
 LOAD_SNIPPET = textwrap.dedent("""\
-    import sys, jitk
+    import sys
+    sys.modules["torch"] = None  # keeps tvm-ffi from importing torch: a faster start
+    import jitk
     module = jitk.load_jit("scaled", cpp_files=[sys.argv[1]], cpp_wrappers=[("scaled", "scaled")])
     print("result", module.scaled(int(sys.argv[2])))
 """)
@@ -88,6 +92,74 @@ def test_load_jit_argument_errors(tmp_path):
         jitk.load_jit("x", cpp_files=[kernel], cpp_wrappers=["scaled"])
     with pytest.raises(ValueError, match="at least one name part"):
         jitk.load_jit(cpp_files=[kernel], cpp_wrappers=[("f", "f")])
+
+
+def wrapped(**overrides):
+    """load_jit of a valid C++ module with one argument replaced."""
+    kernel = Path(__file__).resolve().parent / "csrc" / "header_probe.cuh"
+    arguments = {"cpp_files": [kernel], "cpp_wrappers": [("positive", "probe::positive")],
+                 **overrides}
+    return lambda: jitk.load_jit(*arguments.pop("name_parts", ("args",)), **arguments)
+
+
+@pytest.mark.parametrize("overrides, kind, message", [
+    ({"name_parts": ("x", None)}, TypeError, "name part 1 is NoneType"),
+    ({"name_parts": ("x", 1.5)}, TypeError, "name part 1 is float"),
+    ({"name_parts": ("x", True)}, TypeError, "name part 1 is bool"),
+    ({"name_parts": ("x" * 201,)}, ValueError, "at most 200 fit a folder name"),
+    ({"cpp_files": "probe.cuh"}, TypeError, "load_jit(cpp_files=...) takes a list of paths "
+     "(str or os.PathLike), got str; write cpp_files=['probe.cuh']"),
+    ({"cpp_files": [None]}, TypeError, "load_jit(cpp_files[0]): expected paths (str or "
+     "os.PathLike), got NoneType"),
+    ({"cuda_files": 5}, TypeError, "load_jit(cuda_files=...) takes a list of paths"),
+    ({"cpp_wrappers": [("f",)]}, TypeError, "expected (export_name, cpp_callable) as two"),
+    ({"cpp_wrappers": [("f", 3)]}, TypeError, "expected (export_name, cpp_callable) as two"),
+    ({"cpp_wrappers": [("f", "")]}, ValueError, "'' for 'f' is not a C++ name"),
+    ({"cpp_wrappers": [("f", "probe::positive"), ("f", "probe::pair")]}, ValueError,
+     "export name(s) f given twice"),
+    ({"extra_cflags": "-O2"}, TypeError, "load_jit(extra_cflags=...) takes a list of strings"),
+    ({"extra_ldflags": [1]}, TypeError, "load_jit(extra_ldflags[0]): expected strings, got int"),
+    ({"extra_include_paths": [3.0]}, TypeError, "load_jit(extra_include_paths[0]): expected "
+     "paths"),
+    ({"build_directory": 7}, TypeError, "load_jit(build_directory=...): expected a path or "
+     "None, got int"),
+], ids=lambda value: str(value)[:40] if isinstance(value, dict) else "")
+def test_load_jit_names_the_bad_argument(overrides, kind, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    expect_error(wrapped(**overrides), message, kind=kind)
+    assert not (tmp_path / "cache").exists()  # refused before anything was written
+
+
+def test_unsupported_architecture_is_refused_before_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITK_CUDA_ARCH", "7.0")
+    with pytest.raises(jitk.ToolchainError, match=r"cannot build for sm_70; it supports compute "
+                       r"capabilities 7\.5, 8\.0, .*9\.0"):
+        jitk.load_jit("old_gpu", cuda_files=[write_kernel(tmp_path / "repo")],
+                      cuda_wrappers=[("f", "scaled")])
+    assert not (tmp_path / "cache").exists()
+    assert "9.0" in toolchain.supported_archs()
+
+
+@pytest.mark.parametrize("flags, decisive", [
+    # nvcc asked for an architecture it cannot build: its fatal line, not the log's tail.
+    ({"extra_cuda_cflags": ["-gencode=arch=compute_70,code=sm_70"]},
+     "nvcc fatal   : Unsupported gpu architecture 'compute_70'"),
+    # The linker, told to refuse undefined symbols.
+    ({"extra_ldflags": ["-Wl,--no-undefined"]}, "undefined reference to `missing()'"),
+    # Left undefined, the library fails to load: the loader's line.
+    ({}, "undefined symbol: _Z7missingv"),
+])
+def test_compile_error_holds_the_decisive_line(flags, decisive, tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = tmp_path / "missing.cuh"
+    kernel.write_text("#include <cstdint>\nint64_t missing();\nint64_t f() { return missing(); }\n")
+    files = "cuda_files" if "extra_cuda_cflags" in flags else "cpp_files"
+    wrappers = "cuda_wrappers" if files == "cuda_files" else "cpp_wrappers"
+    with pytest.raises(jitk.JitCompileError) as info:
+        jitk.load_jit("missing", **{files: [kernel], wrappers: [("f", "f")]}, **flags)
+    assert any(decisive in line for line in info.value.errors), info.value.log
+    assert list_entries(tmp_path / "cache") == []
 
 
 def test_arch_setting_is_validated(monkeypatch):
@@ -198,11 +270,12 @@ def test_concurrent_processes_build_once(tmp_path):
     env = {**os.environ, "JITK_CACHE_DIR": str(tmp_path / "cache"), "JITK_VERBOSE": "1"}
     ranks = [subprocess.Popen([sys.executable, "-c", LOAD_SNIPPET, str(kernel), str(rank)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in range(4)]
+             for rank in range(8)]
     outputs = [rank.communicate(timeout=300) for rank in ranks]
     assert all(rank.returncode == 0 for rank in ranks), outputs
     assert sum(err.count("jitk: built scaled") for _, err in outputs) == 1
-    assert sorted(out.strip() for out, _ in outputs) == [f"result {3 * r}" for r in range(4)]
+    assert sorted(out.strip() for out, _ in outputs) == sorted(f"result {3 * r}"
+                                                               for r in range(8))
 
 
 def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeypatch):

@@ -92,10 +92,15 @@ def _wait_value_on_gpu() -> bool:
 
 
 def _without_gpu() -> list[str]:
-    arch = os.environ.get(toolchain.ARCH_ENV) or "9.0"
-    os.environ[toolchain.ARCH_ENV] = arch
-    print(f"No CUDA GPU is visible: building for sm_{arch.replace('.', '')} "
-          f"({toolchain.ARCH_ENV}) to show the host side.")
+    setting = os.environ.get(toolchain.ARCH_ENV) or "9.0"
+    os.environ[toolchain.ARCH_ENV] = setting
+    try:
+        archs = ", ".join(toolchain.sm_name(a) for a in toolchain.parse_archs(setting))
+    except toolchain.ToolchainError as error:
+        print(f"No CUDA GPU is visible, and there is nothing to build for: {error}")
+        return [toolchain.ARCH_ENV]
+    print(f"No CUDA GPU is visible: building for {archs} ({toolchain.ARCH_ENV}) to show the "
+          "host side.")
     started = time.perf_counter()
     x = torch.randn(4, 4096, dtype=torch.bfloat16)
     weight = torch.randn(4096, dtype=torch.bfloat16)

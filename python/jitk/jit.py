@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -38,6 +39,9 @@ KERNEL_DIR = PACKAGE_DIR / "csrc"
 
 DEFAULT_CFLAGS = ("-std=c++20", "-O3")
 DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr")
+# Bind every symbol at load: a missing one fails the builder's load, before publication,
+# rather than killing the process at the first call that needs it.
+DEFAULT_LDFLAGS = ("-Wl,-z,now",)
 DISABLE_ENV = "JITK_DISABLE_JIT"
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
@@ -195,7 +199,7 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
                 problem: str | None) -> JitCacheMissError:
     caller = _caller_module()
     has_configs = callable(getattr(sys.modules.get(caller or ""), "precompile_configs", None))
-    arch = f" --arch '{';'.join(spec.archs)}'" if spec.archs else ""
+    arch = f" --arch {shlex.quote(';'.join(spec.archs))}" if spec.archs else ""
     if has_configs:
         extra = "" if caller.startswith("jitk.") else f"JITK_PRECOMPILE_MODULES={caller} "
         fill = (f"`{extra}python -m jitk precompile{arch} --module {caller}` (its common "
@@ -227,6 +231,8 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     found = cache.look_up(spec.entry)
+    if found.problem:  # perhaps read while another process replaced the entry: look again
+        found = cache.look_up(spec.entry)
     if found.library and (module := _load_published(found.library)):
         return module, False
     if jit_disabled():
@@ -297,7 +303,7 @@ def load_jit(
     build_kwargs = {
         "extra_cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
         "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
-        "extra_ldflags": flags["extra_ldflags"],
+        "extra_ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
         "extra_include_paths": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
     compilers = [toolchain.host_compiler_version()]

@@ -1,9 +1,10 @@
 """Filling the module cache ahead of time with the kernels' common configurations.
 
 Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
-calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own). Here every thunk runs once per
-target architecture, in a pool of worker processes, so that a later first call in a new
-process only loads from the cache."""
+calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own
+modules). Here every thunk runs once per target architecture, in a pool of worker
+processes, so that a later first call in a new process only loads from the cache. Whether a
+thunk built anything is what load_jit counted (jit.build_count()), not what it logged."""
 
 from __future__ import annotations
 

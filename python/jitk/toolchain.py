@@ -202,8 +202,8 @@ def check_buildable(archs: tuple[str, ...]) -> None:
     if bad:
         raise ToolchainError(
             f"the installed nvcc ({nvcc_path()}) cannot build for "
-            f"{', '.join(sm_name(a) for a in bad)} ({ARCH_ENV} or --arch {';'.join(bad)}); "
-            f"it supports {', '.join(supported)}")
+            f"{', '.join(sm_name(a) for a in bad)}; it supports compute capabilities "
+            f"{', '.join(supported)} (set {ARCH_ENV}, or precompile's --arch, to those)")
 
 
 @functools.cache

@@ -1,0 +1,334 @@
+"""The cache where jitk is deployed: read-only mounts, clears and prunes beside running
+programs, a serving mode that never compiles, two installations sharing one cache, bounded
+locks and builds that die with their process.
+
+Anything that could hang runs in a subprocess with a timeout. The child processes here load
+a small C++ module with torch blocked (tvm-ffi then skips importing it), so each one starts
+in a fraction of a second."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import jitk
+from jitk import cache, lock
+
+KERNEL = "#include <cstdint>\nint64_t twice(int64_t x) { return 2 * x; }\n"
+
+# argv: kernel path, module name, value. Prints the result, or the error's type and text.
+LOAD = textwrap.dedent("""\
+    import sys, time
+    sys.modules["torch"] = None  # keeps tvm-ffi from importing torch: a faster start
+    import jitk
+    kernel, name, value = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    started = time.perf_counter()
+    try:
+        module = jitk.load_jit(name, cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+        print("result", module.twice(value))
+    except Exception as error:
+        print("error", type(error).__name__, error)
+    print("seconds", time.perf_counter() - started)
+""")
+
+
+@pytest.fixture
+def kernel(tmp_path) -> Path:
+    path = tmp_path / "twice.cuh"
+    path.write_text(KERNEL)
+    return path
+
+
+def child_env(cache_dir: Path, **extra: str) -> dict:
+    return {**os.environ, "JITK_CACHE_DIR": str(cache_dir), "JITK_VERBOSE": "1", **extra}
+
+
+def load_in_child(kernel: Path, cache_dir: Path, name: str = "twice", value: int = 21,
+                  prefix: tuple[str, ...] = (), timeout: float = 120, **env: str):
+    return subprocess.run([*prefix, sys.executable, "-c", LOAD, str(kernel), name, str(value)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=child_env(cache_dir, **env))
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_size)
+            for p in folder.rglob("*")}
+
+
+def published(cache_dir: Path) -> list[Path]:
+    return [p for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------------------ read-only
+def read_only_mount_works(folder: Path) -> list[str] | None:
+    """The command prefix that runs a command with `folder` mounted read-only in a private
+    mount namespace, or None where this machine does not allow it."""
+    remount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} {folder}"
+    for unshare in (["unshare", "-m"], ["unshare", "-rm"]):
+        if shutil.which("unshare") is None:
+            return None
+        probe = subprocess.run([*unshare, "sh", "-c", f"{remount} && ! touch {folder}/probe"],
+                               capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return [*unshare, "sh", "-c", f'{remount} && exec "$@"', "sh"]
+    return None
+
+
+def test_read_only_cache_loads_what_it_holds_and_refuses_builds_at_once(kernel, tmp_path):
+    cache_dir = tmp_path / "cache"
+    assert "result 42" in load_in_child(kernel, cache_dir).stdout
+    prefix = read_only_mount_works(cache_dir)
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare -m); the next test covers it")
+    before = snapshot(cache_dir)
+    hit = load_in_child(kernel, cache_dir, prefix=tuple(prefix), timeout=60)
+    assert hit.returncode == 0 and "result 42" in hit.stdout, hit.stdout + hit.stderr
+    other = kernel.with_name("other.cuh")
+    other.write_text(KERNEL)
+    miss = load_in_child(other, cache_dir, "other", prefix=tuple(prefix), timeout=60)
+    assert "error JitLockError jitk cannot create the build lock" in miss.stdout, miss.stdout
+    assert "Read-only file system" in miss.stdout and str(cache_dir) in miss.stdout
+    assert float(miss.stdout.split("seconds ")[1]) < 5
+    assert snapshot(cache_dir) == before
+
+
+def test_loading_takes_no_lock_and_writes_nothing(kernel, tmp_path):
+    cache_dir = tmp_path / "cache"
+    assert "result 42" in load_in_child(kernel, cache_dir).stdout
+    [entry] = published(cache_dir)
+    lock.lock_path(entry).unlink()
+    lock.lock_path(entry).mkdir()  # no lock can be taken there
+    before = snapshot(cache_dir)
+    hit = load_in_child(kernel, cache_dir, timeout=60)
+    assert "result 42" in hit.stdout, hit.stdout + hit.stderr
+    assert snapshot(cache_dir) == before
+
+
+def test_a_lock_that_cannot_be_created_fails_at_once_naming_path_and_reason(kernel, tmp_path):
+    entry = tmp_path / "mine"
+    lock.lock_path(entry).mkdir()
+    started = time.perf_counter()
+    with pytest.raises(jitk.JitLockError, match=f"cannot create the build lock "
+                       f"{lock.lock_path(entry)}: Is a directory"):
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
+                      build_directory=entry)
+    assert time.perf_counter() - started < 5
+    assert not entry.exists()
+
+
+# ------------------------------------------------------------------------------ locks
+HOLD = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from jitk import lock
+    fd = lock.try_lock(Path(sys.argv[1]))
+    print("held" if fd is not None else "busy", flush=True)
+    time.sleep(60)
+""")
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+                              text=True, env=os.environ)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path, monkeypatch):
+    entry = tmp_path / "mine"
+    holder = hold_lock(lock.lock_path(entry))
+    try:
+        monkeypatch.setenv(lock.TIMEOUT_ENV, "0.5")
+        started = time.perf_counter()
+        with pytest.raises(jitk.JitLockError, match=f"waited 0 s for the build lock .*held by "
+                           f"pid {holder.pid} on .* \\(this machine\\)"):
+            jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
+                          build_directory=entry)
+        assert time.perf_counter() - started < 5
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder was killed: its lock died with it, and the build goes ahead.
+    module = jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
+                           build_directory=entry)
+    assert module.twice(4) == 8
+
+
+def test_lock_timeout_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "soon")
+    with pytest.raises(jitk.JitLockError, match="JITK_LOCK_TIMEOUT='soon' is not a positive"):
+        lock.lock_timeout()
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "2.5")
+    assert lock.lock_timeout() == 2.5
+
+
+def compilers_under(folder: Path) -> list[str]:
+    """Command lines of the processes working in `folder` (a build's compilers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            in_folder = str(folder) in os.readlink(proc / "cwd")
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if in_folder or str(folder) in command:
+            found.append(command)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
+def test_a_killed_build_leaves_no_compiler_running(tmp_path):
+    cache_dir = tmp_path / "cache"
+    heavy = tmp_path / "heavy.cuh"  # a second or more of compiling, to kill it in the middle
+    heavy.write_text("#include <cstdint>\n#include <jitk/tensor.h>\n#include <jitk/utils.h>\n"
+                     "#include <map>\n#include <regex>\n#include <vector>\n"
+                     "int64_t twice(int64_t x) { std::regex r(\"a+\"); return 2 * x; }\n")
+    builder = subprocess.Popen([sys.executable, "-c", LOAD, str(heavy), "heavy", "1"],
+                               env=child_env(cache_dir), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any("cc1plus" in c for c in compilers_under(cache_dir)):
+        assert time.monotonic() < deadline and builder.poll() is None, "no compiler started"
+        time.sleep(0.02)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    deadline = time.monotonic() + 10
+    while left := compilers_under(cache_dir):
+        assert time.monotonic() < deadline, f"still running after the builder died: {left}"
+        time.sleep(0.1)
+    assert not published(cache_dir)
+
+
+# ------------------------------------------------------------------------------ clear, prune
+CLEAR_LOOP = textwrap.dedent("""\
+    import sys
+    from pathlib import Path
+    from jitk import cache
+    stop, rounds, failures = Path(sys.argv[1]), 0, []
+    while not stop.exists():
+        failures += cache.clear()[1]
+        rounds += 1
+    print("rounds", rounds, "failures", failures)
+""")
+
+
+def test_clear_in_a_loop_beside_30_loads(kernel, tmp_path):
+    cache_dir, stop = tmp_path / "cache", tmp_path / "stop"
+    clearer = subprocess.Popen([sys.executable, "-c", CLEAR_LOOP, str(stop)],
+                               stdout=subprocess.PIPE, text=True, env=child_env(cache_dir))
+    results, started = {}, time.perf_counter()
+
+    def load(value: int) -> None:
+        results[value] = load_in_child(kernel, cache_dir, value=value, timeout=120)
+
+    try:
+        for first in range(0, 30, 6):  # six at a time
+            threads = [threading.Thread(target=load, args=(v,)) for v in range(first, first + 6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        stop.touch()
+        out, _ = clearer.communicate(timeout=60)
+    assert len(results) == 30
+    for value, result in results.items():
+        assert result.returncode == 0 and f"result {2 * value}" in result.stdout, \
+            result.stdout + result.stderr
+    rounds = int(out.split()[1])
+    assert rounds > 30 and out.endswith("failures []\n"), out
+    assert time.perf_counter() - started < 240
+
+
+def fill(cache_dir: Path, kernel: Path, names: list[str]) -> None:
+    for name in names:
+        assert "result 42" in load_in_child(kernel, cache_dir, name).stdout
+
+
+def age(entry: Path, days: float) -> None:
+    meta = cache.read_meta(entry)
+    meta["built_at"] -= days * 86400
+    cache.write_meta(entry, {k: v for k, v in meta.items() if k != "format"})
+
+
+def jitk_cli(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jitk", *args], capture_output=True, text=True,
+                          timeout=120, env=child_env(cache_dir))
+
+
+def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, kernel, ["twice", "twice_b"])
+    kernel.write_text(KERNEL + "// another version: another entry of module twice\n")
+    fill(cache_dir, kernel, ["twice"])
+    entries = cache.list_entries(cache_dir)
+    assert [e.module for e in entries].count("twice") == 2
+    for entry, days in zip(entries, (0, 5, 10)):  # newest first
+        age(entry.path, days)
+
+    dry = jitk_cli(cache_dir, "cache", "prune", "--older-than", "3", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would remove 2 cache entries" in dry.stdout and "nothing removed" in dry.stdout
+    assert len(cache.list_entries(cache_dir)) == 3
+
+    kept = jitk_cli(cache_dir, "cache", "prune", "--keep", "1")
+    assert kept.returncode == 0, kept.stderr
+    assert "removed 1 cache entry" in kept.stdout
+    assert sorted(e.module for e in cache.list_entries(cache_dir)) == ["twice", "twice_b"]
+
+    newest = cache.list_entries(cache_dir)[0]
+    sized = jitk_cli(cache_dir, "cache", "prune", "--max-size", str(newest.size_bytes))
+    assert sized.returncode == 0, sized.stderr
+    assert [e.path for e in cache.list_entries(cache_dir)] == [newest.path]
+    assert not list(cache_dir.glob("*.lock")) and not cache.staging_folders(cache_dir)
+
+    usage = jitk_cli(cache_dir, "cache", "prune")
+    assert usage.returncode == 2 and "needs --older-than, --keep or --max-size" in usage.stderr
+
+
+def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, kernel, ["twice"])
+    staging = cache.new_staging(cache_dir / "building_0123")
+    holder = hold_lock(lock.lock_path(cache_dir / "building_0123"))
+    try:
+        cleared = jitk_cli(cache_dir, "cache", "clear")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cleared.returncode == 0 and "removed 1 cache entry" in cleared.stdout
+    assert staging.is_dir() and lock.lock_path(cache_dir / "building_0123").exists()
+    again = jitk_cli(cache_dir, "cache", "clear")  # its builder is gone now
+    assert again.returncode == 0 and not staging.exists()
+
+
+def test_clear_of_a_read_only_cache_exits_1_naming_what_stayed(kernel, tmp_path):
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, kernel, ["twice"])
+    prefix = read_only_mount_works(cache_dir)
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare -m)")
+    result = subprocess.run([*prefix, sys.executable, "-m", "jitk", "cache", "clear"],
+                            capture_output=True, text=True, timeout=60, env=child_env(cache_dir))
+    assert result.returncode == 1
+    assert "removed 0 cache entries" in result.stdout
+    assert "could not be removed" in result.stderr and "Read-only file system" in result.stderr
+
+
+def test_cache_command_does_not_import_torch(tmp_path):
+    blocker = tmp_path / "blocker" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('python -m jitk cache imported torch')")
+    env = {**child_env(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])}
+    for args in (["cache"], ["cache", "clear"], ["cache", "prune", "--keep", "1"]):
+        result = subprocess.run([sys.executable, "-m", "jitk", *args], capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stderr
