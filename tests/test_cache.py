@@ -147,7 +147,7 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path, monkeypa
     try:
         monkeypatch.setenv(lock.TIMEOUT_ENV, "0.5")
         started = time.perf_counter()
-        with pytest.raises(jitk.JitLockError, match=f"waited 0 s for the build lock .*held by "
+        with pytest.raises(jitk.JitLockError, match=f"waited 0.5 s for the build lock .*held by "
                            f"pid {holder.pid} on .* \\(this machine\\)"):
             jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
                           build_directory=entry)
@@ -155,6 +155,7 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path, monkeypa
     finally:
         holder.kill()
         holder.wait()
+    monkeypatch.delenv(lock.TIMEOUT_ENV)
     # The holder was killed: its lock died with it, and the build goes ahead.
     module = jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
                            build_directory=entry)
@@ -183,13 +184,39 @@ def compilers_under(folder: Path) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
-def test_a_killed_build_leaves_no_compiler_running(tmp_path):
-    cache_dir = tmp_path / "cache"
-    heavy = tmp_path / "heavy.cuh"  # a second or more of compiling, to kill it in the middle
+def assert_no_compilers_soon(folder: Path) -> None:
+    deadline = time.monotonic() + 10
+    while left := compilers_under(folder):
+        assert time.monotonic() < deadline, f"still running after the build stopped: {left}"
+        time.sleep(0.1)
+
+
+def write_heavy_kernel(folder: Path) -> Path:
+    """A kernel that takes a second or more to compile, to stop its build in the middle."""
+    heavy = folder / "heavy.cuh"
     heavy.write_text("#include <cstdint>\n#include <jitk/tensor.h>\n#include <jitk/utils.h>\n"
                      "#include <map>\n#include <regex>\n#include <vector>\n"
                      "int64_t twice(int64_t x) { std::regex r(\"a+\"); return 2 * x; }\n")
+    return heavy
+
+
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
+def test_a_build_past_the_time_limit_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "0.2")
+    with pytest.raises(jitk.JitCompileError) as info:
+        jitk.load_jit("heavy", cpp_files=[write_heavy_kernel(tmp_path)],
+                      cpp_wrappers=[("twice", "twice")])
+    assert info.value.errors == ["jitk: the build ran longer than 0.2 s (JITK_LOCK_TIMEOUT) "
+                                 "and was stopped"]
+    assert_no_compilers_soon(tmp_path / "cache")
+    assert not published(tmp_path / "cache")
+
+
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
+def test_a_killed_build_leaves_no_compiler_running(tmp_path):
+    cache_dir = tmp_path / "cache"
+    heavy = write_heavy_kernel(tmp_path)
     builder = subprocess.Popen([sys.executable, "-c", LOAD, str(heavy), "heavy", "1"],
                                env=child_env(cache_dir), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -199,10 +226,7 @@ def test_a_killed_build_leaves_no_compiler_running(tmp_path):
         time.sleep(0.02)
     builder.send_signal(signal.SIGKILL)
     builder.wait()
-    deadline = time.monotonic() + 10
-    while left := compilers_under(cache_dir):
-        assert time.monotonic() < deadline, f"still running after the builder died: {left}"
-        time.sleep(0.1)
+    assert_no_compilers_soon(cache_dir)
     assert not published(cache_dir)
 
 

@@ -121,14 +121,16 @@ def _build_env(archs: tuple[str, ...], guard: Path) -> Iterator[None]:
                     os.environ[key] = value
 
 
-def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[Path, ...]:
+def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
     """Folders whose headers the cache key already covers: by content (jitk's headers),
-    or by a version in the key (tvm-ffi's, the CUDA toolkit's, the host compiler's)."""
+    or by a version in the key (tvm-ffi's, the CUDA toolkit's, the host compiler's), as
+    path prefixes, both as given and with links resolved."""
     roots = [staging, spec.include_dir, Path(find_include_path()),
              Path(find_dlpack_include_path()), *toolchain.host_system_include_dirs()]
     if spec.archs:
         roots.append(toolchain.cuda_home())
-    return tuple(root.resolve() for root in roots)
+    spellings = {os.path.normpath(p) for root in roots for p in (root, os.path.realpath(root))}
+    return tuple(spelling.rstrip(os.sep) + os.sep for spelling in spellings)
 
 
 def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
@@ -137,15 +139,14 @@ def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
     out = subprocess.run([shutil.which("ninja") or "ninja", "-t", "deps"], cwd=staging,
                          capture_output=True, text=True, timeout=60, check=True)
     covered = _covered_by_key(spec, staging)
-    listed = {path.resolve() for path in spec.kernel_files}
+    listed = {os.path.realpath(path) for path in spec.kernel_files}
     headers = {}
     for line in out.stdout.splitlines():
-        if not line.startswith("    "):
+        path = os.path.normpath(line.strip())
+        if not line.startswith("    ") or path.startswith(covered):
             continue
-        path = Path(line.strip()).resolve()
-        if path in listed or any(path.is_relative_to(root) for root in covered):
-            continue
-        headers[cache.portable(path)] = cache.digest(path)
+        if os.path.realpath(path) not in listed:
+            headers[cache.portable(path)] = cache.digest(Path(path))
     return dict(sorted(headers.items()))
 
 

@@ -205,7 +205,9 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
         fill = (f"`{extra}python -m jitk precompile{arch} --module {caller}` (its common "
                 "configurations; add this one to its precompile_configs() if it is not there)")
     else:
-        fill = f"a run of this call with JIT enabled (or `python -m jitk precompile{arch}`)"
+        fill = (f"one run of this call with compiling allowed, or `JITK_PRECOMPILE_MODULES="
+                f"<your module> python -m jitk precompile{arch}` once your module's "
+                "precompile_configs() lists it")
     why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
     return JitCacheMissError(
         f"jitk: module '{spec.name}' (template arguments: "

@@ -109,7 +109,7 @@ def build_lock(entry: Path, timeout: float | None = None) -> Iterator[None]:
     while (fd := try_lock(path)) is None:
         if time.monotonic() > deadline:
             raise JitLockError(
-                f"jitk waited {timeout:.0f} s for the build lock {path}, held by "
+                f"jitk waited {timeout:g} s for the build lock {path}, held by "
                 f"{holder(path)}, which is still building {entry.name}; wait for it, stop "
                 f"it, or raise {TIMEOUT_ENV}")
         time.sleep(pause)

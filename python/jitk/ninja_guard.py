@@ -39,7 +39,7 @@ def main() -> int:
     try:
         code = ninja.wait(timeout=float(timeout))
     except subprocess.TimeoutExpired:
-        print(f"jitk: the build ran longer than {float(timeout):.0f} s (JITK_LOCK_TIMEOUT) "
+        print(f"jitk: the build ran longer than {float(timeout):g} s (JITK_LOCK_TIMEOUT) "
               "and was stopped", file=sys.stderr, flush=True)
         ninja.terminate()
         try:
