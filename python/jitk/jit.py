@@ -232,12 +232,13 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
     """The module of `spec` and whether this call built it. A complete, intact entry is
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
+    disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     found = cache.look_up(spec.entry)
     if found.problem:  # perhaps read while another process replaced the entry: look again
         found = cache.look_up(spec.entry)
     if found.library and (module := _load_published(found.library)):
         return module, False
-    if jit_disabled():
+    if disabled:
         raise _miss_error(spec, template_args, found.problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
