@@ -59,7 +59,10 @@ def test_disable_jit_context_and_a_damaged_entry(kernel, tmp_path, monkeypatch):
         with pytest.raises(jitk.JitCacheMissError, match="not in the cache"):
             load(kernel, "other")
         [library] = (tmp_path / "cache").glob("*/twice.so")
-        library.write_bytes(library.read_bytes()[:100])
+        # A new file in its place: truncating the mapped one would crash this process.
+        damaged = library.with_suffix(".damaged")
+        damaged.write_bytes(library.read_bytes()[:100])
+        damaged.replace(library)
         with pytest.raises(jitk.JitCacheMissError, match="its entry cannot be used: twice.so "
                            "is damaged"):
             load(kernel)

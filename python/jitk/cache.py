@@ -75,6 +75,8 @@ class Lookup:
 
 
 def look_up(entry: Path) -> Lookup:
+    """Checks an entry as a reader does, without a lock or a write: its record, its library
+    against the recorded digest, and the kernel's own headers against theirs."""
     meta = read_meta(entry)
     if meta is None:
         damaged = (entry / META_FILE).exists()
