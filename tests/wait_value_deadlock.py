@@ -1,9 +1,14 @@
-"""The scenario that hung every run while waits were spin kernels (issue 10), for a fresh
-process with no warm-up: stream B waits on a GPU flag and enqueues a kernel this process has
-never launched; stream A then runs its first torch.cuda._sleep and fill_ and writes the flag.
-Lazy loading loads those kernels while B's wait is in place.
+"""Issue 10's deadlock scenario and its safe ordering, each for a fresh process that has
+loaded no kernel of the ones it launches (CUDA loads a kernel at its first launch):
 
-    python tests/wait_value_deadlock.py     # prints "released", exit 0; hangs if it deadlocks
+    waiter-first   stream B waits on a GPU flag, then stream A runs its first _sleep and fill_
+                   and writes the flag (the issue's scenario: A's kernels load while B waits)
+    writer-first   A is enqueued first (first _sleep, fill_, write), then B waits and runs a
+                   kernel of its own for the first time behind the wait
+
+After the wait, B copies the data (a copy loads no kernel); the host checks the copy.
+
+    python tests/wait_value_deadlock.py SCENARIO   # prints "released", exit 0; may hang
 
 `run_fresh` starts it in new processes, each under a timeout (the tests and the benchmark)."""
 
@@ -15,9 +20,10 @@ import sys
 from pathlib import Path
 
 RELEASED = "released"
+SCENARIOS = ("waiter-first", "writer-first")
 
 
-def main() -> int:
+def main(scenario: str) -> int:
     import torch
 
     from jitk import wait_value
@@ -26,24 +32,39 @@ def main() -> int:
     data = torch.empty(1 << 20, device="cuda")
     seen = torch.empty_like(data)
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(consumer):
-        wait_value.stream_wait_value(flag, 1)
-        torch.mul(data, 2, out=seen)  # loaded at this first launch, behind the wait
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(1_000_000)  # about 0.5 ms: the wait is in place long before
-        data.fill_(3.0)
-        wait_value.stream_write_value(flag, 1)
+
+    def produce() -> None:
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(1_000_000)  # about 0.5 ms
+            data.fill_(3.0)
+            wait_value.stream_write_value(flag, 1)
+
+    def consume() -> None:
+        with torch.cuda.stream(consumer):
+            wait_value.stream_wait_value(flag, 1)
+            if scenario == "writer-first":
+                data.mul_(2)  # this kernel's first launch, behind the wait
+            seen.copy_(data)
+
+    if scenario == "waiter-first":
+        consume()
+        produce()
+    else:
+        produce()
+        consume()
     torch.cuda.synchronize()
-    if not bool((seen == 6).all()):
+    expected = 6.0 if scenario == "writer-first" else 3.0
+    if not bool((seen.cpu() == expected).all()):  # checked on the host: no kernel to load
         print("the consumer read data the producer had not written yet")
         return 1
     print(RELEASED)
     return 0
 
 
-def run_fresh(times: int, timeout_s: float = 30.0, env: dict[str, str] | None = None,
+def run_fresh(times: int, scenario: str, timeout_s: float = 30.0,
+              env: dict[str, str] | None = None,
               stop_at_first_failure: bool = True) -> list[str]:
-    """Runs the scenario in `times` new processes, one after another; returns each outcome:
+    """Runs `scenario` in `times` new processes, one after another; returns each outcome:
     "released", "timeout" or the failing process's last output line."""
     import jitk
 
@@ -54,8 +75,9 @@ def run_fresh(times: int, timeout_s: float = 30.0, env: dict[str, str] | None = 
     outcomes = []
     for _ in range(times):
         try:
-            done = subprocess.run([sys.executable, __file__], env=child_env, text=True,
-                                  capture_output=True, timeout=timeout_s, check=False)
+            done = subprocess.run([sys.executable, __file__, scenario], env=child_env,
+                                  text=True, capture_output=True, timeout=timeout_s,
+                                  check=False)
             lines = (done.stdout + done.stderr).strip().splitlines()
             outcome = RELEASED if done.returncode == 0 and lines[-1:] == [RELEASED] else (
                 f"exit {done.returncode}: {lines[-1] if lines else ''}")
@@ -68,4 +90,6 @@ def run_fresh(times: int, timeout_s: float = 30.0, env: dict[str, str] | None = 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(SCENARIOS)}}}")
+    sys.exit(main(sys.argv[1]))

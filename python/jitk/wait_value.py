@@ -44,17 +44,21 @@ round counter, waited on with "geq") rather than toggling between two.
 A wait that is never satisfied holds its stream until the process ends, and with it the
 hardware queue the stream runs on. CUDA spreads streams over a few such queues
 (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), so work that another stream enqueues after the
-wait may share the waiting queue and stay behind it: enqueue the writer before the waiter
-where you can, or order the two with a torch.cuda event too.
+wait may share the waiting queue and stay behind it.
+
+Enqueue the writer before the waiter. CUDA loads a kernel at its first launch (lazy loading,
+the default), and the load waits for the work already on the GPU to finish, a wait in place
+included: a stream memory operation as much as a spin kernel (measured on an H100). So a
+thread that enqueues a wait and then, before the write that releases it, launches a kernel
+for the first time in the process hangs in that launch. Enqueuing the write first avoids it
+(and the shared queue above); otherwise run each such kernel once before, or start the
+process with CUDA_MODULE_LOADING=EAGER.
 
 Fallback. Where the driver has no stream memory operations, or the GPU lacks the 64-bit ones
 or the "nor" wait (its device attributes say so), the call enqueues a one-thread kernel that
 spins on the flag (or writes it) instead, with the same comparisons and the same release/
-acquire visibility at system scope, and warns once. That kernel occupies an SM while it waits,
-and CUDA loads a kernel at its first launch (lazily), which may wait for the GPU to go idle:
-a kernel of yours launched for the first time while a spin wait runs may block the launching
-thread until the wait is released, which never happens if that thread was to release it. On
-the fallback, run such work once before. JITK_WAIT_VALUE_SPIN=1 asks for the fallback always.
+acquire visibility at system scope, and warns once. That kernel occupies an SM while it
+waits. JITK_WAIT_VALUE_SPIN=1 asks for the fallback everywhere.
 """
 
 from __future__ import annotations
