@@ -4,8 +4,9 @@ CPU part: the module builds for sm_90 without linking the CUDA driver, and every
 refuses a bad flag, value or op with a message that says what is wrong and where. GPU part
 (marked): waits hold their stream until a passing value arrives, from another stream, a host
 thread or inside a CUDA graph, and the data published before the flag is all there after the
-wait; the scenario that deadlocked spin-kernel waits runs in fresh processes; every comparison
-runs on the driver's stream memory operations and on the spin-kernel fallback.
+wait; every comparison runs on the driver's stream memory operations and on the spin-kernel
+fallback. The deadlock scenarios run in fresh processes: writer first must always be released,
+and issue 10's waiter-first order is pinned as the hang it still is (a strict xfail).
 
 A wait that is never released would hold the GPU until the process dies, so every GPU test
 runs under `watchdog`, which releases the flag whatever happens."""
@@ -295,10 +296,15 @@ def test_writer_enqueued_first_never_deadlocks_with_cold_kernels():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 10's order hangs in a fresh process on an H100 (driver 580): a first launch waits "
+    "for the GPU, the pending wait included; also with the spin kernel and "
+    "CUDA_MODULE_LOADING=EAGER. Should it ever pass, the module docstring is stale."))
 def test_waiter_enqueued_first_with_cold_writer_kernels_issue_10():
     wait_value._kernels()
-    outcomes = wait_value_deadlock.run_fresh(20, "waiter-first", timeout_s=20.0)
-    assert outcomes == [wait_value_deadlock.RELEASED] * 20, outcomes
+    # One run: a hang costs the whole timeout, and every run so far has hung.
+    outcomes = wait_value_deadlock.run_fresh(1, "waiter-first", timeout_s=20.0)
+    assert outcomes == [wait_value_deadlock.RELEASED], outcomes
 
 
 @pytest.mark.gpu

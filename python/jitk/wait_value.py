@@ -41,18 +41,20 @@ something overwrites it), and a wait that reads the flag only after it has moved
 waiting until a passing value comes back. Reuse a flag by giving every round its own value (a
 round counter, waited on with "geq") rather than toggling between two.
 
-A wait that is never satisfied holds its stream until the process ends, and with it the
-hardware queue the stream runs on. CUDA spreads streams over a few such queues
-(CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), so work that another stream enqueues after the
-wait may share the waiting queue and stay behind it.
+A wait that is never satisfied holds its stream until the process ends. The driver warns
+that the order these operations set up is invisible to CUDA's scheduler, which may serialize
+other work behind a wait in an order that deadlocks; enqueuing the write before the wait is
+the order that never depends on it.
 
-Enqueue the writer before the waiter. CUDA loads a kernel at its first launch (lazy loading,
-the default), and the load waits for the work already on the GPU to finish, a wait in place
-included: a stream memory operation as much as a spin kernel (measured on an H100). So a
-thread that enqueues a wait and then, before the write that releases it, launches a kernel
-for the first time in the process hangs in that launch. Enqueuing the write first avoids it
-(and the shared queue above); otherwise run each such kernel once before, or start the
-process with CUDA_MODULE_LOADING=EAGER.
+Enqueue the writer before the waiter. In a process that has not run the writer's kernels
+yet, a wait that is in place before those kernels are launched can hang the launching thread:
+some first launch waits for the work already on the GPU, the wait included, which only the
+write behind that launch would release. Measured on an H100 (driver 580, torch 2.11) in fresh
+processes: waiter first, then a producer stream's first _sleep and fill_ and the write, hung
+in every run, on stream memory operations and on the spin kernel alike, and also with
+CUDA_MODULE_LOADING=EAGER or CUDA_DEVICE_MAX_CONNECTIONS=32; writer first, then the waiter with
+a kernel of its own that loads behind the wait, was released in every run (20 of 20). Once
+the writer's kernels had run in the process, waiter-first worked in every test.
 
 Fallback. Where the driver has no stream memory operations, or the GPU lacks the 64-bit ones
 or the "nor" wait (its device attributes say so), the call enqueues a one-thread kernel that
@@ -123,13 +125,14 @@ def _kernels() -> _Kernels:
 
 def _current_stream() -> tuple[int, int]:
     """(device index, cudaStream_t) of PyTorch's current stream. tvm-ffi hands a kernel that
-    stream only when a cuda tensor is an argument, which a host flag is not."""
+    stream only when a cuda tensor is an argument, which a host flag is not. The raw handle,
+    as torch._dynamo reads it: building a torch.cuda.Stream cost 5.2 us a call (H100 host)."""
     try:
-        stream = torch.cuda.current_stream()
+        device = torch.cuda.current_device()
     except (AssertionError, RuntimeError):
         # PyTorch without CUDA: the kernel's own checks then say what is wrong with the flag.
         return -1, 0
-    return stream.device_index, stream.cuda_stream
+    return device, torch._C._cuda_getCurrentRawStream(device)
 
 
 def _check_value(flag: torch.Tensor, value: int) -> None:

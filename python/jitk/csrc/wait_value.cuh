@@ -1,12 +1,9 @@
 // Stream-ordered flags on the CUDA driver's stream memory operations (cuStreamWaitValue32/64,
-// cuStreamWriteValue32/64): the GPU's front end holds a stream until a 32- or 64-bit flag
-// passes a comparison, or writes the flag behind the stream's earlier work. No kernel runs or
-// loads, no SM is held, and stream capture records them as graph nodes. The flag lives in GPU
-// memory or in pinned host memory. Where the driver or the GPU lacks an operation, a one-thread
-// spin kernel does the same job (the fallback), and the entry point says so to its caller.
-//
-// The driver is reached through the runtime's entry-point lookup, never linked: a machine
-// without a driver still builds and loads this module.
+// cuStreamWriteValue32/64): the GPU's front end holds a stream until a 32- or 64-bit flag (in
+// GPU or pinned host memory) passes a comparison, or writes the flag after the stream's earlier
+// work; no kernel, no SM, and stream capture records them. The driver is reached through the
+// runtime's entry-point lookup, never linked, so a machine without one builds and loads this.
+// Where the driver or GPU lacks an operation, a one-thread spin kernel does it (the fallback).
 #pragma once
 
 #include <jitk/tensor.h>
@@ -42,29 +39,30 @@ enum Path : int32_t {
 // ---------------------------------------------------------------------------------------
 // The fallback: one thread that spins on the flag, and one that writes it.
 
-// The waiter sleeps between polls, doubling from the first length to the cap: a flag that is
-// already set costs one load, and a release is noticed at most about the cap late while a
-// long wait costs one load per cap (a PCIe read each, for a host flag).
+// The waiter sleeps between polls, doubling up to the cap: a flag already set costs one load, a
+// release is noticed about the cap late at most, a long wait costs a load (PCIe read) per cap.
 inline constexpr unsigned kFirstSleepNs = 32;
 inline constexpr unsigned kMaxSleepNs = 512;
 
 // The acquire orders every later read of this thread (and of the kernels after it on the
 // stream) after the flag's value; the release publishes everything before it on the stream.
-__device__ __forceinline__ int32_t load_acquire_system(const int32_t* flag) {
-  int32_t value;
-  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+template <typename T>
+__device__ __forceinline__ T load_acquire_system(const T* flag) {
+  T value;
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  }
   return value;
 }
-__device__ __forceinline__ int64_t load_acquire_system(const int64_t* flag) {
-  int64_t value;
-  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
-  return value;
-}
-__device__ __forceinline__ void store_release_system(int32_t* flag, int32_t value) {
-  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
-}
-__device__ __forceinline__ void store_release_system(int64_t* flag, int64_t value) {
-  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+template <typename T>
+__device__ __forceinline__ void store_release_system(T* flag, T value) {
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  } else {
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+  }
 }
 
 template <typename T>
@@ -130,9 +128,8 @@ decltype(auto) with_flag(const TensorView& flag, SymbolicDevice& device, Use&& u
   return use(aligned.template operator()<int32_t>());
 }
 
-// The attribute queries below are no stream work, but a stream capture in global mode
-// (PyTorch's default) may refuse them and be ended by them. For its scope this thread captures
-// in relaxed mode, which permits them.
+// The queries below are no stream work, but a stream capture in global mode (PyTorch's
+// default) may refuse them and end; for its scope this thread captures in relaxed mode.
 class RelaxedCaptureMode {
  public:
   RelaxedCaptureMode() : changed_(cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {}
@@ -197,11 +194,7 @@ struct Driver {
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
-
-  bool complete() const {
-    return wait32 && wait64 && write32 && write64 && device_get && device_attribute &&
-           error_name;
-  }
+  bool complete = false;
 };
 
 // The symbol as CUDA 12.0 defined it (the _v2 stream memory operations), or null where the
@@ -234,6 +227,8 @@ inline const Driver& driver() {
     find_driver_symbol("cuDeviceGet", d.device_get);
     find_driver_symbol("cuDeviceGetAttribute", d.device_attribute);
     find_driver_symbol("cuGetErrorName", d.error_name);
+    d.complete = d.wait32 && d.wait64 && d.write32 && d.write64 && d.device_get &&
+                 d.device_attribute && d.error_name;
     return d;
   }();
   return found;
@@ -247,9 +242,8 @@ inline void driver_check(CUresult result, const char* call, DebugInfo where = {}
                    static_cast<int>(result), ")");
 }
 
-// What a device's front end can do, queried once per device. Atomics on the host are the
-// compiler's builtins (gcc and clang, nvcc's host compilers): <atomic> would add about 0.8 s to
-// every build of this module, for three operations.
+// What a device's front end can do, queried once per device. Host atomics are the compiler's
+// builtins (gcc, clang): <atomic> would add about 0.8 s to every build of this module.
 enum Capability : uint32_t {
   kQueried = 1,
   kMemoryOperations = 2,
@@ -263,7 +257,7 @@ inline uint32_t device_capabilities[kCachedDevices];
 
 inline uint32_t query_capabilities(int device) {
   const Driver& d = driver();
-  if (!d.complete()) return kQueried;
+  if (!d.complete) return kQueried;
   const RelaxedCaptureMode relaxed;
   CUdevice handle = 0;
   driver_check(d.device_get(&handle, device), "cuDeviceGet");
@@ -297,9 +291,8 @@ inline void note_refusal(int device) {
 // ---------------------------------------------------------------------------------------
 // Host side: enqueueing a wait or a write.
 
-// CUDA loads a kernel at its first launch on a device (lazy loading, PyTorch's default), and
-// loading may wait for the device to go idle: a spinning wait never lets it. So the first spin
-// launch on a device loads all four kernels there, before any of them spins.
+// CUDA loads a kernel at its first launch (lazily), which may wait for the GPU to go idle, which
+// a spinning wait never lets it: the first spin launch on a device loads all four kernels.
 inline void load_spin_kernels_once(int device) {
   static uint64_t loaded_devices = 0;  // bit d: loaded on device d
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
@@ -313,7 +306,7 @@ inline void load_spin_kernels_once(int device) {
   __atomic_fetch_or(&loaded_devices, bit, __ATOMIC_RELAXED);
 }
 
-// Which way a wait (compare >= 0) or a write (compare < 0) of a T flag goes on `device`.
+// Which way a wait (compare >= 0) or a write (kWrite) of a T flag goes on `device`.
 template <typename T>
 Path choose_path(int device, int compare, bool spin) {
   if (spin) return kSpinRequested;
@@ -325,42 +318,33 @@ Path choose_path(int device, int compare, bool spin) {
   return kMemoryOperation;
 }
 
+// A wait adds the flush where the GPU offers it: it orders the writes that other devices (an
+// RDMA NIC, say) put in this GPU's memory before the flag, for the work after the wait. A
+// write with the default flags has a system-scope memory barrier before it: it is a release.
 template <typename T>
-CUresult enqueue_wait(cudaStream_t stream, T* flag, T value, int compare, uint32_t can) {
-  // The flush orders writes that other devices (an RDMA NIC, say) put in this GPU's memory
-  // before the flag, for the work after the wait; only some platforms offer it.
-  const unsigned flags = compare | (can & kFlushRemoteWrites ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
+CUresult enqueue_memory_operation(cudaStream_t stream, T* flag, T value, int compare,
+                                  uint32_t can) {
   const auto address = reinterpret_cast<CUdeviceptr>(flag);
+  const auto bits = static_cast<std::make_unsigned_t<T>>(value);
+  const unsigned wait_flags = compare | (can & kFlushRemoteWrites ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
+  const Driver& d = driver();
   if constexpr (sizeof(T) == 8) {
-    return driver().wait64(stream, address, static_cast<cuuint64_t>(value), flags);
+    return compare == kWrite ? d.write64(stream, address, bits, CU_STREAM_WRITE_VALUE_DEFAULT)
+                             : d.wait64(stream, address, bits, wait_flags);
   } else {
-    return driver().wait32(stream, address, static_cast<cuuint32_t>(value), flags);
+    return compare == kWrite ? d.write32(stream, address, bits, CU_STREAM_WRITE_VALUE_DEFAULT)
+                             : d.wait32(stream, address, bits, wait_flags);
   }
 }
 
-// The default flags put a system-scope memory barrier before the write, for the stream's
-// earlier work: the write is a release.
-template <typename T>
-CUresult enqueue_write(cudaStream_t stream, T* flag, T value) {
-  const auto address = reinterpret_cast<CUdeviceptr>(flag);
-  if constexpr (sizeof(T) == 8) {
-    return driver().write64(stream, address, static_cast<cuuint64_t>(value),
-                            CU_STREAM_WRITE_VALUE_DEFAULT);
-  } else {
-    return driver().write32(stream, address, static_cast<cuuint32_t>(value),
-                            CU_STREAM_WRITE_VALUE_DEFAULT);
-  }
-}
-
-// Holds (compare >= 0) or writes (compare < 0) `flag`, the address the GPU sees, on `stream`
-// of `device`, which is current. Returns the path it took.
+// Holds (compare >= 0) or writes (kWrite) `flag`, the address the GPU sees, on `stream` of
+// `device`, which is current. Returns the path it took.
 template <typename T>
 int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare, bool spin) {
   Path path = choose_path<T>(device, compare, spin);
   if (path == kMemoryOperation) {
-    const CUresult result = compare >= 0
-                                ? enqueue_wait(stream, flag, target, compare, capabilities(device))
-                                : enqueue_write(stream, flag, target);
+    const CUresult result =
+        enqueue_memory_operation(stream, flag, target, compare, capabilities(device));
     if (result != CUDA_ERROR_NOT_SUPPORTED) {
       driver_check(result, compare >= 0 ? "cuStreamWaitValue" : "cuStreamWriteValue");
       return path;
@@ -412,9 +396,8 @@ inline int32_t on_host_flag(const TensorView& flag, int64_t value, int compare, 
 }
 
 // ---------------------------------------------------------------------------------------
-// Exported entry points. The flag is a 1-d int32 or int64 tensor; its first element is the
-// flag. `compare` is a comparison code (above); `spin` asks for the spin kernel. Each returns
-// the Path it took.
+// Exported entry points. The flag: a 1-d int32 or int64 tensor's first element. `compare`: a
+// comparison code (above); `spin` asks for the spin kernel. Each returns the Path it took.
 
 // Holds the current stream of the flag's GPU until the flag passes the comparison with `value`.
 int32_t wait_device_flag(TensorView flag, int64_t value, int32_t compare, bool spin) {
