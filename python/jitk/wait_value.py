@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
@@ -73,6 +74,7 @@ def _current_stream() -> tuple[int, int]:
     return stream.device_index, stream.cuda_stream
 
 
+@op("jitk::stream_wait_value", mutates_args=())  # reads the flag; kept as a side effect
 def stream_wait_value(flag: torch.Tensor, value: int = 1) -> None:
     """Hold the current stream until flag[0] == value (an int32)."""
     if flag.is_cuda:
@@ -81,6 +83,7 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1) -> None:
         _kernels().wait_host_flag(flag, value, *_current_stream())
 
 
+@op("jitk::stream_write_value", mutates_args=("flag",))
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
     if flag.is_cuda:
