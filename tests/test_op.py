@@ -273,6 +273,12 @@ def test_declaration_errors():
         @jitk.op("jitk_test::count", mutates_args=())
         def count(x: torch.Tensor) -> int:
             return x.numel()
+    with pytest.raises(TypeError, match="no return annotation; write -> None"):
+        @jitk.op("jitk_test::unannotated_return", mutates_args=())
+        def unannotated_return(x: torch.Tensor): ...
+    with pytest.raises(TypeError, match="'x' has no type annotation"):
+        @jitk.op("jitk_test::unannotated", mutates_args=())
+        def unannotated(x) -> None: ...
     with pytest.raises(TypeError, match="'x' is annotated <class 'numpy.ndarray'>"):
         @jitk.op("jitk_test::numpy_in", mutates_args=())
         def numpy_in(x: np.ndarray) -> None: ...

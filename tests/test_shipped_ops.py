@@ -18,6 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import jitk
+import jitk.hicache
+import jitk.norm
+import jitk.wait_value  # importing a kernel module registers its operators
 
 HIDDEN = 256
 ROW = 128  # elements per KV row: 256 bytes in bfloat16
@@ -243,11 +246,13 @@ def test_opcheck_every_operator():
 
 
 FLAG_SCRIPT = textwrap.dedent("""\
-    import time, torch, jitk
+    import time, torch
+    import jitk.wait_value  # registers the operators
     wait = torch.ops.jitk.stream_wait_value.default
     write = torch.ops.jitk.stream_write_value.default
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.library.opcheck(write, (flag, 5))
+    write(flag, 5)
     torch.cuda.synchronize()
     assert flag.item() == 5, flag
     torch.library.opcheck(wait, (flag, 5))  # holds the value already: every copy passes
@@ -257,13 +262,19 @@ FLAG_SCRIPT = textwrap.dedent("""\
         wait(host, 3)
         write(flag, 9)
     flag.zero_()
-    graph.replay()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
     time.sleep(0.2)
-    assert flag.item() == 0, "the replayed write ran before its wait was released"
+    assert not done.query(), "the replay ran past its wait"
     host[0] = 3
     deadline = time.monotonic() + 20
-    while flag.item() != 9:
+    while not done.query():
         assert time.monotonic() < deadline, "the replayed wait was never released"
+    assert flag.item() == 9, flag
     print("flag operators ok")
 """)
 

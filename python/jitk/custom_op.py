@@ -92,6 +92,8 @@ _SCALARS: dict[object, _Kind] = {
 
 
 def _kind(annotation: object, where: str) -> _Kind:
+    if annotation is inspect.Parameter.empty:
+        raise TypeError(f"{where} has no type annotation; jitk.op reads the schema from them")
     if annotation in _SCALARS:
         return _SCALARS[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -148,7 +150,7 @@ class _Call:
 
 
 _EAGER_PATH = """\
-def {name}({parameters}):
+def _jitk_eager({parameters}):
     if (not _jitk_dynamo() and {fast}
             and not _jitk_dispatch_modes() and not _jitk_function_modes()):
         return _jitk_fn({arguments})
@@ -177,11 +179,11 @@ def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str,
         arguments.append(param.name if param.kind is param.POSITIONAL_OR_KEYWORD
                          else f"{param.name}={param.name}")
     source = _EAGER_PATH.format(
-        name=fn.__name__, parameters=", ".join(parameters), arguments=", ".join(arguments),
+        parameters=", ".join(parameters), arguments=", ".join(arguments),
         values=", ".join(kinds), fast=" and ".join(
             kind.fast.format(v=name) for name, kind in kinds.items()) or "True")
     exec(compile(source, f"<jitk.op {fn.__qualname__}>", "exec"), namespace)  # noqa: S102
-    return functools.update_wrapper(namespace[fn.__name__], fn)
+    return functools.update_wrapper(namespace["_jitk_eager"], fn)
 
 
 def _returns_nothing(*args: object, **kwargs: object) -> None:
@@ -192,6 +194,9 @@ def _automatic_fake(label: str, signature: inspect.Signature) -> Callable:
     """The fake implementation jitk can write: nothing for an op that returns nothing;
     tensors like the first tensor parameters, in order, for one that returns tensors."""
     returns = signature.return_annotation
+    if returns is inspect.Signature.empty:
+        raise TypeError(f"jitk.op('{label}'): no return annotation; write -> None for an "
+                        "operator that returns nothing")
     if returns in (None, _NONE):
         return _returns_nothing
     outputs = typing.get_args(returns) if typing.get_origin(returns) is tuple else (returns,)
