@@ -55,7 +55,7 @@ def first_half(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@jitk.op("jitk_test::touch", mutates_args=())
+@jitk.op("jitk_test::touch", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def touch(x: torch.Tensor) -> None:
     """Returns nothing and writes no argument: kept in graphs for its side effect."""
     handed.append(x.data_ptr())
@@ -239,6 +239,8 @@ def test_wrapper_keeps_name_signature_and_docs():
         ["x", "alpha", "offset", "repeat"]
     assert str(axpy.op._schema) == \
         "jitk_test::axpy(float alpha, Tensor x, Tensor(a2!) y) -> ()"
+    assert torch.Tag.cudagraph_unsafe in touch.op.tags
+    assert torch.Tag.cudagraph_unsafe not in axpy.op.tags
 
 
 # ------------------------------------------------------------------------------ arguments

@@ -36,6 +36,10 @@ WRITES = {"rmsnorm": {"out"}, "fused_add_rmsnorm": {"input", "residual"},
           "transfer_hicache_one_layer_mla": {"cache_dst"}, "transfer_hicache_all_layer": set(),
           "transfer_hicache_all_layer_mla": set(), "stream_wait_value": set(),
           "stream_write_value": {"flag"}}
+# Operators whose arguments must be the caller's own memory inside a CUDA graph, which
+# Inductor's graphs (mode="reduce-overhead") do not promise: a flag, a pinned host cache.
+OUTSIDE_INDUCTOR_GRAPHS = {"transfer_hicache_one_layer", "transfer_hicache_one_layer_mla",
+                           "stream_wait_value", "stream_write_value"}
 
 
 def calls(tensor):
@@ -86,10 +90,13 @@ def jitk_calls(graph: torch.fx.GraphModule) -> list[str]:
 def test_every_entry_point_is_an_operator_declaring_what_it_writes():
     assert [name for name, *_ in calls(cpu_tensor)] == SHIPPED
     for name in SHIPPED:
-        schema = getattr(torch.ops.jitk, name).default._schema
+        operator = getattr(torch.ops.jitk, name).default
+        schema = operator._schema
         written = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
         assert written == WRITES[name], name
         assert not schema.returns, f"{name} returns something: an operator may not alias"
+        unsafe = torch.Tag.cudagraph_unsafe in operator.tags
+        assert unsafe == (name in OUTSIDE_INDUCTOR_GRAPHS), name
 
 
 def test_make_fx_over_fake_cuda_tensors_traces_every_operator():

@@ -30,7 +30,7 @@ import functools
 import inspect
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -216,13 +216,17 @@ def _automatic_fake(label: str, signature: inspect.Signature) -> Callable:
     return fake
 
 
-def op(qualified_name: str, *, mutates_args: Iterable[str],
-       fake: Callable | None = None) -> Callable[[Callable], Callable]:
+def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | None = None,
+       tags: Sequence[torch.Tag] = ()) -> Callable[[Callable], Callable]:
     """Decorator: `fn` becomes the operator `torch.ops.<namespace>.<name>` for
     qualified_name "<namespace>::<name>", and the function returned calls it (see the module
     docstring). `mutates_args` names every tensor parameter fn writes; an op must not
     return one of its inputs (return nothing and let the caller return it). `fake` is the
-    fake implementation where jitk cannot write it. The operator is the `op` attribute."""
+    fake implementation where jitk cannot write it. `tags` are torch.Tag values for the
+    operator: torch.Tag.cudagraph_unsafe keeps it out of the CUDA graphs Inductor records
+    (mode="reduce-overhead"), which hand an operator copies of graph inputs, where it needs
+    the caller's own memory (a flag, a pinned host cache). The operator is the `op`
+    attribute."""
     if not isinstance(qualified_name, str) or qualified_name.count("::") != 1:
         raise ValueError(f"jitk.op: the name must be 'namespace::name', got {qualified_name!r}")
     if isinstance(mutates_args, str):
@@ -247,7 +251,7 @@ def op(qualified_name: str, *, mutates_args: Iterable[str],
         prototype.__signature__ = signature
         schema = torch.library.infer_schema(prototype, mutates_args=mutates_args)
         definition = torch.library.custom_op(qualified_name, fn, mutates_args=mutates_args,
-                                             schema=schema)
+                                             schema=schema, tags=tuple(tags))
         definition.register_fake(fake_impl)
         operator = getattr(getattr(torch.ops, namespace), label).default
         if signature.return_annotation in (None, _NONE) and not mutates_args:

@@ -104,7 +104,8 @@ def _one_layer_kernels(cache: torch.Tensor, element_dim: int | None,
     return _kernels(element_dim * cache.element_size(), _unroll(unroll)), element_dim
 
 
-@op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"))
+@op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
     v_cache_dst: torch.Tensor,
@@ -124,7 +125,8 @@ def transfer_hicache_one_layer(
         element_dim, _optional(block_quota, "block_quota", 1))
 
 
-@op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",))
+@op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
+    tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
     indices_dst: torch.Tensor,

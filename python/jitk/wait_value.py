@@ -74,7 +74,8 @@ def _current_stream() -> tuple[int, int]:
     return stream.device_index, stream.cuda_stream
 
 
-@op("jitk::stream_wait_value", mutates_args=())  # reads the flag; kept as a side effect
+@op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_wait_value(flag: torch.Tensor, value: int = 1) -> None:
     """Hold the current stream until flag[0] == value (an int32)."""
     if flag.is_cuda:
@@ -83,7 +84,8 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1) -> None:
         _kernels().wait_host_flag(flag, value, *_current_stream())
 
 
-@op("jitk::stream_write_value", mutates_args=("flag",))
+@op("jitk::stream_write_value", mutates_args=("flag",),
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
     if flag.is_cuda:
