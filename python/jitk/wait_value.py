@@ -73,6 +73,7 @@ from typing import NamedTuple
 
 import torch
 
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
@@ -161,6 +162,8 @@ def _note(path: int) -> None:
                       "(Fallback)", RuntimeWarning, stacklevel=3)
 
 
+@op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
     """Hold the current stream until flag[0] passes `op` against `value` (see the module)."""
     compare = _compare_code(op)
@@ -173,6 +176,8 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> Non
         _note(path)
 
 
+@op("jitk::stream_write_value", mutates_args=("flag",),
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
     _check_value(flag, value)
