@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .cpp_args import make_cpp_args
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
@@ -68,16 +69,22 @@ def _hidden_size(input: torch.Tensor) -> int:
                          "hidden size)") from None
 
 
+@op("jitk::rmsnorm", mutates_args=("out",))
+def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    _kernels(_hidden_size(input), input.dtype).rmsnorm(input, weight, out, eps)
+
+
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
             eps: float = 1e-6) -> torch.Tensor:
     """out = input / sqrt(mean(input^2, -1) + eps) * weight; in place when out is None.
     Returns the tensor written."""
     if out is None:
         out = input
-    _kernels(_hidden_size(input), input.dtype).rmsnorm(input, weight, out, eps)
+    _rmsnorm(input, weight, out, eps)  # an operator may not return its argument
     return out
 
 
+@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"))
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
