@@ -9,6 +9,7 @@ NaN before each run."""
 import ctypes
 import re
 
+import numpy as np
 import pytest
 import torch
 import tvm_ffi
@@ -156,15 +157,52 @@ def test_weight_must_be_contiguous_hidden_size_and_input_dtype():
     assert "'weight'" in message and "Stride mismatch" in message
 
 
-def test_leading_dimensions_must_collapse_into_rows():
+def test_leading_dimensions_must_collapse_into_two_row_strides():
     k, w = kernels(), fake_cuda((128,))
-    # [2, 3, 128] cut from [2, 5, 128]: the rows of one batch entry do not continue into
-    # the next, so no single row stride reaches them all.
-    x = fake_cuda((2, 3, 128), strides=(640, 128, 1))
+    # [2, 3, 4, 128] cut from [2, 5, 6, 128]: three runs of rows, one stride too many.
+    x = fake_cuda((2, 3, 4, 128), strides=(5 * 6 * 128, 6 * 128, 128, 1))
     message = failure(k.rmsnorm, x, w, x, 1e-6)
-    assert "'input' Tensor<2, 3, 128>" in message
-    assert "do not collapse into one row dimension" in message
-    assert "stride#0 is 640, not 384" in message
+    assert "'input' Tensor<2, 3, 4, 128>" in message
+    assert "do not collapse into two row strides" in message
+    assert "stride#0 is 3840, not 2304" in message
+
+
+def test_heads_of_a_fused_qkv_buffer_pass_every_check():
+    """[tokens, heads, head_dim] cut from [tokens, qkv_width]: two row strides, each operand
+    with its own. Without a driver the launch itself fails: every check before it passed."""
+    if HAS_GPU:
+        pytest.skip("would launch on a made-up address")
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    k_heads = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1), offset_elements=4 * 128)
+    transposed = fake_cuda((5, 4, 128), strides=(128, 5 * 128, 1))  # heads-major memory
+    for out in (fake_cuda((5, 4, 128)), fake_cuda((20, 128)), k_heads, transposed, q):
+        assert "CUDA error" in failure(k.rmsnorm, q, w, out, 1e-6)
+        assert "CUDA error" in failure(k.fused_add_rmsnorm, q, out, w, 1e-6)
+    misaligned = fake_cuda((5, 4, 128), strides=(12 * 128 + 1, 128, 1), offset_elements=1)
+    assert "CUDA error" in failure(k.fused_add_rmsnorm, misaligned, q, w, 1e-6)
+
+
+def test_strided_heads_must_agree_on_their_rows():
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    message = failure(k.rmsnorm, q, w, fake_cuda((4, 5, 128), strides=(12 * 128, 128, 1)), 1e-6)
+    assert "'out' and 'input' group their rows differently (runs of 5 and of 4 rows)" in message
+    message = failure(k.rmsnorm, q, w, fake_cuda((5, 3, 128), strides=(12 * 128, 128, 1)), 1e-6)
+    assert "'out'" in message and "('rows'): expected 20 but got 15" in message
+
+
+def test_written_heads_must_not_overlap():
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    # Each token's heads reach 512 elements, but tokens are only 256 apart.
+    overlapping = fake_cuda((5, 4, 128), strides=(256, 128, 1))
+    message = failure(k.rmsnorm, q, w, overlapping, 1e-6)
+    assert ("rows of 'out' overlap in memory (rows of 128 at strides 256 and 128, in runs of "
+            "4), so writing them would race") in message
+    message = failure(k.fused_add_rmsnorm, overlapping, q, w, 1e-6)
+    assert "rows of 'input' overlap" in message
+    k.rmsnorm(fake_cuda((0, 4, 128), strides=(256, 128, 1)), w, fake_cuda((0, 128)), 1e-6)
 
 
 def test_last_dimension_must_be_contiguous():
@@ -196,9 +234,66 @@ def test_fused_add_checks_the_residual():
 
 def test_eps_must_be_finite_and_non_negative():
     k, x, w = kernels(), fake_cuda((4, 128)), fake_cuda((128,))
-    for eps in (-1.0, float("nan"), float("inf")):
+    for eps in (-1.0, float("nan"), float("inf"), 1e300, -1e300):
         assert "eps must be finite and >= 0" in failure(k.rmsnorm, x, w, x, eps)
         assert "eps must be finite and >= 0" in failure(k.fused_add_rmsnorm, x, x, w, eps)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A cache folder of its own: a test that must build nothing checks it stays empty."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cache))
+    yield cache
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())
+
+
+def test_bad_values_are_refused_before_any_build(empty_cache):
+    x, w = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    for eps in (1e300, -1e-6, float("nan"), float("inf"), 3.5e38):
+        with pytest.raises(ValueError, match=r"rmsnorm: 'eps' must be finite and >= 0 as a "
+                                             r"float32 .* got " + re.escape(repr(eps))):
+            norm.rmsnorm(x, w, eps=eps)
+        with pytest.raises(ValueError, match="fused_add_rmsnorm: 'eps'"):
+            norm.fused_add_rmsnorm(x, x.clone(), w, eps=eps)
+    for hidden in (2**31 - 1, 2**30 + 1):
+        wide = torch.empty(1, hidden, dtype=torch.bfloat16, device="meta")
+        with pytest.raises(ValueError, match=f"hidden size .* 1 to 1073741824, got {hidden}"):
+            norm.rmsnorm(wide, w)
+        with pytest.raises(ValueError, match=f"got {hidden}"):
+            norm.fused_add_rmsnorm(wide, wide, w)
+
+
+@pytest.mark.parametrize("bad", [None, 3, [1.0, 2.0], "x", np.ones((4, 96), np.float32)],
+                         ids=["None", "int", "list", "str", "numpy"])
+def test_arguments_that_are_not_tensors_are_named(bad, empty_cache):
+    x, w = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    calls = [
+        ("rmsnorm", "input", lambda: norm.rmsnorm(bad, w)),
+        ("rmsnorm", "weight", lambda: norm.rmsnorm(x, bad)),
+        ("fused_add_rmsnorm", "input", lambda: norm.fused_add_rmsnorm(bad, x, w)),
+        ("fused_add_rmsnorm", "residual", lambda: norm.fused_add_rmsnorm(x, bad, w)),
+        ("fused_add_rmsnorm", "weight", lambda: norm.fused_add_rmsnorm(x, x, bad)),
+    ]
+    if bad is not None:  # out=None asks for the result in place
+        calls.append(("rmsnorm", "out", lambda: norm.rmsnorm(x, w, out=bad)))
+    for function, name, call in calls:
+        with pytest.raises(TypeError, match=f"{function}: '{name}' must be a torch.Tensor, "
+                                            f"got {type(bad).__name__}"):
+            call()
+    for eps in ("1e-6", True, None, torch.tensor(1e-6)):
+        with pytest.raises(TypeError, match=f"rmsnorm: 'eps' must be a float, got "
+                                            f"{type(eps).__name__}"):
+            norm.rmsnorm(x, w, eps=eps)
+
+
+def test_the_largest_hidden_size_builds():
+    """norm._MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
+    refused above), and a row of it is indexed without overflow in the kernel's ints."""
+    k = norm._kernels(norm._MAX_HIDDEN, torch.bfloat16)
+    x = fake_cuda((1, norm._MAX_HIDDEN))
+    message = failure(k.rmsnorm, x, fake_cuda((128,)), x, 1e-6)
+    assert "'weight'" in message and "expected 1073741824 but got 128" in message
 
 
 @pytest.mark.skipif(HAS_GPU, reason="would launch on a made-up address")

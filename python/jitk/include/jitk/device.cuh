@@ -1,5 +1,5 @@
-// Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access,
-// warp and block reductions, and programmatic-dependent-launch hooks.
+// Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access and
+// L2 prefetch, warp and block reductions, and programmatic-dependent-launch hooks.
 #pragma once
 
 #include <jitk/utils.cuh>
@@ -33,6 +33,12 @@ __device__ __forceinline__ void store_stream(void* ptr, const uint4& v) {
   asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+// Asks L2 for the 128-byte line holding `ptr`. A hint: no value any load returns changes,
+// so it is safe even before pdl_wait().
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
 template <typename T>

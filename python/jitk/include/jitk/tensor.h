@@ -224,7 +224,7 @@ class Symbol {
   bool has_value() const { return bound_; }
   T unwrap(DebugInfo where = {}) const {
     if (!bound_) [[unlikely]] {
-      detail::panic_at(where, "symbol '", name_, "' was read before any tensor bound it");
+      Panic(where, "symbol '", name_, "' was read before any tensor bound it");
     }
     return value_;
   }
@@ -271,16 +271,16 @@ class TensorMatcher {
 
   TensorMatcher(std::initializer_list<SizeSpec> dims, DebugInfo where = {})
       : ndim_(static_cast<int>(dims.size())) {
-    detail::check_at(dims.size() <= kMaxDims, where, "TensorMatcher supports at most ",
-                     kMaxDims, " dimensions, got ", dims.size());
+    RuntimeCheck(where, dims.size() <= kMaxDims, "TensorMatcher supports at most ", kMaxDims,
+                 " dimensions, got ", dims.size());
     int i = 0;
     for (const SizeSpec& dim : dims) dims_[i++] = dim;
   }
 
   // Without with_strides the tensor must be contiguous.
   TensorMatcher& with_strides(std::initializer_list<SizeSpec> strides, DebugInfo where = {}) {
-    detail::check_at(static_cast<int>(strides.size()) == ndim_, where, "with_strides got ",
-                     strides.size(), " entries for a ", ndim_, "-d matcher");
+    RuntimeCheck(where, static_cast<int>(strides.size()) == ndim_, "with_strides got ",
+                 strides.size(), " entries for a ", ndim_, "-d matcher");
     int i = 0;
     for (const SizeSpec& stride : strides) strides_[i++] = stride;
     has_strides_ = true;
