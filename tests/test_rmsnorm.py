@@ -497,3 +497,96 @@ def test_captured_in_a_cuda_graph():
         normed = norm.rmsnorm(x, weight, out=poisoned_like(x))
         assert torch.equal(residual, normed + residual_before)
         assert_matches(out, reference(residual, weight), dtype)
+
+
+QKV_CASES = [  # (dtype, head_dim, q heads, kv heads)
+    (torch.bfloat16, 128, 32, 8), (torch.bfloat16, 64, 16, 2), (torch.float16, 128, 8, 1),
+    (torch.float32, 128, 4, 4), (torch.bfloat16, 256, 8, 1), (torch.bfloat16, 96, 6, 2),
+]
+
+
+def qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype):
+    """A fused QKV projection output and [tokens, heads, head_dim] views of its q and k."""
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = random(tokens, q_size + 2 * kv_size, dtype=dtype, scale=2.0)
+    q = qkv[:, :q_size].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
+    return qkv, q, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", QKV_CASES,
+                         ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_qk_norm_on_heads_of_a_fused_qkv_buffer(dtype, head_dim, q_heads, kv_heads, tokens):
+    """Strided heads give exactly what the same values give as contiguous rows, match the
+    reference, and leave every other element of the buffer as it was."""
+    torch.manual_seed(tokens * head_dim + q_heads)
+    qkv, q, k = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    q_weight, k_weight = random(head_dim, dtype=dtype), random(head_dim, dtype=dtype)
+    before = qkv.clone()
+    q_values, k_values = q.contiguous(), k.contiguous()
+
+    out = poisoned_like(q_values)
+    norm.rmsnorm(q, q_weight, out=out)
+    assert_matches(out, reference(q_values, q_weight), dtype)
+    assert torch.equal(out, norm.rmsnorm(q_values.clone(), q_weight))
+    assert torch.equal(qkv, before)
+
+    # In place on both views, as a model's q/k-norm runs.
+    assert norm.rmsnorm(q, q_weight) is q
+    norm.rmsnorm(k, k_weight)
+    assert torch.equal(q, out)
+    assert_matches(k, reference(k_values, k_weight), dtype)
+    untouched = torch.ones_like(qkv, dtype=torch.bool)
+    untouched[:, :q.shape[1] * head_dim + k.shape[1] * head_dim] = False
+    assert torch.equal(qkv[untouched], before[untouched])
+
+    # Into the heads of another, poisoned buffer: strides on both sides.
+    target, q_out, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    target.fill_(float("nan"))
+    norm.rmsnorm(q_values, q_weight, out=q_out)
+    assert torch.equal(q_out, out)
+    assert target[:, q.shape[1] * head_dim:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", QKV_CASES[:4],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_fused_add_on_strided_heads(dtype, head_dim, q_heads, kv_heads):
+    torch.manual_seed(head_dim)
+    tokens = 129
+    _, x, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    _, residual, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    weight = random(head_dim, dtype=dtype)
+    expected_sum = x + residual
+    norm.fused_add_rmsnorm(x, residual, weight)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(x, reference(expected_sum, weight), dtype)
+    assert torch.equal(x, norm.rmsnorm(expected_sum.contiguous(), weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interleaved_and_misaligned_heads(dtype):
+    """Heads-major memory read as [tokens, heads, dim] (rows of one run interleave with the
+    next), and heads one element off 16-byte alignment (the element-wise path)."""
+    torch.manual_seed(3)
+    tokens, heads, dim = 33, 6, 128
+    weight = random(dim, dtype=dtype)
+    heads_major = random(heads, tokens, dim, dtype=dtype)
+    x = heads_major.transpose(0, 1)
+    expected = reference(x, weight)
+    norm.rmsnorm(x, weight)
+    assert_matches(x, expected, dtype)
+
+    wide = random(tokens, heads * dim + 9, dtype=dtype)
+    misaligned = wide.as_strided((tokens, heads, dim), (heads * dim + 9, dim, 1), 1)
+    out = poisoned_like(torch.empty(tokens, heads, dim, dtype=dtype, device="cuda"))
+    norm.rmsnorm(misaligned, weight, out=out)
+    assert_matches(out, reference(misaligned, weight), dtype)
+    residual = random(tokens, heads, dim, dtype=dtype)
+    expected_sum = misaligned + residual
+    norm.fused_add_rmsnorm(misaligned, residual, weight)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(misaligned, reference(expected_sum, weight), dtype)
