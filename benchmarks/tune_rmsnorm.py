@@ -1,10 +1,15 @@
 """Sweep of the RMSNorm kernel's knobs (jitk::norm::Tuning in rmsnorm.cuh) under CUDA graph
 replay, to choose the defaults: the registers a thread would rather give its part of a row
-(fewer spread a row over more threads), a persistent grid, where the next kernel may launch
-(PDL trigger at the start or after the stores), and an L2 prefetch of the weight before the
-wait. "cold w" shapes time two norms, as consecutive layers, each with a weight of its own
-that an L2 flush has evicted and an input just written: the us shown is for the two, beyond
-the flush and the write. Prints us per call per setting, and the best per shape.
+(fewer spread a row over more threads), a persistent grid, and block 0 prefetching the
+weight into L2 before the wait.
+
+Modes: "rotated" rotates inputs (in place) over 256 MB, so that rows come from DRAM;
+"clone" times `x.clone()` then the norm in place on it, the same x each time, as SGLang's
+benchmark does (its figures are the decode goals): rows come from L2, just written; "cold w"
+times two norms, as consecutive layers, each with a weight of its own that an L2 flush has
+evicted and an input just written (us for the two, beyond the flush and the write). "copy"
+is a copy of the same bytes (the clone alone in "clone" mode). Prints us per call per
+setting, and the best per shape.
     python benchmarks/tune_rmsnorm.py [--quick] [--json PATH]"""
 
 import itertools
@@ -20,25 +25,24 @@ import common  # noqa: E402
 from bench_rmsnorm import buffer_count, qkv_heads, rotating  # noqa: E402
 
 from jitk import load_jit, make_cpp_args  # noqa: E402
-from jitk.norm import rmsnorm  # noqa: E402
 
-BF16 = torch.bfloat16
-SHAPES = [  # (label, dtype, rows, hidden, layout); layout "heads": q of a [rows, 48 x hidden] qkv
-    ("1x4096", BF16, 1, 4096, "rows"),
-    ("16x4096", BF16, 16, 4096, "rows"),
-    ("256x4096", BF16, 256, 4096, "rows"),
-    ("1024x4096", BF16, 1024, 4096, "rows"),
-    ("1024x5120", BF16, 1024, 5120, "rows"),
-    ("4096x8192", BF16, 4096, 8192, "rows"),
-    ("32768x8192", BF16, 32768, 8192, "rows"),
-    ("q 16x32x128", BF16, 16, 128, "heads"),
-    ("q 4096x32x128", BF16, 4096, 128, "heads"),
-    ("4096*32x128", BF16, 4096 * 32, 128, "rows"),
-    ("16x4096 cold w", BF16, 16, 4096, "cold"),
-    ("256x4096 cold w", BF16, 256, 4096, "cold"),
+BF16, FP32 = torch.bfloat16, torch.float32
+SHAPES = [  # (label, op, dtype, rows, hidden, mode); "heads": q of a [rows, 48 x hidden] qkv
+    *((f"{rows}x4096 clone", "rmsnorm", BF16, rows, 4096, "clone") for rows in (1, 16, 256, 1024)),
+    ("1024x5120 clone", "rmsnorm", BF16, 1024, 5120, "clone"),
+    ("1024x4096", "rmsnorm", BF16, 1024, 4096, "rotated"),
+    ("4096x8192", "rmsnorm", BF16, 4096, 8192, "rotated"),
+    ("32768x8192", "rmsnorm", BF16, 32768, 8192, "rotated"),
+    ("fp32 4096x8192", "rmsnorm", FP32, 4096, 8192, "rotated"),
+    ("fused 4096x8192", "fused", BF16, 4096, 8192, "rotated"),
+    ("q 4096x32x128", "rmsnorm", BF16, 4096, 128, "heads"),
+    ("4096*32x128", "rmsnorm", BF16, 4096 * 32, 128, "rotated"),
+    ("16x4096 cold w", "rmsnorm", BF16, 16, 4096, "cold"),
+    ("256x4096 cold w", "rmsnorm", BF16, 256, 4096, "cold"),
 ]
-TUNINGS = list(itertools.product((4, 8, 16), (False, True), (False, True), (False, True)))
-QUICK_TUNINGS = [(4, True, False, True), (16, True, False, True), (16, False, False, False)]
+TUNINGS = list(itertools.product((4, 8, 16), (False, True), (False, True)))
+QUICK_TUNINGS = [(4, True, True), (8, True, True), (8, False, False)]
+EPS = 1e-6
 
 
 def load(hidden, dtype, tuning):
@@ -46,7 +50,8 @@ def load(hidden, dtype, tuning):
     knobs = make_cpp_args(*tuning)
     norm = f"jitk::norm::RMSNorm<{args}, jitk::norm::Tuning<{knobs}>>"
     return load_jit("rmsnorm_tune", *args, *knobs, cuda_files=["rmsnorm.cuh"],
-                    cuda_wrappers=[("rmsnorm", f"{norm}::run")]).rmsnorm
+                    cuda_wrappers=[("rmsnorm", f"{norm}::run"),
+                                   ("fused", f"{norm}::run_fused_add")])
 
 
 def build(config):
@@ -55,43 +60,59 @@ def build(config):
 
 def prebuild(tunings):
     """Every (hidden, dtype, tuning) module, in parallel processes."""
-    configs = sorted({(hidden, dtype, t) for _, dtype, _, hidden, _ in SHAPES for t in tunings},
-                     key=str)
+    configs = sorted({(shape[4], shape[2], t) for shape in SHAPES for t in tunings}, key=str)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(16, len(configs)), mp_context=context) as pool:
         list(pool.map(build, configs))
 
 
-def operands(dtype, rows, hidden, layout):
-    """Rotating (x, weight) pairs; q/k-norm layouts run in place, as a model does."""
-    if layout == "heads":
-        buffers = buffer_count(2 * rows * 32 * hidden * dtype.itemsize)
+def norm_call(module, op):
+    """f(x, weight, residual): one call of the module's op, in place on x."""
+    if op == "fused":
+        return lambda x, w, r: module.fused(x, r, w, EPS)
+    return lambda x, w, r: module.rmsnorm(x, w, x, EPS)
+
+
+def setup(op, dtype, rows, hidden, mode):
+    """The shape's operands: (timer, copy us), where timer(call) is the us per call of
+    call(x, weight, residual) in `mode`."""
+    weight = torch.randn(hidden, device="cuda").to(dtype)
+    if mode == "clone":
+        x = torch.randn(rows, hidden, device="cuda").to(dtype)
+        return (lambda call: common.time_graph_us(lambda: call(x.clone(), weight, None)),
+                common.time_graph_us(lambda: x.clone()))
+    if mode == "cold":
+        flush = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
+        source = torch.randn(2, rows, hidden, device="cuda").to(dtype)
+        pair = torch.empty_like(source)
+        weights = [torch.randn_like(weight) for _ in range(2)]
+
+        def flush_and_write():
+            flush.zero_()
+            pair.copy_(source)
+
+        def both(call):
+            flush_and_write()
+            call(pair[0], weights[0], None)
+            call(pair[1], weights[1], None)
+
+        base = common.time_graph_us(flush_and_write, calls_per_graph=20)
+        return (lambda call: common.time_graph_us(lambda: both(call), calls_per_graph=20) - base,
+                base)
+    numel = rows * hidden * (32 if mode == "heads" else 1)
+    tensors = 4 if op == "fused" else 2
+    buffers = buffer_count(tensors * numel * dtype.itemsize)
+    if mode == "heads":
         xs = [qkv_heads(rows, 32, hidden, dtype) for _ in range(buffers)]
     else:
-        buffers = buffer_count(2 * rows * hidden * dtype.itemsize)
         xs = [torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(buffers)]
-    return xs, torch.randn(hidden, device="cuda").to(dtype)
-
-
-def time_us(kernel, xs, weight, layout):
-    if layout != "cold":
-        return common.time_graph_us(rotating([lambda x=x: kernel(x, weight) for x in xs]))
-    flush = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
-    source = torch.randn(2, *xs[0].shape, device="cuda").to(xs[0].dtype)
-    pair = torch.empty_like(source)
-    weights = [torch.randn_like(weight) for _ in range(2)]
-
-    def flush_and_write():
-        flush.zero_()
-        pair.copy_(source)
-
-    def both():
-        flush_and_write()
-        kernel(pair[0], weights[0])
-        kernel(pair[1], weights[1])
-
-    return (common.time_graph_us(both, calls_per_graph=20)
-            - common.time_graph_us(flush_and_write, calls_per_graph=20))
+    residuals = [torch.randn_like(x) for x in xs] if op == "fused" else [None] * buffers
+    outs = [torch.empty_like(x) for x in xs]
+    copy = common.time_graph_us(rotating([lambda x=x, y=y: y.copy_(x) for x, y in zip(xs, outs)]))
+    del outs
+    return (lambda call: common.time_graph_us(rotating([lambda x=x, r=r: call(x, weight, r)
+                                                        for x, r in zip(xs, residuals)])),
+            copy * tensors / 2)
 
 
 def main():
@@ -102,40 +123,34 @@ def main():
     copy_gbps = common.device_copy_gbps()
     print(f"device copy ceiling: {copy_gbps:.0f} GB/s (read + write)")
     results = []
-    for label, dtype, rows, hidden, layout in SHAPES:
-        xs, weight = operands(dtype, rows, hidden, layout)
-        moved = 2 * xs[0].numel() * dtype.itemsize + hidden * dtype.itemsize
-        outs = [torch.empty_like(x) for x in xs]
-        copy_us = common.time_graph_us(rotating([lambda x=x, y=y: y.copy_(x)
-                                                 for x, y in zip(xs, outs)]))
-        row = {"shape": label, "MB": moved / 1e6, "copy us": copy_us,
-               "default": time_us(lambda x, w: rmsnorm(x, w), xs, weight, layout)}
+    for label, op, dtype, rows, hidden, mode in SHAPES:
+        numel = rows * hidden * (32 if mode == "heads" else 1)
+        moved = (4 if op == "fused" else 2) * numel * dtype.itemsize + hidden * dtype.itemsize
+        timer, copy_us = setup(op, dtype, rows, hidden, mode)
+        row = {"shape": label, "MB": moved / 1e6, "copy us": copy_us}
         for tuning in tunings:
-            kernel = load(hidden, dtype, tuning)
-            row[tuning] = time_us(lambda x, w, k=kernel: k(x, w, x, 1e-6), xs, weight, layout)
+            row[tuning] = timer(norm_call(load(hidden, dtype, tuning), op))
+        del timer
+        torch.cuda.empty_cache()
         best = min(tunings, key=lambda t: row[t])
         row.update({"best": best, "best us": row[best], "GB/s": moved / row[best] / 1e3,
                     "of copy": moved / row[best] / 1e3 / copy_gbps,
-                    "vs same-size copy": copy_us / row[best]})
+                    "vs same-size copy": row["copy us"] / row[best]})
         results.append(row)
-        print(f"{label}: best {best} {row[best]:.2f} us, default {row['default']:.2f} us, "
-              f"copy {copy_us:.2f} us", flush=True)
-        del xs, outs
-        torch.cuda.empty_cache()
+        print(f"{label}: best {best} {row[best]:.2f} us, copy {row['copy us']:.2f} us",
+              flush=True)
 
-    names = {t: "r{}{}{}{}".format(t[0], "P" if t[1] else "-", "L" if t[2] else "-",
-                                   "W" if t[3] else "-") for t in tunings}
+    names = {t: "r{}{}{}".format(t[0], "P" if t[1] else "-", "W" if t[2] else "-")
+             for t in tunings}
     print("\nus per call under graph replay; setting = rREGISTERS, P persistent grid, "
-          "L late PDL trigger, W weight prefetch")
+          "W weight prefetch")
     table = [{"setting": names[t], **{r["shape"]: r[t] for r in results}} for t in tunings]
-    table.append({"setting": "default", **{r["shape"]: r["default"] for r in results}})
-    table.append({"setting": "same-size copy", **{r["shape"]: r["copy us"] for r in results}})
+    table.append({"setting": "copy", **{r["shape"]: r["copy us"] for r in results}})
     common.print_table("rmsnorm tuning sweep", table, ["setting", *(r["shape"] for r in results)])
     for r in results:
         r["best"] = names[r["best"]]
     common.print_table("best per shape", results,
-                       ["shape", "MB", "best", "best us", "GB/s", "of copy", "vs same-size copy",
-                        "default"])
+                       ["shape", "MB", "best", "best us", "GB/s", "of copy", "vs same-size copy"])
     common.write_json(args.json, {"device": common.device_name(), "copy_gbps": copy_gbps,
                                   "rows": [{k if isinstance(k, str) else names[k]: v
                                             for k, v in r.items()} for r in results]})

@@ -525,7 +525,9 @@ def test_qk_norm_on_heads_of_a_fused_qkv_buffer(dtype, head_dim, q_heads, kv_hea
     qkv, q, k = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
     q_weight, k_weight = random(head_dim, dtype=dtype), random(head_dim, dtype=dtype)
     before = qkv.clone()
-    q_values, k_values = q.contiguous(), k.contiguous()
+    # Copies (.contiguous() would return the view itself for one token).
+    q_values = q.clone(memory_format=torch.contiguous_format)
+    k_values = k.clone(memory_format=torch.contiguous_format)
 
     out = poisoned_like(q_values)
     norm.rmsnorm(q, q_weight, out=out)

@@ -44,18 +44,16 @@ inline constexpr int kShortRowsBlockThreads = 128;
 inline constexpr int kMaxRowRegisters = 16;
 
 // The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them).
-template <int kRowRegisters_, bool kPersistent_, bool kLateTrigger_, bool kPrefetchWeight_>
+template <int kRowRegisters_, bool kPersistent_, bool kPrefetchWeight_>
 struct Tuning {
   // Registers a thread would rather give to x: fewer spread a row over more threads.
   static constexpr int kRowRegisters = kRowRegisters_;
   // A grid of at most what the GPU holds at once, looping over rows.
   static constexpr bool kPersistent = kPersistent_;
-  // Let the next kernel launch after this one's stores rather than at its start.
-  static constexpr bool kLateTrigger = kLateTrigger_;
-  // Bring the weight into L2 before waiting for the previous kernel.
+  // Block 0 brings the weight into L2 before waiting for the previous kernel.
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
 };
-using DefaultTuning = Tuning<16, true, false, true>;
+using DefaultTuning = Tuning<8, true, true>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -289,7 +287,8 @@ __device__ __forceinline__ void scale_slots(typename Tiling::Pack (&x)[kCount],
   }
 }
 
-// The sum over the threads of one row; every one of them gets it.
+// The sum over the threads of one row; every one of them gets it. Consecutive calls must
+// alternate between two scratch buffers.
 template <typename Tiling>
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
   if constexpr (Tiling::kSubWarp) {
@@ -300,7 +299,7 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
     }
     return v;
   } else {
-    return device::block_sum<Tiling::kThreadsPerRow>(v, scratch);
+    return device::block_sum<Tiling::kThreadsPerRow, false>(v, scratch);
   }
 }
 
@@ -389,33 +388,39 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Params p) {
   using Pack = typename Tiling::Pack;
-  __shared__ float scratch[Tiling::kSubWarp ? 1 : Tiling::kThreadsPerRow / kWarpThreads];
+  constexpr int kWarps = Tiling::kSubWarp ? 1 : Tiling::kThreadsPerRow / kWarpThreads;
+  __shared__ float scratch[2][kWarps];  // alternate rows use alternate halves
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
   const int64_t row_in_block = threadIdx.x / Tiling::kThreadsPerRow;
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const Pack*>(p.weight);
 
-  // A prefetch changes no value that a load returns, so it may run before the wait.
-  if constexpr (Tuning::kPrefetchWeight) prefetch_slots<Tiling>(weight, lane);
+  // A prefetch changes no value that a load returns, so it may run before the wait; one
+  // block's prefetch serves them all.
+  if constexpr (Tuning::kPrefetchWeight) {
+    if (blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
+  }
   // Launched with PDL, this kernel may start before the previous one on the stream is done:
-  // wait for it before reading or writing anything.
+  // wait for it before reading or writing anything. The next kernel may launch now: it
+  // waits in turn for this one to finish.
   device::pdl_wait();
-  if constexpr (!Tuning::kLateTrigger) device::pdl_launch_dependents();
+  device::pdl_launch_dependents();
 
   // Every thread of a block takes the same number of turns, so shuffles and barriers match.
   int64_t row = int64_t{blockIdx.x} * Tiling::kRowsPerBlock + row_in_block;
+  int turn = 0;
   if constexpr (Tiling::kInRegisters) {
     Pack w[Tiling::kVecsPerThread];
     load_slots<Tiling>(w, weight, 0, lane, true);
-    for (; row - row_in_block < p.rows; row += step) {
-      normalize_in_registers(Row<Tiling, kFusedAdd>(p, row), w, lane, p.eps, scratch);
+    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
+      normalize_in_registers(Row<Tiling, kFusedAdd>(p, row), w, lane, p.eps, scratch[turn]);
     }
   } else {
-    for (; row - row_in_block < p.rows; row += step) {
-      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps, scratch);
+    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
+      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps,
+                              scratch[turn]);
     }
   }
-  if constexpr (Tuning::kLateTrigger) device::pdl_launch_dependents();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -50,8 +50,10 @@ __device__ __forceinline__ T warp_sum(T value) {
   return value;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds one T per warp.
-template <int kThreads, typename T>
+// Sum over the block; every thread gets the result. `scratch` holds one T per warp and is
+// free again on return. A caller that alternates between two scratch buffers may drop that
+// last barrier (kFreeScratch = false): the next call's barrier orders the reuse.
+template <int kThreads, bool kFreeScratch = true, typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
   constexpr int kWarps = kThreads / kWarpThreads;
@@ -65,7 +67,7 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
     __syncthreads();
     value = lane < kWarps ? scratch[lane] : T{};
     value = warp_sum(value);
-    __syncthreads();  // scratch may be reused right after
+    if constexpr (kFreeScratch) __syncthreads();
     return value;
   }
 }

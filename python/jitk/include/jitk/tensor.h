@@ -23,14 +23,17 @@
 struct __half;
 struct __nv_bfloat16;
 
-// DLPack's dtype compared as tvm-ffi does, for the translation units that do not include
-// tvm-ffi's C++ headers (jitk kernels never do: they cost every build seconds of parsing).
-#ifndef TVM_FFI_DTYPE_H_
-inline bool operator==(const DLDataType& a, const DLDataType& b) {
+// DLPack's dtype compared as tvm-ffi's <tvm/ffi/dtype.h> does, for the translation units
+// that do not include it. Templates, so that a kernel may include tvm-ffi's headers after
+// this one: its plain functions then coexist with these and win overload resolution.
+template <std::same_as<DLDataType> D>
+bool operator==(const D& a, const D& b) {
   return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
 }
-inline bool operator!=(const DLDataType& a, const DLDataType& b) { return !(a == b); }
-#endif
+template <std::same_as<DLDataType> D>
+bool operator!=(const D& a, const D& b) {
+  return !(a == b);
+}
 
 namespace jitk {
 
@@ -72,6 +75,18 @@ class TensorView {
   explicit TensorView(const DLTensor* tensor) : tensor_(*tensor) {
     if (tensor_.strides == nullptr) use_compact_strides();
   }
+  // Another library's tensor or view with DLPack's accessors (tvm::ffi::TensorView or
+  // Tensor), e.g. to check it with a TensorMatcher. Refers to its shape and strides.
+  template <typename View>
+    requires requires(const View& v) {
+      { v.data_ptr() } -> std::convertible_to<void*>;
+      { v.shape().data() } -> std::convertible_to<const int64_t*>;
+      { v.strides().data() } -> std::convertible_to<const int64_t*>;
+      { v.byte_offset() } -> std::convertible_to<uint64_t>;
+      { v.device() } -> std::convertible_to<DLDevice>;
+      { v.dtype() } -> std::convertible_to<DLDataType>;
+    }
+  explicit TensorView(const View& view) : TensorView(as_dl_tensor(view)) {}
   TensorView(const TensorView& other) { *this = other; }
   TensorView& operator=(const TensorView& other) {
     tensor_ = other.tensor_;
@@ -119,6 +134,20 @@ class TensorView {
       step *= tensor_.shape[i];
     }
     tensor_.strides = compact_;
+  }
+
+  explicit TensorView(const DLTensor& tensor) : TensorView(&tensor) {}
+  template <typename View>
+  static DLTensor as_dl_tensor(const View& view) {
+    DLTensor t{};
+    t.data = view.data_ptr();
+    t.device = view.device();
+    t.ndim = static_cast<int32_t>(view.shape().size());
+    t.dtype = view.dtype();
+    t.shape = const_cast<int64_t*>(view.shape().data());
+    t.strides = const_cast<int64_t*>(view.strides().data());
+    t.byte_offset = view.byte_offset();
+    return t;
   }
 
   DLTensor tensor_;
