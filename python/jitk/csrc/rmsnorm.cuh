@@ -9,20 +9,16 @@
 // dimensions may take two strides, so q/k-norm runs on heads cut from a fused QKV buffer.
 // A row is read once and kept in registers while its sum of squares is reduced (only rows
 // longer than 1024 threads x 16 registers are read twice). Short rows get a power-of-two
-// group of lanes of a warp, several rows to a block; long rows a block each. Blocks loop
-// over rows, so a grid no larger than what the GPU holds at once covers any row count, and
-// each thread loads its part of the weight once. Rows move in the widest vectors (up to
-// 16 bytes) that the hidden size divides into when every pointer and stride is aligned to
-// them, else element by element.
+// group of lanes of a warp, several rows to a block; long rows a block each. Rows move in
+// the widest vectors (up to 16 bytes) that the hidden size divides into when every pointer
+// and stride is aligned to them, else element by element.
 #pragma once
 
 #include <jitk/device.cuh>
+#include <jitk/packed.cuh>
 #include <jitk/rows.h>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <bit>
 #include <cmath>
@@ -44,16 +40,20 @@ inline constexpr int kShortRowsBlockThreads = 128;
 inline constexpr int kMaxRowRegisters = 16;
 
 // The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them).
-template <int kRowRegisters_, bool kPersistent_, bool kPrefetchWeight_>
+template <int kRowRegisters_, bool kPrefetchWeight_>
 struct Tuning {
   // Registers a thread would rather give to x: fewer spread a row over more threads.
   static constexpr int kRowRegisters = kRowRegisters_;
-  // A grid of at most what the GPU holds at once, looping over rows.
-  static constexpr bool kPersistent = kPersistent_;
   // Block 0 brings the weight into L2 before waiting for the previous kernel.
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
 };
-using DefaultTuning = Tuning<8, true, true>;
+
+// Measured on an H100 (debugging_and_performance.md). Rows under 512 bytes get a lane per
+// 16-byte vector, so that each load of a warp covers whole 128-byte lines; longer rows four
+// vectors a thread, more in flight. The prefetch saves 0.25 us when the weight is not in L2
+// (each layer has its own) and costs nothing measurable when it is.
+template <int kHidden, typename T>
+using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -91,12 +91,12 @@ struct Tiling {
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
 
-  // One access of a thread: kVecSize elements held as 32-bit words, or a single 16-bit
-  // element on the element-wise path. As integer words until the arithmetic, 16-bit
-  // elements stay two to a register; typed one by one, each would get a register.
-  using Pack = std::conditional_t<(kVecBytes >= 4), device::Vec<uint32_t, kVecBytes / 4>,
-                                  device::Vec<uint16_t, 1>>;
-  using Floats = device::Vec<float, kVecSize>;
+  // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh).
+  using Pack = device::Packed<T, kVecSize>;
+  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
+  __device__ static Pack pack(const device::Vec<float, kVecSize>& f) {
+    return device::pack<T, kVecSize>(f);
+  }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -112,91 +112,6 @@ struct Params {
   int64_t rows;
   float eps;
 };
-
-__device__ __forceinline__ float to_float(fp16_t v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(bf16_t v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ uint16_t bits_of(float v) {
-  if constexpr (std::is_same_v<T, fp16_t>) {
-    return std::bit_cast<uint16_t>(__float2half_rn(v));
-  } else {
-    return std::bit_cast<uint16_t>(__float2bfloat16_rn(v));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float float_of(uint16_t bits) {
-  return to_float(std::bit_cast<T>(bits));
-}
-
-// Two 16-bit elements of one word, low half first.
-template <typename T>
-__device__ __forceinline__ float2 unpack_pair(uint32_t word) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    // A bfloat16 is the upper half of the float of the same value.
-    return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
-  } else {
-    return make_float2(float_of<T>(static_cast<uint16_t>(word)),
-                       float_of<T>(static_cast<uint16_t>(word >> 16)));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  return bits_of<T>(lo) | static_cast<uint32_t>(bits_of<T>(hi)) << 16;
-}
-
-template <typename Tiling>
-__device__ __forceinline__ typename Tiling::Floats to_floats(const typename Tiling::Pack& p) {
-  using T = typename Tiling::T;
-  typename Tiling::Floats f;
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < Tiling::kVecSize; ++i) f[i] = __uint_as_float(p[i]);
-  } else if constexpr (Tiling::kVecSize == 1) {
-    f[0] = float_of<T>(p[0]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Tiling::kVecSize / 2; ++i) {
-      const float2 pair = unpack_pair<T>(p[i]);
-      f[2 * i] = pair.x;
-      f[2 * i + 1] = pair.y;
-    }
-  }
-  return f;
-}
-
-// Rounds to the nearest value of the row's dtype.
-template <typename Tiling>
-__device__ __forceinline__ typename Tiling::Pack from_floats(const typename Tiling::Floats& f) {
-  using T = typename Tiling::T;
-  typename Tiling::Pack p;
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < Tiling::kVecSize; ++i) p[i] = __float_as_uint(f[i]);
-  } else if constexpr (Tiling::kVecSize == 1) {
-    p[0] = bits_of<T>(f[0]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Tiling::kVecSize / 2; ++i) p[i] = pack_pair<T>(f[2 * i], f[2 * i + 1]);
-  }
-  return p;
-}
-
-// An optimisation barrier on the packs: without it the compiler tends to keep them
-// converted to float across the reduction, twice the registers for 16-bit elements.
-template <int kCount, typename Pack>
-__device__ __forceinline__ void keep_packed(Pack (&packs)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    if constexpr (sizeof(packs[i][0]) == 4) {
-      for (auto& word : packs[i].data) asm volatile("" : "+r"(word));
-    } else {
-      for (auto& half : packs[i].data) asm volatile("" : "+h"(half));
-    }
-  }
-}
 
 // Slot k of a thread is vector lane + k * kThreadsPerRow of its row. A slot is live when
 // its row exists and reaches that far; dead slots are neither read nor written.
@@ -251,41 +166,35 @@ __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
-    const auto f = to_floats<Tiling>(x[i]);
+    const auto f = Tiling::unpack(x[i]);
 #pragma unroll
     for (int e = 0; e < Tiling::kVecSize; ++e) sum = fmaf(f[e], f[e], sum);
   }
   return sum;
 }
 
-// x += r, rounded to the dtype: the residual stream holds the sum in its own dtype.
-template <typename Tiling, int kCount>
-__device__ __forceinline__ void add_slots(typename Tiling::Pack (&x)[kCount],
-                                          const typename Tiling::Pack (&r)[kCount]) {
+// x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
+template <typename Tiling, int kCount, typename F>
+__device__ __forceinline__ void combine(typename Tiling::Pack (&x)[kCount],
+                                        const typename Tiling::Pack (&y)[kCount], F f) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
-    auto sum = to_floats<Tiling>(x[i]);
-    const auto addend = to_floats<Tiling>(r[i]);
+    auto a = Tiling::unpack(x[i]);
+    const auto b = Tiling::unpack(y[i]);
 #pragma unroll
-    for (int e = 0; e < Tiling::kVecSize; ++e) sum[e] += addend[e];
-    x[i] = from_floats<Tiling>(sum);
+    for (int e = 0; e < Tiling::kVecSize; ++e) a[e] = f(a[e], b[e]);
+    x[i] = Tiling::pack(a);
   }
 }
 
-// x = x * inv_rms * w, rounded to the dtype.
-template <typename Tiling, int kCount>
-__device__ __forceinline__ void scale_slots(typename Tiling::Pack (&x)[kCount],
-                                            const typename Tiling::Pack (&w)[kCount],
-                                            float inv_rms) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    auto y = to_floats<Tiling>(x[i]);
-    const auto scale = to_floats<Tiling>(w[i]);
-#pragma unroll
-    for (int e = 0; e < Tiling::kVecSize; ++e) y[e] = y[e] * inv_rms * scale[e];
-    x[i] = from_floats<Tiling>(y);
-  }
-}
+// x + r: the residual stream holds the sum in its own dtype.
+struct Add {
+  __device__ float operator()(float x, float r) const { return x + r; }
+};
+struct Scale {
+  float inv_rms;
+  __device__ float operator()(float x, float w) const { return x * inv_rms * w; }
+};
 
 // The sum over the threads of one row; every one of them gets it. Consecutive calls must
 // alternate between two scratch buffers.
@@ -341,13 +250,13 @@ __device__ __forceinline__ void normalize_in_registers(
   load_slots<Tiling>(x, row.input, 0, lane, row.valid);
   if constexpr (kFusedAdd) {
     load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
-    add_slots<Tiling>(x, r);
+    combine<Tiling>(x, r, Add{});
     store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
   const float inv_rms = inverse_rms<Tiling>(sum_of_squares<Tiling>(x), eps, scratch);
-  keep_packed(x);
-  keep_packed(w);
-  scale_slots<Tiling>(x, w, inv_rms);
+  device::keep_packed(x);
+  device::keep_packed(w);
+  combine<Tiling>(x, w, Scale{inv_rms});
   store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }
 
@@ -367,7 +276,7 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
     if constexpr (kFusedAdd) {
       typename Tiling::Pack r[kChunk];
       load_slots<Tiling>(r, row.residual, first, lane, row.valid);
-      add_slots<Tiling>(x, r);
+      combine<Tiling>(x, r, Add{});
       store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
     sum_sq += sum_of_squares<Tiling>(x);
@@ -380,7 +289,7 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
     typename Tiling::Pack x[kChunk], w[kChunk];
     load_slots<Tiling>(x, source, first, lane, row.valid);
     load_slots<Tiling>(w, weight, first, lane, row.valid);
-    scale_slots<Tiling>(x, w, inv_rms);
+    combine<Tiling>(x, w, Scale{inv_rms});
     store_slots<Tiling>(row.output, x, first, lane, row.valid);
   }
 }
@@ -395,11 +304,9 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Pa
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const Pack*>(p.weight);
 
-  // A prefetch changes no value that a load returns, so it may run before the wait; one
-  // block's prefetch serves them all.
-  if constexpr (Tuning::kPrefetchWeight) {
-    if (blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
-  }
+  // A prefetch changes no value a load returns, so it may come before the wait; one block's
+  // serves all.
+  if (Tuning::kPrefetchWeight && blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
   // Launched with PDL, this kernel may start before the previous one on the stream is done:
   // wait for it before reading or writing anything. The next kernel may launch now: it
   // waits in turn for this one to finish.
@@ -426,30 +333,15 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Pa
 // ---------------------------------------------------------------------------------------
 // Host side.
 
-// PDL needs sm_90 or newer. A module runs only on GPUs it holds code for, so when every
-// target architecture is sm_90+ the launch attribute is always accepted.
-inline constexpr bool kPdlOnAllTargets = [] {
-#ifdef __CUDA_ARCH_LIST__
-  for (const int arch : {__CUDA_ARCH_LIST__}) {
-    if (arch < 900) return false;
-  }
-  return true;
-#else
-  return false;
-#endif
-}();
-
-// "row stride 64 < hidden size 128", or the two strides of rows in two runs.
+// "row stride 64 < hidden size 128", or the strides of rows in two runs.
 struct RowStridesOf {
-  const RowView& view;
+  const RowView& v;
 };
 inline void append_to(Text& out, const RowStridesOf& s) {
-  if (!s.view.two_runs()) {
-    return append(out, "row stride ", s.view.inner_stride(), " < hidden size ",
-                  s.view.row_size());
-  }
-  append(out, "rows of ", s.view.row_size(), " at strides ", s.view.outer_stride(), " and ",
-         s.view.inner_stride(), ", in runs of ", s.view.inner_rows());
+  if (!s.v.two_runs()) return append(out, "row stride ", s.v.inner_stride(), " < hidden size ",
+                                     s.v.row_size());
+  append(out, "rows of ", s.v.row_size(), " at strides ", s.v.outer_stride(), " and ",
+         s.v.inner_stride(), ", in runs of ", s.v.inner_rows());
 }
 
 // Checks one operand; `written` ones must not have rows that overlap.
@@ -483,7 +375,7 @@ inline float check_eps(double eps, DebugInfo where = {}) {
   return static_cast<float>(eps);
 }
 
-template <int kHidden, typename T, typename Tune = DefaultTuning>
+template <int kHidden, typename T, typename Tune = DefaultTuning<kHidden, T>>
 struct RMSNorm {
   static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> ||
                     std::is_same_v<T, bf16_t>,
@@ -522,16 +414,12 @@ struct RMSNorm {
  private:
   // Whether every access of the vectorised kernel lands on a whole vector.
   static bool vectors_aligned(const Params& p) {
-    constexpr int64_t kBytes = kVecSize * sizeof(T);
     const auto aligned = [](const void* ptr) {
-      return reinterpret_cast<uintptr_t>(ptr) % kBytes == 0;
-    };
-    const auto whole = [](const RowStrides& s) {
-      return s.outer * int64_t{sizeof(T)} % kBytes == 0 &&
-             s.inner * int64_t{sizeof(T)} % kBytes == 0;
+      return reinterpret_cast<uintptr_t>(ptr) % (kVecSize * sizeof(T)) == 0;
     };
     return aligned(p.input) && aligned(p.output) && aligned(p.weight) && aligned(p.residual) &&
-           whole(p.input_rows) && whole(p.output_rows) && whole(p.residual_rows);
+           p.input_rows.steps_by(kVecSize) && p.output_rows.steps_by(kVecSize) &&
+           p.residual_rows.steps_by(kVecSize);
   }
 
   template <bool kFusedAdd>
@@ -548,16 +436,13 @@ struct RMSNorm {
 
   template <typename Tiles, bool kFusedAdd>
   static void launch_with(const Params& p, DLDevice device) {
-    constexpr auto kernel = rmsnorm_kernel<Tiles, Tune, kFusedAdd>;
-    int64_t blocks = div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock});
-    if constexpr (Tune::kPersistent) {
-      static const int per_sm = resident_blocks_per_sm(kernel, Tiles::kBlockThreads);
-      blocks = min_of(blocks, int64_t{per_sm} * multiprocessor_count(device));
-    }
-    // Blocks loop over rows, so a grid capped at the launch limit still covers them all.
-    blocks = min_of(blocks, int64_t{std::numeric_limits<int32_t>::max()});
+    // A block per group of rows. Blocks loop over rows, so a grid capped at the launch limit
+    // still covers them all. (A grid of what the GPU holds at once, looping, measured 3-7%
+    // slower: the block scheduler balances better.)
+    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
+                                  int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
-        .enable_pdl(kPdlOnAllTargets)(kernel, p);
+        .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);
   }
 };
 

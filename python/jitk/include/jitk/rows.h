@@ -60,6 +60,10 @@ struct RowStrides {
   int64_t outer;
   int64_t inner;
   JITK_HOST_DEVICE int64_t offset(RowIndex at) const { return at.outer * outer + at.inner * inner; }
+  // Whether every row starts a multiple of `elements` after the first.
+  JITK_HOST_DEVICE bool steps_by(int64_t elements) const {
+    return outer % elements == 0 && inner % elements == 0;
+  }
 };
 
 // A tensor seen as rows of its last dimension. It refers to the tensor's shape and strides,

@@ -42,34 +42,19 @@ inline cudaStream_t current_stream(DLDevice device, DebugInfo where = {}) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device.device_id));
 }
 
-// The multiprocessors of `device`, asked of CUDA once per device.
-inline int multiprocessor_count(DLDevice device, DebugInfo where = {}) {
-  constexpr int kRemembered = 64;
-  static int remembered[kRemembered];  // 0: not asked yet; every writer writes the same
-  const int id = device.device_id;
-  const bool kept = id >= 0 && id < kRemembered;
-  int count = kept ? __atomic_load_n(&remembered[id], __ATOMIC_RELAXED) : 0;
-  if (count == 0) {
-    RuntimeDeviceCheck(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, id), where);
-    if (kept) __atomic_store_n(&remembered[id], count, __ATOMIC_RELAXED);
+// Whether every architecture this module is built for has programmatic dependent launch
+// (sm_90+). A module runs only on GPUs it holds code for, so then enable_pdl(kPdlOnAllTargets)
+// is always accepted.
+inline constexpr bool kPdlOnAllTargets = [] {
+#ifdef __CUDA_ARCH_LIST__
+  for (const int arch : {__CUDA_ARCH_LIST__}) {
+    if (arch < 900) return false;
   }
-  return count;
-}
-
-// How many blocks of `kernel`, at `threads` threads and `dynamic_smem` bytes of dynamic
-// shared memory, one multiprocessor of the current device holds at once. Times that
-// multiprocessor_count: the size of a persistent grid. Cache it (a function-local static).
-template <typename... Params>
-int resident_blocks_per_sm(void (*kernel)(Params...), int threads, std::size_t dynamic_smem = 0,
-                           DebugInfo where = {}) {
-  int blocks = 0;
-  RuntimeDeviceCheck(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem),
-      where);
-  RuntimeCheck(where, blocks >= 1, "a block of ", threads, " threads and ", dynamic_smem,
-               " bytes of shared memory does not fit on a multiprocessor");
-  return blocks;
-}
+  return true;
+#else
+  return false;
+#endif
+}();
 
 // LaunchKernel(grid, block, device)(kernel, args...);
 // LaunchKernel(grid, block, stream, dynamic_smem_bytes).enable_pdl()(kernel, args...);
