@@ -40,8 +40,8 @@ def test_size_mismatch_message_names_tensor_dimension_and_line(probe):
 
 
 def test_symbol_bound_by_first_tensor_checks_the_second(probe):
-    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(5, 32)),
-                 "'b' Tensor<5, 32>", "Size mismatch for shape#0('num_tokens'): expected 6 but got 5")
+    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(5, 32)), "'b' Tensor<5, 32>",
+                 "Size mismatch for shape#0('num_tokens'): expected 6 but got 5")
 
 
 def test_ndim_mismatch(probe):
@@ -164,8 +164,8 @@ def test_unprintable_message_argument_fails_to_compile_with_a_clear_error(tmp_pa
 
 
 def test_unwrap_of_unbound_symbol(probe):
-    expect_error(lambda: probe.read_unbound(),
-                 f"Panic at {at('unwrap')}: symbol 'never bound' was read before any tensor bound it")
+    expect_error(lambda: probe.read_unbound(), f"Panic at {at('unwrap')}: symbol 'never bound' "
+                 "was read before any tensor bound it")
 
 
 def test_irange_div_ceil_and_pointer_offset(probe):
