@@ -85,8 +85,15 @@ def _():
         assert torch.equal(dst[idx_host.cpu()], src[idx_gpu].cpu())
 
 
-@case("wait_value write then wait, cuda and pinned flags")
+@case("wait_value write then wait: int32/int64, cuda/pinned, memory ops and spin kernels")
 def _():
-    for event in (wait_value.Event(), wait_value.Event(host=True)):
-        event.record(7)
-        event.wait(7)
+    for spin in (False, True):
+        wait_value._force_spin = spin  # the fallback's kernels are what memcheck can check
+        for dtype in (torch.int32, torch.int64):
+            for event in (wait_value.Event(dtype=dtype), wait_value.Event(host=True, dtype=dtype)):
+                event.record(7)
+                event.wait(7)
+                event.wait(5, op="geq")
+                torch.cuda.synchronize()
+                assert event.flag.item() == 7
+    wait_value._force_spin = False

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import jitk
 import jitk.jit
@@ -42,6 +44,22 @@ def test_from_a_users_repository_validates_on_cpu(example):
         example.axpy(2.0, torch.randn(4), torch.randn(4))
 
 
+def test_is_an_operator_that_traces_without_a_gpu(example):
+    with FakeTensorMode():
+        x, y = torch.empty(8, device="cuda"), torch.empty(8, device="cuda")
+    graph = make_fx(lambda x, y: example.axpy(2.0, x, y))(x, y)
+    assert "torch.ops.example.axpy.default(2.0, x_1, y_1)" in graph.code
+    assert str(example.axpy.op._schema) == \
+        "example::axpy(float alpha, Tensor x, Tensor(a2!) y) -> ()"
+
+
+def test_wrong_argument_type_names_the_parameter(example):
+    with pytest.raises(TypeError, match=r"^axpy\(\): 'alpha' must be a float, got str '2'$"):
+        example.axpy("2", torch.randn(4), torch.randn(4))
+    with pytest.raises(TypeError, match=r"^axpy\(\): 'x' must be a torch.Tensor, got None$"):
+        example.axpy(2.0, None, torch.randn(4))
+
+
 def test_inside_the_package_by_file_name(tmp_path, monkeypatch):
     shutil.copy(EXAMPLE / "axpy.cuh", tmp_path / "axpy.cuh")
     monkeypatch.setattr(jitk.jit, "KERNEL_DIR", tmp_path)
@@ -60,6 +78,23 @@ def test_matches_reference_on_the_gpu(example, dtype, tol):
         expected = 0.5 * x.double() + y.double()
         example.axpy(0.5, x, y)
         torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_operator_on_the_gpu(example):
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    torch.library.opcheck(example.axpy.op, (0.5, x, y))
+
+    def step(x, y):
+        example.axpy(0.5, x.sin(), y)
+        return y * 2
+
+    y_eager, y_compiled = y.clone(), y.clone()
+    expected = step(x, y_eager)
+    got = torch.compile(step, fullgraph=True)(x, y_compiled)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(y_compiled, y_eager)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ _EXPORTS = {
     "load_jit": "jit", "JitCompileError": "jit",
     "make_cpp_args": "cpp_args", "CppArgs": "cpp_args",
     "ToolchainError": "toolchain",
+    "op": "custom_op",
     "rmsnorm": "norm", "fused_add_rmsnorm": "norm",
     "transfer_hicache_one_layer": "hicache", "transfer_hicache_all_layer": "hicache",
     "transfer_hicache_one_layer_mla": "hicache", "transfer_hicache_all_layer_mla": "hicache",

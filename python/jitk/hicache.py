@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .cpp_args import make_cpp_args
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = [
@@ -103,6 +104,8 @@ def _one_layer_kernels(cache: torch.Tensor, element_dim: int | None,
     return _kernels(element_dim * cache.element_size(), _unroll(unroll)), element_dim
 
 
+@op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
     v_cache_dst: torch.Tensor,
@@ -122,6 +125,8 @@ def transfer_hicache_one_layer(
         element_dim, _optional(block_quota, "block_quota", 1))
 
 
+@op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
+    tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -150,6 +155,7 @@ def _all_layer_element_size(element_size: int | None, src_stride: int, dst_strid
     return src_stride
 
 
+@op("jitk::transfer_hicache_all_layer", mutates_args=())  # writes through pointers only
 def transfer_hicache_all_layer(
     k_ptrs_dst: torch.Tensor,
     v_ptrs_dst: torch.Tensor,
@@ -182,6 +188,7 @@ def transfer_hicache_all_layer(
         _optional(block_quota, "block_quota", 1))
 
 
+@op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
 def transfer_hicache_all_layer_mla(
     ptrs_dst: torch.Tensor,
     indices_dst: torch.Tensor,

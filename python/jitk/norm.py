@@ -24,13 +24,13 @@ type, a hidden size or an eps the kernel cannot take raises here and builds noth
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from .cpp_args import make_cpp_args
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
@@ -65,22 +65,12 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
 
 
-def _check_tensors(function: str, **tensors: object) -> None:
-    for name, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{function}: '{name}' must be a torch.Tensor, got "
-                            f"{type(value).__name__}")
-
-
-def _checked_eps(function: str, eps: object) -> float:
-    if type(eps) is not float:
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(f"{function}: 'eps' must be a float, got {type(eps).__name__}")
-        eps = float(eps)
+def _checked_eps(function: str, eps: float) -> float:
+    """eps as the kernel takes it, a float32: finite and >= 0."""
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
                          f"{_FLOAT32_MAX:.7g}), got {eps!r}")
-    return eps
+    return float(eps)
 
 
 def _hidden_size(function: str, input: torch.Tensor) -> int:
@@ -90,22 +80,28 @@ def _hidden_size(function: str, input: torch.Tensor) -> int:
     return input.shape[-1]
 
 
+# Argument types are checked by the operator layer (jitk.op) before these bodies run; the
+# values the kernel cannot take are refused here, before any module is built.
+@op("jitk::rmsnorm", mutates_args=("out",))
+def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    eps = _checked_eps("rmsnorm", eps)
+    _kernels(_hidden_size("rmsnorm", input), input.dtype).rmsnorm(input, weight, out, eps)
+
+
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
             eps: float = 1e-6) -> torch.Tensor:
     """out = input / sqrt(mean(input^2, -1) + eps) * weight; in place when out is None.
     Returns the tensor written."""
     if out is None:
         out = input
-    _check_tensors("rmsnorm", input=input, weight=weight, out=out)
-    eps = _checked_eps("rmsnorm", eps)
-    _kernels(_hidden_size("rmsnorm", input), input.dtype).rmsnorm(input, weight, out, eps)
+    _rmsnorm(input, weight, out, eps)  # an operator may not return its argument
     return out
 
 
+@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"))
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _check_tensors("fused_add_rmsnorm", input=input, residual=residual, weight=weight)
     eps = _checked_eps("fused_add_rmsnorm", eps)
     _kernels(_hidden_size("fused_add_rmsnorm", input), input.dtype).fused_add_rmsnorm(
         input, residual, weight, eps)

@@ -1,45 +1,106 @@
-"""Stream-ordered flags: hold a CUDA stream until a 32-bit flag holds a value, or set it.
+"""Stream-ordered flags: hold a CUDA stream until a flag passes a comparison, or set the flag.
 
     stream_write_value(flag, 3)   # on the producer's stream, after its work
     stream_wait_value(flag, 3)    # on the consumer's stream, before its work
 
-Both enqueue a one-thread kernel on PyTorch's current stream and return at once; they are
-CUDA-graph capturable. The wait reads the flag with acquire semantics and the write stores it
-with release semantics, both at system scope: everything that happened before the write on
-the writer's stream (or, for a host flag, before the host stored it) is visible to the work
-enqueued after the wait.
+Both enqueue one of the CUDA driver's stream memory operations (cuStreamWaitValue32/64,
+cuStreamWriteValue32/64) on PyTorch's current stream and return at once. The GPU's front end
+holds the stream: no kernel runs, no SM is taken, nothing is loaded. CUDA graph capture records
+them as nodes, so a captured wait or write waits or writes at every replay.
 
-A flag is a 1-d int32 tensor of at least one element, of which the first is used. It lives on
-the GPU, or in pinned host memory (`pin_memory=True`) where a host thread can set it and
-several GPUs can share it. A wait on a GPU flag runs on the current stream of the flag's
-device; a wait on a host flag runs on the current stream of the current device.
+A flag is a 1-d int32 or int64 tensor of at least one element, of which the first is used.
+It lives on the GPU, or in pinned host memory (`pin_memory=True`) where a host thread can set
+it and several GPUs can share it. A wait on a GPU flag runs on the current stream of the
+flag's device; a wait on a host flag runs on the current stream of the current device.
 
-A flag holds a value, it does not count: the wait passes once it *reads* the value it waits
-for. So a wait enqueued after the flag got its value passes at once (the value stays until
-something overwrites it), and a wait that reads the flag only after it has moved on to another
-value keeps waiting until the value comes back. Reuse a flag by giving every round its own
-value (a round counter) rather than toggling between two. A wait that is never satisfied holds
-its stream, and its slot on the GPU, until the process ends.
+The comparison (`op`) is one the hardware runs, as the driver defines it (CU_STREAM_WAIT_VALUE_*):
+  "eq"   flag == value
+  "geq"  (flag - value) >= 0 in the flag's signed width: flag is at or past value, and a
+         counter that wraps around keeps working (within half its range)
+  "and"  (flag & value) != 0: some bit of the mask `value` is set
+  "nor"  ~(flag | value) != 0: some bit is 0 in both; with value = ~mask, some bit of mask is
+         clear. There is no not-equal.
+`value` is given in the flag's signed range (a mask of all ones is -1).
 
-CUDA loads a kernel at its first launch (lazily), and loading may wait for the GPU to go
-idle. This module loads its own kernels up front; a kernel of yours launched for the first
-time while a wait spins may block the launching thread until the wait is released, which
-never happens if that thread was to release it: run such work once before.
+What a write makes visible, and to whom. The driver puts a system-scope memory barrier before
+the write, for the writer's stream: every store of the work enqueued before it on that stream
+(to its GPU's memory, to another GPU's, to pinned host memory) is performed before the flag
+changes. So once a wait passes on the value written,
+- work after the wait on any stream of the same GPU sees those stores;
+- work after the wait on another GPU sees them (the flag is then a pinned host flag);
+- a host thread that sees the value with `Event.query` (an acquire load) sees those stores to
+  pinned host memory.
+`Event.set` is a release store: what the setting host thread wrote before (to pinned memory)
+is visible to the work after the waits it releases. Stores that other devices (an RDMA NIC)
+put into a GPU's memory are ordered for the waiter by CU_STREAM_WAIT_VALUE_FLUSH, which the
+wait adds where the GPU offers it (CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES).
+
+A flag holds a value, it does not count: a wait passes once it *reads* a value that passes.
+So a wait enqueued after the flag got its value passes at once (the value stays until
+something overwrites it), and a wait that reads the flag only after it has moved on keeps
+waiting until a passing value comes back. Reuse a flag by giving every round its own value (a
+round counter, waited on with "geq") rather than toggling between two.
+
+A wait that is never satisfied holds its stream until the process ends. The driver warns
+that the order these operations set up is invisible to CUDA's scheduler, which may serialize
+other work behind a wait in an order that deadlocks; enqueuing the write before the wait is
+the order that never depends on it.
+
+Enqueue the writer before the waiter. In a process that has not run the writer's kernels
+yet, a wait that is in place before those kernels are launched can hang the launching thread:
+some first launch waits for the work already on the GPU, the wait included, which only the
+write behind that launch would release. Measured on an H100 (driver 580, torch 2.11) in fresh
+processes: waiter first, then a producer stream's first _sleep and fill_ and the write, hung
+in every run, on stream memory operations and on the spin kernel alike, and also with
+CUDA_MODULE_LOADING=EAGER or CUDA_DEVICE_MAX_CONNECTIONS=32; writer first, then the waiter with
+a kernel of its own that loads behind the wait, was released in every run (20 of 20). Once
+the writer's kernels had run in the process, waiter-first worked in every test.
+
+Fallback. Where the driver has no stream memory operations, or the GPU lacks the 64-bit ones
+or the "nor" wait (its device attributes say so), the call enqueues a one-thread kernel that
+spins on the flag (or writes it) instead, with the same comparisons and the same release/
+acquire visibility at system scope, and warns once. That kernel occupies an SM while it
+waits. JITK_WAIT_VALUE_SPIN=1 asks for the fallback everywhere.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from .custom_op import op
 from .jit import load_jit
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
 
 _NAMESPACE = "jitk::wait_value"
+
+# The driver's numbering (CU_STREAM_WAIT_VALUE_*), which wait_value.cuh passes on as it is.
+COMPARISONS = {"geq": 0, "eq": 1, "and": 2, "nor": 3}
+
+# Capability bits of _capabilities() (wait_value.cuh).
+_MEMORY_OPERATIONS, _OPERATIONS_64_BIT, _NOR_WAIT, _FLUSH_REMOTE_WRITES = 2, 4, 8, 16
+
+# Why a call fell back to the spin kernel (the Path codes of wait_value.cuh).
+_FALLBACK_REASONS = {
+    1: "the CUDA driver offers no stream memory operations (it predates CUDA 12.0)",
+    2: "this GPU has no 64-bit stream memory operations "
+       "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0)",
+    3: "this GPU cannot run op='nor' waits in its front end "
+       "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR is 0)",
+    4: "the CUDA driver refused a stream memory operation (CUDA_ERROR_NOT_SUPPORTED)",
+}
+_warned: set[int] = set()
+
+# Tests set this to run the fallback on a GPU that does not need it.
+_force_spin = os.environ.get("JITK_WAIT_VALUE_SPIN") == "1"
+
+_INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
 class _Kernels(NamedTuple):
@@ -49,6 +110,7 @@ class _Kernels(NamedTuple):
     write_host_flag: Callable
     set_host_flag: Callable
     read_host_flag: Callable
+    stream_memory_operations: Callable
 
 
 @functools.cache
@@ -64,29 +126,73 @@ def _kernels() -> _Kernels:
 
 def _current_stream() -> tuple[int, int]:
     """(device index, cudaStream_t) of PyTorch's current stream. tvm-ffi hands a kernel that
-    stream only when a cuda tensor is an argument, which a host flag is not."""
+    stream only when a cuda tensor is an argument, which a host flag is not. The raw handle,
+    as torch._dynamo reads it: building a torch.cuda.Stream cost 5.2 us a call (H100 host)."""
     try:
-        stream = torch.cuda.current_stream()
+        device = torch.cuda.current_device()
     except (AssertionError, RuntimeError):
         # PyTorch without CUDA: the kernel's own checks then say what is wrong with the flag.
         return -1, 0
-    return stream.device_index, stream.cuda_stream
+    return device, torch._C._cuda_getCurrentRawStream(device)
 
 
-def stream_wait_value(flag: torch.Tensor, value: int = 1) -> None:
-    """Hold the current stream until flag[0] == value (an int32)."""
+def _check_value(flag: torch.Tensor, value: int) -> None:
+    """What cannot reach the C++ checks: a value that is no int or wider than int64."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"value must be an int, got {type(value).__name__}")
+    if not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        dtype = str(flag.dtype).removeprefix("torch.")
+        raise ValueError(f"value must fit in the {dtype} flag, got {value}")
+
+
+def _compare_code(op: str) -> int:
+    try:
+        return COMPARISONS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"op must be one of {', '.join(map(repr, COMPARISONS))}, "
+                         f"got {op!r}") from None
+
+
+def _note(path: int) -> None:
+    """Warns once per reason when a call had to use the spin kernel."""
+    if path in _FALLBACK_REASONS and path not in _warned:
+        _warned.add(path)
+        warnings.warn(f"jitk.wait_value: {_FALLBACK_REASONS[path]}, so waits and writes use a "
+                      "spin kernel, which holds an SM while it waits; see the module docstring "
+                      "(Fallback)", RuntimeWarning, stacklevel=3)
+
+
+@op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
+def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
+    """Hold the current stream until flag[0] passes `op` against `value` (see the module)."""
+    compare = _compare_code(op)
+    _check_value(flag, value)
     if flag.is_cuda:
-        _kernels().wait_device_flag(flag, value)
+        path = _kernels().wait_device_flag(flag, value, compare, _force_spin)
     else:
-        _kernels().wait_host_flag(flag, value, *_current_stream())
+        path = _kernels().wait_host_flag(flag, value, compare, *_current_stream(), _force_spin)
+    if path:
+        _note(path)
 
 
+@op("jitk::stream_write_value", mutates_args=("flag",),
+    tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
+    _check_value(flag, value)
     if flag.is_cuda:
-        _kernels().write_device_flag(flag, value)
+        path = _kernels().write_device_flag(flag, value, _force_spin)
     else:
-        _kernels().write_host_flag(flag, value, *_current_stream())
+        path = _kernels().write_host_flag(flag, value, *_current_stream(), _force_spin)
+    if path:
+        _note(path)
+
+
+def _capabilities(device: int) -> int:
+    """The capability bits (_MEMORY_OPERATIONS, ...) of a GPU's front end, as the driver
+    reports them: for tests and benchmarks."""
+    return _kernels().stream_memory_operations(device)
 
 
 class Event:
@@ -95,40 +201,44 @@ class Event:
 
         done = Event()           # flag in GPU memory of the current device
         done.record(step)        # on the producer's stream
-        done.wait(step)          # on the consumer's stream
+        done.wait(step)          # on the consumer's stream (or wait(step, op="geq"))
 
         ready = Event(host=True) # flag in pinned host memory
         ready.wait(1)            # the stream holds ...
         ready.set(1)             # ... until a host thread says so
 
-    The flag starts at 0. Values follow the module's rules: a flag holds the last value
-    written, so give each round its own value, or set the flag back before reusing one.
+    The flag starts at 0, as an int32 or (dtype=torch.int64) an int64. Values follow the
+    module's rules: a flag holds the last value written, so give each round its own value, or
+    set the flag back before reusing one.
     """
 
     def __init__(self, device: torch.device | str | int | None = None, *,
-                 host: bool = False) -> None:
+                 host: bool = False, dtype: torch.dtype = torch.int32) -> None:
+        if dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"Event(dtype=...) must be torch.int32 or torch.int64, got {dtype}")
         if host:
             if device is not None:
                 raise ValueError("Event(host=True) lives in pinned host memory; a wait runs "
                                  "on the current device, so no device is given")
-            self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self.flag = torch.zeros(1, dtype=dtype, pin_memory=True)
         else:
             device = "cuda" if device is None else device
-            self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+            self.flag = torch.zeros(1, dtype=dtype, device=device)
         self.host = host
 
     def record(self, value: int = 1) -> None:
         """Set the flag to `value` once the current stream's earlier work is done."""
         stream_write_value(self.flag, value)
 
-    def wait(self, value: int = 1) -> None:
-        """Hold the current stream until the flag holds `value`."""
-        stream_wait_value(self.flag, value)
+    def wait(self, value: int = 1, op: str = "eq") -> None:
+        """Hold the current stream until the flag passes `op` against `value`."""
+        stream_wait_value(self.flag, value, op)
 
     def set(self, value: int) -> None:
         """Set a host flag from the host, now, with a release store: what this thread wrote
         before is visible to the work after the waits it releases."""
         self._require_host("set")
+        _check_value(self.flag, value)
         _kernels().set_host_flag(self.flag, value)
 
     def query(self, value: int = 1) -> bool:

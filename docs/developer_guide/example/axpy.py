@@ -1,4 +1,5 @@
-"""The Python side of axpy.cuh: a cached loader and the function users call."""
+"""The Python side of axpy.cuh: a cached loader, and the function users call, which is also
+the PyTorch operator torch.ops.example.axpy."""
 
 import functools
 from pathlib import Path
@@ -17,6 +18,7 @@ def _axpy(dtype: torch.dtype):
                          cuda_wrappers=[("axpy", f"axpy::Axpy<{args}>::run")]).axpy
 
 
+@jitk.op("example::axpy", mutates_args=("y",))
 def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor) -> None:
     """y += alpha * x, in place."""
     _axpy(x.dtype)(alpha, x, y)

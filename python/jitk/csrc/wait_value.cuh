@@ -1,81 +1,135 @@
-// Stream-ordered flags. wait: a one-thread kernel that holds its stream until a 32-bit flag
-// equals a value, reading it with acquire semantics. write: a one-thread kernel that sets the
-// flag with release semantics. Both work at system scope, so the flag may live in GPU memory
-// or in pinned host memory, and the other side may be another stream, another GPU or a host
-// thread. Everything written before a release is visible to work that follows the wait.
+// Stream-ordered flags on the CUDA driver's stream memory operations (cuStreamWaitValue32/64,
+// cuStreamWriteValue32/64): the GPU's front end holds a stream until a 32- or 64-bit flag (in
+// GPU or pinned host memory) passes a comparison, or writes the flag after the stream's earlier
+// work; no kernel, no SM, and stream capture records them. The driver is reached through the
+// runtime's entry-point lookup, never linked, so a machine without one builds and loads this.
+// Where the driver or GPU lacks an operation, a one-thread spin kernel does it (the fallback).
 #pragma once
 
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
+#include <cuda.h>  // types and enums only; see driver()
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace jitk::wait_value {
 
-// The waiter sleeps between polls, doubling from the first length to the cap: a flag that is
-// already set costs one load, and a release is noticed at most about the cap late while a
-// long wait costs one load per cap (a PCIe read each, for a host flag).
+// Comparisons, numbered as the driver numbers them (CU_STREAM_WAIT_VALUE_*), wait_value.py too:
+//   geq: (signed)(flag - value) >= 0, a greater-or-equal that survives wrap-around
+//   eq:  flag == value
+//   and: (flag & value) != 0
+//   nor: ~(flag | value) != 0, some bit is 0 in both
+inline constexpr int kLastCompare = CU_STREAM_WAIT_VALUE_NOR;
+inline constexpr int kWrite = -1;  // what enqueue() takes for "write", not "wait"
+
+// How a call ran, returned to Python, which warns once for each reason to fall back.
+enum Path : int32_t {
+  kMemoryOperation = 0,
+  kSpinNoDriverEntryPoints = 1,  // the driver has no stream memory operations (older than 12.0)
+  kSpinNo64BitOperations = 2,    // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0
+  kSpinNoNorWait = 3,            // CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR is 0
+  kSpinRefusedByDriver = 4,      // the operation returned CUDA_ERROR_NOT_SUPPORTED
+  kSpinRequested = 5,            // the caller asked for the spin kernel
+};
+
+// ---------------------------------------------------------------------------------------
+// The fallback: one thread that spins on the flag, and one that writes it.
+
+// The waiter sleeps between polls, doubling up to the cap: a flag already set costs one load, a
+// release is noticed about the cap late at most, a long wait costs a load (PCIe read) per cap.
 inline constexpr unsigned kFirstSleepNs = 32;
 inline constexpr unsigned kMaxSleepNs = 512;
 
-// volatile would only stop the compiler caching the flag; the acquire also orders every later
-// read of this thread (and of the kernels after it on the stream) after the flag's value.
-__device__ __forceinline__ int32_t load_acquire_system(const int32_t* flag) {
-  int32_t value;
-  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+// The acquire orders every later read of this thread (and of the kernels after it on the
+// stream) after the flag's value; the release publishes everything before it on the stream.
+template <typename T>
+__device__ __forceinline__ T load_acquire_system(const T* flag) {
+  T value;
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  }
   return value;
 }
-
-// Publishes everything that happened before it on the stream before the flag changes.
-__device__ __forceinline__ void store_release_system(int32_t* flag, int32_t value) {
-  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+template <typename T>
+__device__ __forceinline__ void store_release_system(T* flag, T value) {
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  } else {
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+  }
 }
 
-__global__ void wait_kernel(const int32_t* flag, int32_t value) {
+template <typename T>
+__device__ __forceinline__ bool passes(T flag, T value, int compare) {
+  using Bits = std::make_unsigned_t<T>;
+  switch (compare) {
+    case CU_STREAM_WAIT_VALUE_GEQ:
+      return static_cast<T>(static_cast<Bits>(flag) - static_cast<Bits>(value)) >= 0;
+    case CU_STREAM_WAIT_VALUE_EQ: return flag == value;
+    case CU_STREAM_WAIT_VALUE_AND: return (flag & value) != 0;
+    default: return ~(flag | value) != 0;
+  }
+}
+
+template <typename T>
+__global__ void wait_kernel(const T* flag, T value, int compare) {
   unsigned sleep_ns = kFirstSleepNs;
-  while (load_acquire_system(flag) != value) {
+  while (!passes(load_acquire_system(flag), value, compare)) {
     __nanosleep(sleep_ns);
     sleep_ns = min(2 * sleep_ns, kMaxSleepNs);
   }
 }
 
-__global__ void write_kernel(int32_t* flag, int32_t value) { store_release_system(flag, value); }
-
-// ---------------------------------------------------------------------------------------
-// Host side.
-
-inline int32_t flag_value(int64_t value) {
-  RuntimeCheck(value >= std::numeric_limits<int32_t>::min() &&
-                   value <= std::numeric_limits<int32_t>::max(),
-               "value must fit in the int32 flag, got ", value);
-  return static_cast<int32_t>(value);
+template <typename T>
+__global__ void write_kernel(T* flag, T value) {
+  store_release_system(flag, value);
 }
 
-// Checks that `flag` is a 1-d int32 tensor of at least one element on one of kDevices and
-// returns the address of its first element, the one the kernels use.
-template <DLDeviceType... kDevices>
-int32_t* first_element(const TensorView& flag, SymbolicDevice& device) {
+// ---------------------------------------------------------------------------------------
+// Host side: the flag.
+
+template <typename T>
+T flag_value(int64_t value) {
+  if constexpr (sizeof(T) < sizeof(int64_t)) {
+    RuntimeCheck(value >= std::numeric_limits<T>::min() && value <= std::numeric_limits<T>::max(),
+                 "value must fit in the int", 8 * sizeof(T), " flag, got ", value);
+  }
+  return static_cast<T>(value);
+}
+
+// Checks that `flag` is a 1-d int32 or int64 tensor of at least one element on one of
+// kDevices, and calls use(address) with a typed pointer to its first element, the flag.
+template <DLDeviceType... kDevices, typename Use>
+decltype(auto) with_flag(const TensorView& flag, SymbolicDevice& device, Use&& use) {
   SymbolicSize length{"flag length"};
+  SymbolicDType dtype;
   TensorMatcher({length})
       .with_strides({-1})  // only the first element is read
-      .with_dtype<int32_t>()
+      .with_dtype<int32_t, int64_t>(dtype)
       .with_device<kDevices...>(device)
       .verify(flag, "flag");
   RuntimeCheck(length.unwrap() >= 1,
-               "'flag' must hold at least one int32 (the first is the flag), got an empty tensor");
-  auto* address = static_cast<int32_t*>(pointer::offset(flag.data_ptr(), flag.byte_offset()));
-  // A misaligned access would kill the CUDA context, not raise.
-  RuntimeCheck(reinterpret_cast<std::uintptr_t>(address) % alignof(int32_t) == 0,
-               "'flag' must be 4-byte aligned, got address ", static_cast<void*>(address));
-  return address;
+               "'flag' must hold at least one element (the first is the flag), got an empty "
+               "tensor");
+  void* address = pointer::offset(flag.data_ptr(), flag.byte_offset());
+  // A misaligned access kills the CUDA context (or the driver refuses it) instead of raising.
+  const auto aligned = [&]<typename T>() {
+    RuntimeCheck(reinterpret_cast<std::uintptr_t>(address) % alignof(T) == 0, "'flag' must be ",
+                 alignof(T), "-byte aligned for its dtype, got address ", address);
+    return static_cast<T*>(address);
+  };
+  if (dtype.unwrap() == dtype_v<int64_t>) return use(aligned.template operator()<int64_t>());
+  return use(aligned.template operator()<int32_t>());
 }
 
-// The attribute queries below are no stream work, but a stream capture in global mode
-// (PyTorch's default) may refuse them and be ended by them. For its scope this thread captures
-// in relaxed mode, which permits them.
+// The queries below are no stream work, but a stream capture in global mode (PyTorch's
+// default) may refuse them and end; for its scope this thread captures in relaxed mode.
 class RelaxedCaptureMode {
  public:
   RelaxedCaptureMode() : changed_(cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {}
@@ -90,9 +144,9 @@ class RelaxedCaptureMode {
   bool changed_;
 };
 
-// A kernel may only touch host memory that is pinned (page-locked and mapped into the GPU's
-// address space); pageable memory faults. Returns the address the GPU sees.
-inline int32_t* device_address_of_host_flag(int32_t* host, DLDevice device) {
+// The GPU may only touch host memory that is pinned (page-locked and mapped into its address
+// space); the driver wants the address the GPU sees, which this returns.
+inline void* device_address_of_host_flag(void* host, DLDevice device) {
   cudaPointerAttributes attributes{};
   const cudaError_t error = [&] {
     const RelaxedCaptureMode relaxed;
@@ -106,12 +160,12 @@ inline int32_t* device_address_of_host_flag(int32_t* host, DLDevice device) {
   }
   RuntimeCheck(attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
                "flag must be a cuda tensor or pinned host memory, got ", device,
-               " memory that is not pinned (a kernel reading pageable memory faults); "
+               " memory that is not pinned (the GPU cannot reach pageable memory); "
                "allocate it with pin_memory=True");
-  return static_cast<int32_t*>(attributes.devicePointer);
+  return attributes.devicePointer;
 }
 
-// Makes `device` current for a launch and gives the caller its own device back afterwards.
+// Makes `device` current for the call and gives the caller its own device back afterwards.
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) : device_(device) {
@@ -129,84 +183,267 @@ class ScopedDevice {
   int previous_ = 0;
 };
 
-// CUDA loads a kernel at its first launch on a device (lazy loading, PyTorch's default), and
-// loading may wait for the device to go idle: the first write, launched while a wait spins,
-// would never start. So the first launch on a device loads both kernels there.
-//
-// Atomics on the host are the compiler's builtins (gcc and clang, nvcc's host compilers):
-// <atomic> would add about 0.8 s to every build of this module, for three operations.
-inline void load_kernels_once(int device) {
+// ---------------------------------------------------------------------------------------
+// Host side: the driver, found once through the runtime.
+
+struct Driver {
+  CUresult (*wait32)(CUstream, CUdeviceptr, cuuint32_t, unsigned) = nullptr;
+  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned) = nullptr;
+  CUresult (*write32)(CUstream, CUdeviceptr, cuuint32_t, unsigned) = nullptr;
+  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+  bool complete = false;
+};
+
+// The symbol as CUDA 12.0 defined it (the _v2 stream memory operations), or null where the
+// driver is older or absent.
+template <typename Function>
+void find_driver_symbol(const char* name, Function*& function) {
+  void* found = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+  const cudaError_t error =
+      cudaGetDriverEntryPointByVersion(name, &found, 12000, cudaEnableDefault, &status);
+#else
+  const cudaError_t error = cudaGetDriverEntryPoint(name, &found, cudaEnableDefault, &status);
+#endif
+  if (error != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    found = nullptr;
+  }
+  function = reinterpret_cast<Function*>(found);
+}
+
+inline const Driver& driver() {
+  static const Driver found = [] {
+    const RelaxedCaptureMode relaxed;
+    Driver d;
+    find_driver_symbol("cuStreamWaitValue32", d.wait32);
+    find_driver_symbol("cuStreamWaitValue64", d.wait64);
+    find_driver_symbol("cuStreamWriteValue32", d.write32);
+    find_driver_symbol("cuStreamWriteValue64", d.write64);
+    find_driver_symbol("cuDeviceGet", d.device_get);
+    find_driver_symbol("cuDeviceGetAttribute", d.device_attribute);
+    find_driver_symbol("cuGetErrorName", d.error_name);
+    d.complete = d.wait32 && d.wait64 && d.write32 && d.write64 && d.device_get &&
+                 d.device_attribute && d.error_name;
+    return d;
+  }();
+  return found;
+}
+
+inline void driver_check(CUresult result, const char* call, DebugInfo where = {}) {
+  if (result == CUDA_SUCCESS) [[likely]] return;
+  const char* name = nullptr;
+  driver().error_name(result, &name);
+  detail::panic_at(where, call, " failed: ", name != nullptr ? name : "unknown CUresult", " (",
+                   static_cast<int>(result), ")");
+}
+
+// What a device's front end can do, queried once per device. Host atomics are the compiler's
+// builtins (gcc, clang): <atomic> would add about 0.8 s to every build of this module.
+enum Capability : uint32_t {
+  kQueried = 1,
+  kMemoryOperations = 2,
+  k64BitOperations = 4,
+  kNorWait = 8,
+  kFlushRemoteWrites = 16,
+  kRefusedByDriver = 32,  // an operation returned CUDA_ERROR_NOT_SUPPORTED: spin from then on
+};
+inline constexpr int kCachedDevices = 64;
+inline uint32_t device_capabilities[kCachedDevices];
+
+inline uint32_t query_capabilities(int device) {
+  const Driver& d = driver();
+  if (!d.complete) return kQueried;
+  const RelaxedCaptureMode relaxed;
+  CUdevice handle = 0;
+  driver_check(d.device_get(&handle, device), "cuDeviceGet");
+  const auto has = [&](CUdevice_attribute attribute, uint32_t capability) -> uint32_t {
+    int value = 0;
+    driver_check(d.device_attribute(&value, attribute, handle), "cuDeviceGetAttribute");
+    return value != 0 ? capability : 0;
+  };
+  return kQueried | kMemoryOperations |
+         has(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, k64BitOperations) |
+         has(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR, kNorWait) |
+         has(CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, kFlushRemoteWrites);
+}
+
+inline uint32_t capabilities(int device) {
+  if (device < 0 || device >= kCachedDevices) return query_capabilities(device);
+  uint32_t known = __atomic_load_n(&device_capabilities[device], __ATOMIC_ACQUIRE);
+  if (known == 0) {  // two threads may both query; they store the same answer
+    known = query_capabilities(device);
+    __atomic_store_n(&device_capabilities[device], known, __ATOMIC_RELEASE);
+  }
+  return known;
+}
+
+inline void note_refusal(int device) {
+  if (device >= 0 && device < kCachedDevices) {
+    __atomic_fetch_or(&device_capabilities[device], uint32_t{kRefusedByDriver}, __ATOMIC_RELAXED);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side: enqueueing a wait or a write.
+
+// CUDA loads a kernel at its first launch (lazily), which may wait for the GPU to go idle, which
+// a spinning wait never lets it: the first spin launch on a device loads all four kernels.
+inline void load_spin_kernels_once(int device) {
   static uint64_t loaded_devices = 0;  // bit d: loaded on device d
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (__atomic_load_n(&loaded_devices, __ATOMIC_RELAXED) & bit) return;
-  const ScopedDevice on(device);
   const RelaxedCaptureMode relaxed;
   cudaFuncAttributes attributes;
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel));
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int32_t>));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int64_t>));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int32_t>));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int64_t>));
   __atomic_fetch_or(&loaded_devices, bit, __ATOMIC_RELAXED);
 }
 
-template <typename Flag>
-void launch_on_device_flag(void (*kernel)(Flag*, int32_t), const TensorView& flag,
-                           int64_t value) {
-  const int32_t target = flag_value(value);
+// Which way a wait (compare >= 0) or a write (kWrite) of a T flag goes on `device`.
+template <typename T>
+Path choose_path(int device, int compare, bool spin) {
+  if (spin) return kSpinRequested;
+  const uint32_t can = capabilities(device);
+  if (!(can & kMemoryOperations)) return kSpinNoDriverEntryPoints;
+  if (can & kRefusedByDriver) return kSpinRefusedByDriver;
+  if (sizeof(T) == 8 && !(can & k64BitOperations)) return kSpinNo64BitOperations;
+  if (compare == CU_STREAM_WAIT_VALUE_NOR && !(can & kNorWait)) return kSpinNoNorWait;
+  return kMemoryOperation;
+}
+
+// A wait adds the flush where the GPU offers it: it orders the writes that other devices (an
+// RDMA NIC, say) put in this GPU's memory before the flag, for the work after the wait. A
+// write with the default flags has a system-scope memory barrier before it: it is a release.
+template <typename T>
+CUresult enqueue_memory_operation(cudaStream_t stream, T* flag, T value, int compare,
+                                  uint32_t can) {
+  const auto address = reinterpret_cast<CUdeviceptr>(flag);
+  const auto bits = static_cast<std::make_unsigned_t<T>>(value);
+  const unsigned wait_flags = compare | (can & kFlushRemoteWrites ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
+  const Driver& d = driver();
+  if constexpr (sizeof(T) == 8) {
+    return compare == kWrite ? d.write64(stream, address, bits, CU_STREAM_WRITE_VALUE_DEFAULT)
+                             : d.wait64(stream, address, bits, wait_flags);
+  } else {
+    return compare == kWrite ? d.write32(stream, address, bits, CU_STREAM_WRITE_VALUE_DEFAULT)
+                             : d.wait32(stream, address, bits, wait_flags);
+  }
+}
+
+// Holds (compare >= 0) or writes (kWrite) `flag`, the address the GPU sees, on `stream` of
+// `device`, which is current. Returns the path it took.
+template <typename T>
+int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare, bool spin) {
+  Path path = choose_path<T>(device, compare, spin);
+  if (path == kMemoryOperation) {
+    const CUresult result =
+        enqueue_memory_operation(stream, flag, target, compare, capabilities(device));
+    if (result != CUDA_ERROR_NOT_SUPPORTED) {
+      driver_check(result, compare >= 0 ? "cuStreamWaitValue" : "cuStreamWriteValue");
+      return path;
+    }
+    note_refusal(device);
+    path = kSpinRefusedByDriver;
+  }
+  load_spin_kernels_once(device);
+  if (compare >= 0) {
+    LaunchKernel(1, 1, stream)(wait_kernel<T>, flag, target, compare);
+  } else {
+    LaunchKernel(1, 1, stream)(write_kernel<T>, flag, target);
+  }
+  return path;
+}
+
+inline int checked_compare(int32_t compare, DebugInfo where = {}) {
+  detail::check_at(compare >= 0 && compare <= kLastCompare, where,
+                   "op must be a comparison code from 0 to ", kLastCompare, ", got ", compare);
+  return compare;
+}
+
+inline int32_t on_device_flag(const TensorView& flag, int64_t value, int compare, bool spin) {
   SymbolicDevice device;
-  int32_t* address = first_element<kDLCUDA>(flag, device);
-  load_kernels_once(device.unwrap().device_id);
-  LaunchKernel(1, 1, device.unwrap())(kernel, address, target);
+  return with_flag<kDLCUDA>(flag, device, [&](auto* address) {
+    const auto target = flag_value<std::remove_pointer_t<decltype(address)>>(value);
+    const int id = device.unwrap().device_id;
+    const ScopedDevice on(id);
+    return enqueue(id, current_stream(device.unwrap()), address, target, compare, spin);
+  });
 }
 
 // tvm-ffi records PyTorch's current stream only when a cuda tensor is an argument, so for a
 // host flag the caller names the stream and its device.
-template <typename Flag>
-void launch_on_host_flag(void (*kernel)(Flag*, int32_t), const TensorView& flag,
-                         int64_t value, int64_t device_id, int64_t stream) {
-  const int32_t target = flag_value(value);
+inline int32_t on_host_flag(const TensorView& flag, int64_t value, int compare, int64_t device_id,
+                            int64_t stream, bool spin) {
   SymbolicDevice device;
-  int32_t* host = first_element<kDLCPU, kDLCUDAHost>(flag, device);
-  int32_t* address = device_address_of_host_flag(host, device.unwrap());
-  RuntimeCheck(device_id >= 0 && device_id <= std::numeric_limits<int>::max(),
-               "a host flag is waited on or written from a cuda stream, but there is no "
-               "current cuda device (got device ", device_id, ")");
-  const ScopedDevice on(static_cast<int>(device_id));
-  load_kernels_once(static_cast<int>(device_id));
-  LaunchKernel(1, 1, reinterpret_cast<cudaStream_t>(stream))(kernel, address, target);
+  return with_flag<kDLCPU, kDLCUDAHost>(flag, device, [&](auto* host) {
+    const auto target = flag_value<std::remove_pointer_t<decltype(host)>>(value);
+    auto* address =
+        static_cast<decltype(host)>(device_address_of_host_flag(host, device.unwrap()));
+    RuntimeCheck(device_id >= 0 && device_id <= std::numeric_limits<int>::max(),
+                 "a host flag is waited on or written from a cuda stream, but there is no "
+                 "current cuda device (got device ", device_id, ")");
+    const int id = static_cast<int>(device_id);
+    const ScopedDevice on(id);
+    return enqueue(id, reinterpret_cast<cudaStream_t>(stream), address, target, compare, spin);
+  });
 }
 
-// Exported entry points. The flag is a 1-d int32 tensor; its first element is the flag.
+// ---------------------------------------------------------------------------------------
+// Exported entry points. The flag: a 1-d int32 or int64 tensor's first element. `compare`: a
+// comparison code (above); `spin` asks for the spin kernel. Each returns the Path it took.
 
-// Holds the current stream of the flag's GPU until the flag equals `value`.
-void wait_device_flag(TensorView flag, int64_t value) {
-  launch_on_device_flag(wait_kernel, flag, value);
+// Holds the current stream of the flag's GPU until the flag passes the comparison with `value`.
+int32_t wait_device_flag(TensorView flag, int64_t value, int32_t compare, bool spin) {
+  return on_device_flag(flag, value, checked_compare(compare), spin);
 }
 
 // Sets the flag to `value` once everything before it on the current stream is done.
-void write_device_flag(TensorView flag, int64_t value) {
-  launch_on_device_flag(write_kernel, flag, value);
+int32_t write_device_flag(TensorView flag, int64_t value, bool spin) {
+  return on_device_flag(flag, value, kWrite, spin);
 }
 
 // The same for a flag in pinned host memory, on `stream` (a cudaStream_t) of `device_id`.
-void wait_host_flag(TensorView flag, int64_t value, int64_t device_id, int64_t stream) {
-  launch_on_host_flag(wait_kernel, flag, value, device_id, stream);
+int32_t wait_host_flag(TensorView flag, int64_t value, int32_t compare, int64_t device_id,
+                       int64_t stream, bool spin) {
+  return on_host_flag(flag, value, checked_compare(compare), device_id, stream, spin);
 }
 
-void write_host_flag(TensorView flag, int64_t value, int64_t device_id, int64_t stream) {
-  launch_on_host_flag(write_kernel, flag, value, device_id, stream);
+int32_t write_host_flag(TensorView flag, int64_t value, int64_t device_id, int64_t stream,
+                        bool spin) {
+  return on_host_flag(flag, value, kWrite, device_id, stream, spin);
 }
 
 // Host-side access to a host flag, for a host thread on either side of a wait or a write. The
 // release store publishes the thread's earlier writes also on hosts whose stores may be
 // reordered (Arm), and the acquire load pairs with the GPU's release.
 void set_host_flag(TensorView flag, int64_t value) {
-  const int32_t target = flag_value(value);
   SymbolicDevice device;
-  __atomic_store_n(first_element<kDLCPU, kDLCUDAHost>(flag, device), target, __ATOMIC_RELEASE);
+  with_flag<kDLCPU, kDLCUDAHost>(flag, device, [&](auto* address) {
+    using T = std::remove_pointer_t<decltype(address)>;
+    __atomic_store_n(address, flag_value<T>(value), __ATOMIC_RELEASE);
+    return 0;
+  });
 }
 
 int64_t read_host_flag(TensorView flag) {
   SymbolicDevice device;
-  return __atomic_load_n(first_element<kDLCPU, kDLCUDAHost>(flag, device), __ATOMIC_ACQUIRE);
+  return with_flag<kDLCPU, kDLCUDAHost>(flag, device, [&](auto* address) -> int64_t {
+    return __atomic_load_n(address, __ATOMIC_ACQUIRE);
+  });
+}
+
+// The Capability bits of `device` (for tests and reports): which operations its front end runs.
+int64_t stream_memory_operations(int64_t device) {
+  RuntimeCheck(device >= 0 && device <= std::numeric_limits<int>::max(),
+               "device must be a cuda device index, got ", device);
+  return capabilities(static_cast<int>(device));
 }
 
 }  // namespace jitk::wait_value

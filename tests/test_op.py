@@ -1,0 +1,293 @@
+"""jitk.op on a user's own kernel: a host-only module from cpp_files, made PyTorch operators
+that torch.compile(fullgraph=True), torch.export, make_fx and opcheck handle, while an eager
+call skips the dispatcher; argument types are checked with the parameter's name."""
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import jitk
+
+KERNEL = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"
+loads = []  # one entry per module load: loading happens at run time, never while tracing
+handed = []  # the address of every `y` the axpy kernel was handed
+
+
+@functools.cache
+def _module():
+    loads.append(KERNEL)
+    return jitk.load_jit("cpu_axpy", cpp_files=[KERNEL], cpp_wrappers=[("axpy", "cpu_axpy::axpy")])
+
+
+@jitk.op("jitk_test::axpy", mutates_args=("y",))
+def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor) -> None:
+    """y += alpha * x, in place."""
+    handed.append(y.data_ptr())
+    _module().axpy(alpha, x, y)
+
+
+@jitk.op("jitk_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor, alpha: float = 1.0, offset: torch.Tensor | None = None, *,
+           repeat: int = 1) -> torch.Tensor:
+    """alpha * x (+ offset), `repeat` times over: a new tensor shaped like x."""
+    out = torch.zeros_like(x) if offset is None else offset.clone()
+    for _ in range(repeat):
+        _module().axpy(alpha, x, out)
+    return out
+
+
+def _first_half_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0] // 2)
+
+
+@jitk.op("jitk_test::first_half", mutates_args=(), fake=_first_half_fake)
+def first_half(x: torch.Tensor) -> torch.Tensor:
+    """A result not shaped like the input: its fake implementation is written by hand."""
+    out = x.new_zeros(x.shape[0] // 2)
+    _module().axpy(1.0, x[: out.shape[0]], out)
+    return out
+
+
+@jitk.op("jitk_test::touch", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def touch(x: torch.Tensor) -> None:
+    """Returns nothing and writes no argument: kept in graphs for its side effect."""
+    handed.append(x.data_ptr())
+
+
+def block(x, y, alpha):
+    """A little of everything: torch ops around three jitk ops."""
+    z = scaled(x.sin(), alpha, repeat=2)
+    axpy(alpha, z, y)
+    return first_half(y * 2) + 1
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    # No compiled graph may come from an earlier test or run: each is traced here.
+    torch._dynamo.reset()
+    with torch._inductor.utils.fresh_cache():
+        yield
+    torch._dynamo.reset()
+
+
+def inputs(n=16):
+    return torch.randn(n), torch.randn(n)
+
+
+# ------------------------------------------------------------------------------ compile
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_fullgraph_equals_eager_and_loads_only_at_run_time(backend):
+    # Inductor reinplaces the written argument; aot_eager (no reinplacing) hands the op a
+    # copy and writes it back: both must give eager's results.
+    x, y = inputs()
+    y_eager = y.clone()
+    expected = block(x, y_eager, 0.5)
+    _module.cache_clear()
+    loads.clear()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    got = compiled(x, y, 0.5)
+    # Inductor's fused sin may differ from eager's in the last bit.
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(y, y_eager)
+    # The module was loaded by the ops as they ran, not by tracing (the loader's file
+    # system calls would have broken fullgraph).
+    assert loads == [KERNEL]
+    assert torch.compile(block, fullgraph=True, backend=backend)(x, y.clone(), 0.5).shape == (8,)
+
+
+def test_inductor_hands_the_kernel_the_callers_tensor():
+    # A kernel writing through the argument it was given (a KV cache, a flag) needs the
+    # caller's tensor, not a functional copy: Inductor reinplaces jitk ops.
+    def write(x, y):
+        axpy(2.0, x, y)
+
+    x, y = inputs()
+    expected = y + 2.0 * x
+    handed.clear()
+    torch.compile(write, fullgraph=True)(x, y)
+    assert handed == [y.data_ptr()]
+    torch.testing.assert_close(y, expected)
+
+
+def test_side_effect_only_op_survives_dead_code_elimination():
+    def run(x):
+        touch(x)
+        return x + 1
+
+    x = torch.randn(4)
+    handed.clear()
+    torch.compile(run, fullgraph=True)(x)
+    assert handed == [x.data_ptr()]
+    graph = make_fx(run)(x)
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    assert "jitk_test.touch" in graph.code
+
+
+# ------------------------------------------------------------------------------ tracing
+def test_export_records_the_ops_and_runs_them():
+    class Block(torch.nn.Module):
+        def forward(self, x, y):
+            return block(x, y, 0.25)
+
+    x, y = inputs()
+    exported = torch.export.export(Block(), (x, y.clone()))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"jitk_test.axpy.default", "jitk_test.scaled.default",
+            "jitk_test.first_half.default"} <= targets
+    y_exported, y_eager = y.clone(), y.clone()
+    torch.testing.assert_close(exported.module()(x, y_exported), block(x, y_eager, 0.25))
+    torch.testing.assert_close(y_exported, y_eager)
+
+
+def test_make_fx_over_fake_cuda_tensors_traces_the_op_without_running_it():
+    with FakeTensorMode():
+        x = torch.empty(16, device="cuda")
+        y = torch.empty(16, device="cuda")
+    graph = make_fx(lambda x, y: block(x, y, 0.5))(x, y)
+    calls = [str(n.target) for n in graph.graph.nodes if str(n.target).startswith("jitk_test")]
+    assert calls == ["jitk_test.scaled.default", "jitk_test.axpy.default",
+                     "jitk_test.first_half.default"]
+
+
+def test_fake_implementations_give_the_result_shapes():
+    with FakeTensorMode():
+        x = torch.empty(10, 3)
+        assert scaled(x, 2.0).shape == (10, 3)
+        assert first_half(torch.empty(10)).shape == (5,)
+        assert axpy(1.0, x, x) is None
+
+
+def test_opcheck():
+    x, y = inputs()
+    torch.library.opcheck(axpy.op, (0.5, x, y))
+    torch.library.opcheck(scaled.op, (x, 0.5), {"offset": y, "repeat": 3})
+    torch.library.opcheck(first_half.op, (x,))
+    torch.library.opcheck(touch.op, (x,))
+
+
+# ------------------------------------------------------------------------------ eager path
+def test_eager_call_skips_the_dispatcher():
+    x, y = inputs()
+    with torch.profiler.profile() as direct:
+        axpy(0.5, x, y)
+    with torch.profiler.profile() as dispatched:
+        axpy.op(0.5, x, y)
+    assert "jitk_test::axpy" not in [event.name for event in direct.events()]
+    assert "jitk_test::axpy" in [event.name for event in dispatched.events()]
+
+
+class Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def record(self, func, args, kwargs):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_and_function_modes_see_the_op():
+    class DispatchRecorder(TorchDispatchMode, Recorder):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return self.record(func, args, kwargs)
+
+    class FunctionRecorder(TorchFunctionMode, Recorder):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return self.record(func, args, kwargs)
+
+    x, y = inputs()
+    for mode in (DispatchRecorder(), FunctionRecorder()):
+        Recorder.__init__(mode)
+        expected = y + 0.5 * x
+        with mode:
+            axpy(0.5, x, y)
+        assert "jitk_test.axpy.default" in mode.seen
+        torch.testing.assert_close(y, expected)
+
+
+def test_tensor_subclasses_go_through_the_dispatcher():
+    # A FakeTensor used outside its mode has no data for a kernel to read: the call must
+    # take the operator (and its fake implementation), not the kernel.
+    with FakeTensorMode():
+        x = torch.empty(6)
+    out = scaled(x, 2.0)
+    assert type(out) is type(x) and out.shape == (6,)
+    weight = torch.nn.Parameter(torch.ones(6), requires_grad=False)  # a plain tensor
+    torch.testing.assert_close(scaled(weight, 3.0), torch.full((6,), 3.0))
+
+
+def test_eager_results_and_defaults():
+    x, y = inputs()
+    expected = y + 0.5 * x
+    assert axpy(0.5, x, y) is None
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(scaled(x), x)
+    torch.testing.assert_close(scaled(x, 2, offset=y, repeat=2), y + 4 * x)  # int for float
+    torch.testing.assert_close(first_half(x), x[:8])
+
+
+def test_wrapper_keeps_name_signature_and_docs():
+    assert axpy.__name__ == "axpy" and axpy.__doc__ == "y += alpha * x, in place."
+    assert list(__import__("inspect").signature(scaled).parameters) == \
+        ["x", "alpha", "offset", "repeat"]
+    assert str(axpy.op._schema) == \
+        "jitk_test::axpy(float alpha, Tensor x, Tensor(a2!) y) -> ()"
+    assert torch.Tag.cudagraph_unsafe in touch.op.tags
+    assert torch.Tag.cudagraph_unsafe not in axpy.op.tags
+
+
+# ------------------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("call, message", [
+    (lambda x, y: axpy(0.5, None, y), r"axpy\(\): 'x' must be a torch.Tensor, got None$"),
+    (lambda x, y: axpy(0.5, x, np.zeros(16, np.float32)),
+     r"axpy\(\): 'y' must be a torch.Tensor, got numpy.ndarray$"),
+    (lambda x, y: axpy([0.5], x, y), r"'alpha' must be a float, got list$"),
+    (lambda x, y: axpy(True, x, y), r"'alpha' must be a float, got bool True$"),
+    (lambda x, y: axpy("0.5", x, y), r"'alpha' must be a float, got str '0.5'$"),
+    (lambda x, y: scaled(x, repeat=True), r"scaled\(\): 'repeat' must be an int, got bool"),
+    (lambda x, y: scaled(x, repeat=2.0), r"'repeat' must be an int, got float 2.0$"),
+    (lambda x, y: scaled(x, offset=3), r"'offset' must be a torch.Tensor or None, got int 3$"),
+    (lambda x, y: scaled(x, offset=[y]), r"'offset' must be a torch.Tensor or None, got list"),
+])
+def test_wrong_argument_types_name_the_parameter(call, message):
+    x, y = inputs()
+    before = y.clone()
+    with pytest.raises(TypeError, match=message):
+        call(x, y)
+    torch.testing.assert_close(y, before)
+
+
+def test_wrong_types_are_caught_under_compile_too():
+    with pytest.raises(Exception, match="'repeat' must be an int, got str"):
+        torch.compile(lambda x: scaled(x, repeat="2"), fullgraph=True, backend="eager")(
+            torch.randn(4))
+
+
+def test_declaration_errors():
+    with pytest.raises(TypeError, match="returns <class 'int'>.*must be given: fake=f"):
+        @jitk.op("jitk_test::count", mutates_args=())
+        def count(x: torch.Tensor) -> int:
+            return x.numel()
+    with pytest.raises(TypeError, match="no return annotation; write -> None"):
+        @jitk.op("jitk_test::unannotated_return", mutates_args=())
+        def unannotated_return(x: torch.Tensor): ...
+    with pytest.raises(TypeError, match="'x' has no type annotation"):
+        @jitk.op("jitk_test::unannotated", mutates_args=())
+        def unannotated(x) -> None: ...
+    with pytest.raises(TypeError, match="'x' is annotated <class 'numpy.ndarray'>"):
+        @jitk.op("jitk_test::numpy_in", mutates_args=())
+        def numpy_in(x: np.ndarray) -> None: ...
+    with pytest.raises(TypeError, match=r"mutates_args takes parameter names, e.g. \('out',\)"):
+        jitk.op("jitk_test::w", mutates_args="y")
+    with pytest.raises(ValueError, match="'namespace::name', got 'axpy'"):
+        jitk.op("axpy", mutates_args=())
+    with pytest.raises(TypeError, match="'_jitk_fn' is reserved"):
+        @jitk.op("jitk_test::reserved", mutates_args=())
+        def reserved(_jitk_fn: torch.Tensor) -> None: ...
