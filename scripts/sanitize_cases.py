@@ -46,6 +46,19 @@ def _():
     norm.fused_add_rmsnorm(x, residual, w)
 
 
+@case("rmsnorm q/k heads of a fused qkv buffer (bf16 7x[4+2+2]x128), fused add, 40000 wide")
+def _():
+    qkv = torch.randn(7, 8 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, :512].view(7, 4, 128), qkv[:, 512:768].view(7, 2, 128)
+    w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    expected = norm.rmsnorm(q.contiguous(), w)
+    norm.rmsnorm(q, w)
+    assert torch.equal(q, expected)
+    norm.fused_add_rmsnorm(k, torch.randn(7, 2, 128, device="cuda", dtype=torch.bfloat16), w)
+    wide = torch.randn(3, 40000, device="cuda", dtype=torch.bfloat16)
+    norm.fused_add_rmsnorm(wide, torch.randn_like(wide), torch.randn_like(wide[0]))
+
+
 @case("hicache one layer d2h/h2d/d2d, mla, all layer")
 def _():
     tokens, dim = 64, 512

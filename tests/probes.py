@@ -12,6 +12,7 @@ LAUNCH_PROBE = CSRC / "launch_probe.cuh"
 HEADER_PROBE_FUNCTIONS = (
     "rows_of", "pair", "row_stride", "contiguous_2d", "exactly_4x8", "needs_cuda", "gpu_reachable",
     "shared_dtype_bits", "positive", "always_panics", "print_values", "read_unbound", "helpers",
+    "positive_via_helper", "panics_via_helper",
 )
 
 

@@ -1,7 +1,9 @@
 """Every TensorMatcher rule and every utils.h facility, through a probe module built with
 g++ and with nvcc, called with CPU tensors from torch and numpy."""
 
+import functools
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 import jitk
 from errors import expect_error
-from probes import HEADER_PROBE, header_probe, line_of
+from probes import CSRC, HEADER_PROBE, LAUNCH_PROBE, header_probe, line_of
 
 
 @pytest.fixture(params=["cpp", "cuda"], scope="module")
@@ -38,8 +40,8 @@ def test_size_mismatch_message_names_tensor_dimension_and_line(probe):
 
 
 def test_symbol_bound_by_first_tensor_checks_the_second(probe):
-    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(5, 32)),
-                 "'b' Tensor<5, 32>", "Size mismatch for shape#0('num_tokens'): expected 6 but got 5")
+    expect_error(lambda: probe.pair(torch.randn(6, 32), torch.randn(5, 32)), "'b' Tensor<5, 32>",
+                 "Size mismatch for shape#0('num_tokens'): expected 6 but got 5")
 
 
 def test_ndim_mismatch(probe):
@@ -131,6 +133,14 @@ def test_runtime_check_and_panic_name_the_caller(probe):
     assert message == f"Panic at {at('panic')}: gave up with code 7"
 
 
+def test_helpers_check_on_behalf_of_their_caller(probe):
+    assert probe.positive_via_helper(3) == 3
+    message = expect_error(lambda: probe.positive_via_helper(0))
+    assert message == f"Runtime check failed at {at('helper_check')}: n must be positive, got 0"
+    message = expect_error(lambda: probe.panics_via_helper(4))
+    assert message == f"Panic at {at('helper_panic')}: gave up for the caller with code 4"
+
+
 def test_message_arguments_of_every_kind(probe):
     message = expect_error(lambda: probe.print_values(-42, 0.125, True))
     assert message == (
@@ -154,8 +164,8 @@ def test_unprintable_message_argument_fails_to_compile_with_a_clear_error(tmp_pa
 
 
 def test_unwrap_of_unbound_symbol(probe):
-    expect_error(lambda: probe.read_unbound(),
-                 f"Panic at {at('unwrap')}: symbol 'never bound' was read before any tensor bound it")
+    expect_error(lambda: probe.read_unbound(), f"Panic at {at('unwrap')}: symbol 'never bound' "
+                 "was read before any tensor bound it")
 
 
 def test_irange_div_ceil_and_pointer_offset(probe):
@@ -182,3 +192,80 @@ def test_wrong_argument_types_and_counts_are_python_type_errors(probe):
                  kind=TypeError)
     expect_error(lambda: probe.positive(2**70), kind=Exception)  # too big for int64 anywhere
     assert probe.positive(True) == 1  # a bool is an int, as in Python
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels written for tvm-ffi: its headers, types and errors cross jitk's export boundary.
+
+TVM_FFI_PROBE = CSRC / "tvm_ffi_probe.cuh"
+TVM_FFI_FUNCTIONS = ("sum", "numel_or", "describe", "refuse", "rows_of_both")
+
+
+@functools.cache
+def tvm_ffi_probe(compiler):
+    wrappers = [(f, f"tvm_ffi_probe::{f}") for f in TVM_FFI_FUNCTIONS]
+    if compiler == "cpp":
+        return jitk.load_jit("tvm_ffi_probe", "cpp", cpp_files=[TVM_FFI_PROBE],
+                             cpp_wrappers=wrappers)
+    wrappers.append(("add_one", "tvm_ffi_probe::AddOne::run"))
+    return jitk.load_jit("tvm_ffi_probe", "cuda", cuda_files=[TVM_FFI_PROBE],
+                         cuda_wrappers=wrappers)
+
+
+@pytest.fixture(params=["cpp", "cuda"], scope="module")
+def tvm_probe(request):
+    return tvm_ffi_probe(request.param)
+
+
+def test_tvm_ffi_types_cross_the_boundary(tvm_probe):
+    assert tvm_probe.sum(torch.arange(5, dtype=torch.float32)) == 10
+    assert tvm_probe.sum(torch.arange(10, dtype=torch.float32)[::2]) == 20
+    assert tvm_probe.numel_or(torch.ones(2, 3), 7) == 6
+    assert tvm_probe.numel_or(None, 7) == 7  # an empty tvm::ffi::Optional
+    assert tvm_probe.describe(torch.ones(2, 3)) == "2-d on device type 1"  # a tvm::ffi::String
+    assert tvm_probe.rows_of_both(torch.ones(4, 2), torch.ones(4, 5)) == 4
+
+
+def test_tvm_ffi_errors_keep_their_kind(tvm_probe):
+    expect_error(lambda: tvm_probe.refuse(3), "refused code 3", kind=ValueError)
+    expect_error(lambda: tvm_probe.sum(torch.ones(2, 2)), "sum takes a 1-d float32 tensor",
+                 kind=TypeError)
+    expect_error(lambda: tvm_probe.sum(5), "argument 0: expected DLTensor*, got int",
+                 kind=TypeError)
+    expect_error(lambda: tvm_probe.numel_or("x", 7),
+                 "argument 0: expected Optional<ffi.Tensor>, got str", kind=TypeError)
+    # jitk's matcher on a tvm-ffi tensor names it and the kernel's line.
+    expect_error(lambda: tvm_probe.rows_of_both(torch.ones(4, 2), torch.ones(3, 5)),
+                 "'b' Tensor<3, 5>", line_of(TVM_FFI_PROBE, "b"),
+                 "Size mismatch for shape#0('rows'): expected 4 but got 3")
+
+
+def test_a_tvm_ffi_style_cuda_kernel_builds_for_sm90():
+    module = tvm_ffi_probe("cuda")
+    expect_error(lambda: module.add_one(torch.ones(3), torch.ones(3)), "'in'",
+                 "Device mismatch: expected cuda but got cpu", line_of(TVM_FFI_PROBE, "add_one"))
+
+
+@pytest.mark.gpu
+def test_a_tvm_ffi_style_cuda_kernel_runs():
+    x = torch.randn(1000, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    tvm_ffi_probe("cuda").add_one(y, x)
+    assert torch.equal(y, x + 1)
+
+
+def test_only_modules_that_include_tvm_ffi_parse_its_headers(tmp_path):
+    """The generated source includes jitk/tvm_ffi_types.h for every module, but a kernel
+    without tvm-ffi's C++ headers compiles none of them (ninja's record of the headers)."""
+    def headers_read(name, kernel, wrapper):
+        build = tmp_path / name
+        jitk.load_jit(name, cuda_files=[kernel], cuda_wrappers=[("f", wrapper)],
+                      build_directory=build)
+        return subprocess.run(["ninja", "-C", str(build), "-t", "deps"], capture_output=True,
+                              text=True, check=True).stdout
+
+    plain = headers_read("plain", LAUNCH_PROBE, "launch_probe::add_one")
+    assert "jitk/tvm_ffi_types.h" in plain
+    assert "tvm/ffi/type_traits.h" not in plain and "tvm/ffi/c_api.h" in plain
+    with_tvm_ffi = headers_read("with_tvm_ffi", TVM_FFI_PROBE, "tvm_ffi_probe::AddOne::run")
+    assert "tvm/ffi/type_traits.h" in with_tvm_ffi

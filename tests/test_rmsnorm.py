@@ -156,15 +156,52 @@ def test_weight_must_be_contiguous_hidden_size_and_input_dtype():
     assert "'weight'" in message and "Stride mismatch" in message
 
 
-def test_leading_dimensions_must_collapse_into_rows():
+def test_leading_dimensions_must_collapse_into_two_row_strides():
     k, w = kernels(), fake_cuda((128,))
-    # [2, 3, 128] cut from [2, 5, 128]: the rows of one batch entry do not continue into
-    # the next, so no single row stride reaches them all.
-    x = fake_cuda((2, 3, 128), strides=(640, 128, 1))
+    # [2, 3, 4, 128] cut from [2, 5, 6, 128]: three runs of rows, one stride too many.
+    x = fake_cuda((2, 3, 4, 128), strides=(5 * 6 * 128, 6 * 128, 128, 1))
     message = failure(k.rmsnorm, x, w, x, 1e-6)
-    assert "'input' Tensor<2, 3, 128>" in message
-    assert "do not collapse into one row dimension" in message
-    assert "stride#0 is 640, not 384" in message
+    assert "'input' Tensor<2, 3, 4, 128>" in message
+    assert "do not collapse into two row strides" in message
+    assert "stride#0 is 3840, not 2304" in message
+
+
+def test_heads_of_a_fused_qkv_buffer_pass_every_check():
+    """[tokens, heads, head_dim] cut from [tokens, qkv_width]: two row strides, each operand
+    with its own. Without a driver the launch itself fails: every check before it passed."""
+    if HAS_GPU:
+        pytest.skip("would launch on a made-up address")
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    k_heads = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1), offset_elements=4 * 128)
+    transposed = fake_cuda((5, 4, 128), strides=(128, 5 * 128, 1))  # heads-major memory
+    for out in (fake_cuda((5, 4, 128)), fake_cuda((20, 128)), k_heads, transposed, q):
+        assert "CUDA error" in failure(k.rmsnorm, q, w, out, 1e-6)
+        assert "CUDA error" in failure(k.fused_add_rmsnorm, q, out, w, 1e-6)
+    misaligned = fake_cuda((5, 4, 128), strides=(12 * 128 + 1, 128, 1), offset_elements=1)
+    assert "CUDA error" in failure(k.fused_add_rmsnorm, misaligned, q, w, 1e-6)
+
+
+def test_strided_heads_must_agree_on_their_rows():
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    message = failure(k.rmsnorm, q, w, fake_cuda((4, 5, 128), strides=(12 * 128, 128, 1)), 1e-6)
+    assert "'out' and 'input' group their rows differently (runs of 5 and of 4 rows)" in message
+    message = failure(k.rmsnorm, q, w, fake_cuda((5, 3, 128), strides=(12 * 128, 128, 1)), 1e-6)
+    assert "'out'" in message and "('rows'): expected 20 but got 15" in message
+
+
+def test_written_heads_must_not_overlap():
+    k, w = kernels(), fake_cuda((128,))
+    q = fake_cuda((5, 4, 128), strides=(12 * 128, 128, 1))
+    # Each token's heads reach 512 elements, but tokens are only 256 apart.
+    overlapping = fake_cuda((5, 4, 128), strides=(256, 128, 1))
+    message = failure(k.rmsnorm, q, w, overlapping, 1e-6)
+    assert ("rows of 'out' overlap in memory (rows of 128 at strides 256 and 128, in runs of "
+            "4), so writing them would race") in message
+    message = failure(k.fused_add_rmsnorm, overlapping, q, w, 1e-6)
+    assert "rows of 'input' overlap" in message
+    k.rmsnorm(fake_cuda((0, 4, 128), strides=(256, 128, 1)), w, fake_cuda((0, 128)), 1e-6)
 
 
 def test_last_dimension_must_be_contiguous():
@@ -196,9 +233,43 @@ def test_fused_add_checks_the_residual():
 
 def test_eps_must_be_finite_and_non_negative():
     k, x, w = kernels(), fake_cuda((4, 128)), fake_cuda((128,))
-    for eps in (-1.0, float("nan"), float("inf")):
+    for eps in (-1.0, float("nan"), float("inf"), 1e300, -1e300):
         assert "eps must be finite and >= 0" in failure(k.rmsnorm, x, w, x, eps)
         assert "eps must be finite and >= 0" in failure(k.fused_add_rmsnorm, x, x, w, eps)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A cache folder of its own: a test that must build nothing checks it stays empty."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cache))
+    yield cache
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())
+
+
+def test_bad_values_are_refused_before_any_build(empty_cache):
+    x, w = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    for eps in (1e300, -1e-6, float("nan"), float("inf"), 3.5e38):
+        with pytest.raises(ValueError, match=r"rmsnorm: 'eps' must be finite and >= 0 as a "
+                                             r"float32 .* got " + re.escape(repr(eps))):
+            norm.rmsnorm(x, w, eps=eps)
+        with pytest.raises(ValueError, match="fused_add_rmsnorm: 'eps'"):
+            norm.fused_add_rmsnorm(x, x.clone(), w, eps=eps)
+    for hidden in (2**31 - 1, 2**30 + 1):
+        wide = torch.empty(1, hidden, dtype=torch.bfloat16, device="meta")
+        with pytest.raises(ValueError, match=f"hidden size .* 1 to 1073741824, got {hidden}"):
+            norm.rmsnorm(wide, w)
+        with pytest.raises(ValueError, match=f"got {hidden}"):
+            norm.fused_add_rmsnorm(wide, wide, w)
+
+
+def test_the_largest_hidden_size_builds():
+    """norm._MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
+    refused above), and a row of it is indexed without overflow in the kernel's ints."""
+    k = norm._kernels(norm._MAX_HIDDEN, torch.bfloat16)
+    x = fake_cuda((1, norm._MAX_HIDDEN))
+    message = failure(k.rmsnorm, x, fake_cuda((128,)), x, 1e-6)
+    assert "'weight'" in message and "expected 1073741824 but got 128" in message
 
 
 @pytest.mark.skipif(HAS_GPU, reason="would launch on a made-up address")
@@ -402,3 +473,98 @@ def test_captured_in_a_cuda_graph():
         normed = norm.rmsnorm(x, weight, out=poisoned_like(x))
         assert torch.equal(residual, normed + residual_before)
         assert_matches(out, reference(residual, weight), dtype)
+
+
+QKV_CASES = [  # (dtype, head_dim, q heads, kv heads)
+    (torch.bfloat16, 128, 32, 8), (torch.bfloat16, 64, 16, 2), (torch.float16, 128, 8, 1),
+    (torch.float32, 128, 4, 4), (torch.bfloat16, 256, 8, 1), (torch.bfloat16, 96, 6, 2),
+]
+
+
+def qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype):
+    """A fused QKV projection output and [tokens, heads, head_dim] views of its q and k."""
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = random(tokens, q_size + 2 * kv_size, dtype=dtype, scale=2.0)
+    q = qkv[:, :q_size].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
+    return qkv, q, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", QKV_CASES,
+                         ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_qk_norm_on_heads_of_a_fused_qkv_buffer(dtype, head_dim, q_heads, kv_heads, tokens):
+    """Strided heads give exactly what the same values give as contiguous rows, match the
+    reference, and leave every other element of the buffer as it was."""
+    torch.manual_seed(tokens * head_dim + q_heads)
+    qkv, q, k = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    q_weight, k_weight = random(head_dim, dtype=dtype), random(head_dim, dtype=dtype)
+    before = qkv.clone()
+    # Copies (.contiguous() would return the view itself for one token).
+    q_values = q.clone(memory_format=torch.contiguous_format)
+    k_values = k.clone(memory_format=torch.contiguous_format)
+
+    out = poisoned_like(q_values)
+    norm.rmsnorm(q, q_weight, out=out)
+    assert_matches(out, reference(q_values, q_weight), dtype)
+    assert torch.equal(out, norm.rmsnorm(q_values.clone(), q_weight))
+    assert torch.equal(qkv, before)
+
+    # In place on both views, as a model's q/k-norm runs.
+    assert norm.rmsnorm(q, q_weight) is q
+    norm.rmsnorm(k, k_weight)
+    assert torch.equal(q, out)
+    assert_matches(k, reference(k_values, k_weight), dtype)
+    untouched = torch.ones_like(qkv, dtype=torch.bool)
+    untouched[:, :q.shape[1] * head_dim + k.shape[1] * head_dim] = False
+    assert torch.equal(qkv[untouched], before[untouched])
+
+    # Into the heads of another, poisoned buffer: strides on both sides.
+    target, q_out, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    target.fill_(float("nan"))
+    norm.rmsnorm(q_values, q_weight, out=q_out)
+    assert torch.equal(q_out, out)
+    assert target[:, q.shape[1] * head_dim:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", QKV_CASES[:4],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_fused_add_on_strided_heads(dtype, head_dim, q_heads, kv_heads):
+    torch.manual_seed(head_dim)
+    tokens = 129
+    _, x, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    _, residual, _ = qkv_buffer(tokens, head_dim, q_heads, kv_heads, dtype)
+    weight = random(head_dim, dtype=dtype)
+    expected_sum = x + residual
+    norm.fused_add_rmsnorm(x, residual, weight)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(x, reference(expected_sum, weight), dtype)
+    assert torch.equal(x, norm.rmsnorm(expected_sum.contiguous(), weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interleaved_and_misaligned_heads(dtype):
+    """Heads-major memory read as [tokens, heads, dim] (rows of one run interleave with the
+    next), and heads one element off 16-byte alignment (the element-wise path)."""
+    torch.manual_seed(3)
+    tokens, heads, dim = 33, 6, 128
+    weight = random(dim, dtype=dtype)
+    heads_major = random(heads, tokens, dim, dtype=dtype)
+    x = heads_major.transpose(0, 1)
+    expected = reference(x, weight)
+    norm.rmsnorm(x, weight)
+    assert_matches(x, expected, dtype)
+
+    wide = random(tokens, heads * dim + 9, dtype=dtype)
+    misaligned = wide.as_strided((tokens, heads, dim), (heads * dim + 9, dim, 1), 1)
+    out = poisoned_like(torch.empty(tokens, heads, dim, dtype=dtype, device="cuda"))
+    norm.rmsnorm(misaligned, weight, out=out)
+    assert_matches(out, reference(misaligned, weight), dtype)
+    residual = random(tokens, heads, dim, dtype=dtype)
+    expected_sum = misaligned + residual
+    norm.fused_add_rmsnorm(misaligned, residual, weight)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(misaligned, reference(expected_sum, weight), dtype)

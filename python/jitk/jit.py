@@ -162,6 +162,7 @@ def _render_source(module: str, files: list[Path], wrappers: list[tuple[str, str
     if cuda:  # make_cpp_args names dtypes by these aliases
         lines += ["#include <jitk/utils.cuh>", "using jitk::fp16_t, jitk::bf16_t, jitk::fp32_t;"]
     lines += [f'#include "{path}"' for path in files]
+    lines.append("#include <jitk/tvm_ffi_types.h>")  # tvm-ffi's types, if the kernel uses them
     # The parentheses keep commas in template arguments away from the macro.
     lines += [f"JITK_EXPORT({name}, ({target}))" for name, target in wrappers]
     return "\n".join(lines) + "\n"

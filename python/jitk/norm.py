@@ -5,17 +5,20 @@
     fused_add_rmsnorm(x, residual, weight) # residual += x; x = rmsnorm(residual) * weight
 
 rmsnorm(x) = x / sqrt(mean(x^2) + eps) * weight, accumulated in float32 and rounded to the
-input dtype (float32, float16 or bfloat16). `x` may have any leading shape; its leading
-dimensions are read as rows and must step through memory with one stride (any slice of rows
-or of a wider last dimension qualifies), and the last dimension must be contiguous. `out`
-(and `residual`) need the same number of rows and hidden size, each with a row stride of
-its own. `weight` is a contiguous 1-d tensor of the hidden size and the input's dtype.
+input dtype (float32, float16 or bfloat16). `x` may have any leading shape: its leading
+dimensions number the rows, and may step through memory with up to two strides, so a slice
+of rows, or of a wider last dimension, qualifies, and so do heads cut from a fused QKV
+buffer (q/k-norm over `qkv[:, :q_size].view(tokens, heads, head_dim)`, strides
+`(qkv_width, head_dim, 1)`). The last dimension must be contiguous. `out` (and `residual`)
+need the same number of rows and hidden size, each with strides of its own. `weight` is a
+contiguous 1-d tensor of the hidden size and the input's dtype.
 
 fused_add_rmsnorm keeps the sum in the residual's dtype and normalises the sum as stored,
 so afterwards `x` equals rmsnorm(residual, weight) exactly.
 
 Both launch on PyTorch's current stream, allocate nothing and never synchronise, so they
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. Arguments are checked before any module is built: a wrong
+type, a hidden size or an eps the kernel cannot take raises here and builds nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from .jit import load_jit
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HIDDEN = 2**31 - 1  # a C++ int template argument
+_MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm.cuh); a test builds the largest
+_FLOAT32_MAX = 3.4028234663852886e38  # eps travels to the kernel as a float32
 
 
 class _Kernels(NamedTuple):
@@ -61,17 +65,27 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
 
 
-def _hidden_size(input: torch.Tensor) -> int:
-    try:
-        return input.shape[-1]
-    except IndexError:
-        raise ValueError("rmsnorm: 'input' is a 0-d tensor; it needs a last dimension (the "
-                         "hidden size)") from None
+def _checked_eps(function: str, eps: float) -> float:
+    """eps as the kernel takes it, a float32: finite and >= 0."""
+    if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
+        raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
+                         f"{_FLOAT32_MAX:.7g}), got {eps!r}")
+    return float(eps)
 
 
+def _hidden_size(function: str, input: torch.Tensor) -> int:
+    if input.dim() == 0:
+        raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
+                         "(the hidden size)")
+    return input.shape[-1]
+
+
+# Argument types are checked by the operator layer (jitk.op) before these bodies run; the
+# values the kernel cannot take are refused here, before any module is built.
 @op("jitk::rmsnorm", mutates_args=("out",))
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    _kernels(_hidden_size(input), input.dtype).rmsnorm(input, weight, out, eps)
+    eps = _checked_eps("rmsnorm", eps)
+    _kernels(_hidden_size("rmsnorm", input), input.dtype).rmsnorm(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -88,7 +102,9 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _kernels(_hidden_size(input), input.dtype).fused_add_rmsnorm(input, residual, weight, eps)
+    eps = _checked_eps("fused_add_rmsnorm", eps)
+    _kernels(_hidden_size("fused_add_rmsnorm", input), input.dtype).fused_add_rmsnorm(
+        input, residual, weight, eps)
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:

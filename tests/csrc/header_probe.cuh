@@ -78,6 +78,21 @@ int64_t positive(int64_t n) {
 
 void always_panics(int64_t code) { Panic("gave up with code ", code); }  // at:panic
 
+// Helpers that check on behalf of their caller: the location comes first, the caller's.
+void check_positive(int64_t n, DebugInfo where = {}) {
+  RuntimeCheck(where, n > 0, "n must be positive, got ", n);
+}
+[[noreturn]] void give_up(int64_t code, DebugInfo where = {}) {
+  Panic(where, "gave up for the caller with code ", code);
+}
+
+int64_t positive_via_helper(int64_t n) {
+  check_positive(n);  // at:helper_check
+  return n;
+}
+
+void panics_via_helper(int64_t code) { give_up(code); }  // at:helper_panic
+
 // Every kind of message argument, in one message.
 void print_values(int64_t n, double x, bool flag) {
   const std::string owned = "std::string";
@@ -85,10 +100,9 @@ void print_values(int64_t n, double x, bool flag) {
   const int8_t small = -5;
   const uint64_t big = 18446744073709551615ull;
   const DebugInfo here;  // at:values
-  detail::panic_at(here, "n=", n, " x=", x, " flag=", flag, " c=", 'c', " small=", small,
-                   " big=", big, " hex=", hex(255), " ", owned, " ", view, " dtype=",
-                   dtype_v<uint16_t>, " device=", DLDevice{kDLCUDA, 3}, " mode=", Mode::kFast,
-                   " t=", Celsius{21.5}, " at=", here);
+  Panic(here, "n=", n, " x=", x, " flag=", flag, " c=", 'c', " small=", small, " big=", big,
+        " hex=", hex(255), " ", owned, " ", view, " dtype=", dtype_v<uint16_t>, " device=",
+        DLDevice{kDLCUDA, 3}, " mode=", Mode::kFast, " t=", Celsius{21.5}, " at=", here);
 }
 
 int64_t read_unbound() {

@@ -5,25 +5,24 @@
 //   RMSNorm<kHidden, T>::run(input, weight, out, eps)
 //   RMSNorm<kHidden, T>::run_fused_add(input, residual, weight, eps)
 //
-// Inputs of any rank are read as [rows, hidden] with a row stride. A row is read once and
-// kept in registers while its sum of squares is reduced (only rows longer than 1024
-// threads x 16 registers are read twice). Short rows get a power-of-two group of lanes of
-// a warp, several rows to a block; long rows a block each. Rows move in the widest vectors
-// (up to 16 bytes) that the hidden size divides into when every pointer and row stride is
-// aligned to them, else element by element.
+// Inputs of any rank are read as rows of the hidden size (jitk/rows.h): the leading
+// dimensions may take two strides, so q/k-norm runs on heads cut from a fused QKV buffer.
+// A row is read once and kept in registers while its sum of squares is reduced (only rows
+// longer than 1024 threads x 16 registers are read twice). Short rows get a power-of-two
+// group of lanes of a warp, several rows to a block; long rows a block each. Rows move in
+// the widest vectors (up to 16 bytes) that the hidden size divides into when every pointer
+// and stride is aligned to them, else element by element.
 #pragma once
 
 #include <jitk/device.cuh>
+#include <jitk/packed.cuh>
+#include <jitk/rows.h>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
@@ -32,11 +31,29 @@ namespace jitk::norm {
 // ---------------------------------------------------------------------------------------
 // How a row is spread over threads: a pure function of the hidden size and vector width.
 
+// The largest hidden size: a row's vectors are counted in int, with room to spare.
+inline constexpr int kMaxHidden = 1 << 30;
 inline constexpr int kMaxBlockThreads = 1024;
 inline constexpr int kShortRowsBlockThreads = 128;
-// Registers a thread gives to its part of x (and as many to the weight): several loads in
-// flight per thread, and room to spare in the 64 a 1024-thread block leaves each.
-inline constexpr int kRowRegisters = 16;
+// The most registers a thread gives to its part of x (and as many to the weight) before a
+// row is read twice: room to spare in the 64 a 1024-thread block leaves each.
+inline constexpr int kMaxRowRegisters = 16;
+
+// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them).
+template <int kRowRegisters_, bool kPrefetchWeight_>
+struct Tuning {
+  // Registers a thread would rather give to x: fewer spread a row over more threads.
+  static constexpr int kRowRegisters = kRowRegisters_;
+  // Block 0 brings the weight into L2 before waiting for the previous kernel.
+  static constexpr bool kPrefetchWeight = kPrefetchWeight_;
+};
+
+// From an H100 sweep (debugging_and_performance.md). Rows under 512 bytes get a lane per
+// 16-byte vector: a warp's loads cover whole 128-byte lines. Longer rows: four vectors a
+// thread (5% ahead of two at 8192 wide). The prefetch saves 0.1-0.3 us when the weight is
+// out of L2 (each layer has its own) and is lost in the noise when it is in.
+template <int kHidden, typename T>
+using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -46,8 +63,8 @@ constexpr int widest_vec_size(int hidden) {
   return size;
 }
 
-template <int kHidden_, typename T_, int kVecSize_>
-struct RowLayout {
+template <int kHidden_, typename T_, int kVecSize_, int kRowRegisters>
+struct Tiling {
   static constexpr int kHidden = kHidden_;
   using T = T_;
   static constexpr int kVecSize = kVecSize_;
@@ -55,9 +72,11 @@ struct RowLayout {
 
   static constexpr int kVecBytes = kVecSize * static_cast<int>(sizeof(T));
   static constexpr int kVecsPerRow = kHidden / kVecSize;
-  // Four 16-byte vectors, or sixteen narrower ones (a 16-bit element takes a register).
-  static constexpr int kVecsInRegisters = kRowRegisters / max_of(1, kVecBytes / 4);
-  static constexpr int kWantedThreads = div_ceil(kVecsPerRow, kVecsInRegisters);
+  // A 16-bit element takes a register of its own; wider vectors one per 4 bytes.
+  static constexpr int kVecRegisters = max_of(1, kVecBytes / 4);
+  static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
+  static constexpr int kWantedThreads =
+      div_ceil(kVecsPerRow, max_of(1, kRowRegisters / kVecRegisters));
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
@@ -68,16 +87,16 @@ struct RowLayout {
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
-  static constexpr bool kInRegisters = kVecsPerThread <= kVecsInRegisters;
+  static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
 
-  // One access of a thread: kVecSize elements held as 32-bit words, or a single 16-bit
-  // element on the element-wise path. As integer words until the arithmetic, 16-bit
-  // elements stay two to a register; typed one by one, each would get a register.
-  using Pack = std::conditional_t<(kVecBytes >= 4), device::Vec<uint32_t, kVecBytes / 4>,
-                                  device::Vec<uint16_t, 1>>;
-  using Floats = device::Vec<float, kVecSize>;
+  // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh).
+  using Pack = device::Packed<T, kVecSize>;
+  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
+  __device__ static Pack pack(const device::Vec<float, kVecSize>& f) {
+    return device::pack<T, kVecSize>(f);
+  }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -88,383 +107,256 @@ struct Params {
   void* residual;  // fused add only
   void* output;
   const void* weight;
-  int64_t input_stride;  // elements from one row to the next
-  int64_t residual_stride;
-  int64_t output_stride;
+  RowSplit split;  // how rows are numbered, shared by the three tensors below
+  RowStrides input_rows, residual_rows, output_rows;
   int64_t rows;
   float eps;
 };
 
-__device__ __forceinline__ float to_float(fp16_t v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(bf16_t v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ uint16_t bits_of(float v) {
-  if constexpr (std::is_same_v<T, fp16_t>) {
-    return std::bit_cast<uint16_t>(__float2half_rn(v));
-  } else {
-    return std::bit_cast<uint16_t>(__float2bfloat16_rn(v));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float float_of(uint16_t bits) {
-  return to_float(std::bit_cast<T>(bits));
-}
-
-// Two 16-bit elements of one word, low half first.
-template <typename T>
-__device__ __forceinline__ float2 unpack_pair(uint32_t word) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    // A bfloat16 is the upper half of the float of the same value.
-    return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
-  } else {
-    return make_float2(float_of<T>(static_cast<uint16_t>(word)),
-                       float_of<T>(static_cast<uint16_t>(word >> 16)));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  return bits_of<T>(lo) | static_cast<uint32_t>(bits_of<T>(hi)) << 16;
-}
-
-template <typename Layout>
-__device__ __forceinline__ typename Layout::Floats to_floats(const typename Layout::Pack& p) {
-  using T = typename Layout::T;
-  typename Layout::Floats f;
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < Layout::kVecSize; ++i) f[i] = __uint_as_float(p[i]);
-  } else if constexpr (Layout::kVecSize == 1) {
-    f[0] = float_of<T>(p[0]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Layout::kVecSize / 2; ++i) {
-      const float2 pair = unpack_pair<T>(p[i]);
-      f[2 * i] = pair.x;
-      f[2 * i + 1] = pair.y;
-    }
-  }
-  return f;
-}
-
-// Rounds to the nearest value of the row's dtype.
-template <typename Layout>
-__device__ __forceinline__ typename Layout::Pack from_floats(const typename Layout::Floats& f) {
-  using T = typename Layout::T;
-  typename Layout::Pack p;
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < Layout::kVecSize; ++i) p[i] = __float_as_uint(f[i]);
-  } else if constexpr (Layout::kVecSize == 1) {
-    p[0] = bits_of<T>(f[0]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Layout::kVecSize / 2; ++i) p[i] = pack_pair<T>(f[2 * i], f[2 * i + 1]);
-  }
-  return p;
-}
-
-// An optimisation barrier on the packs: without it the compiler tends to keep them
-// converted to float across the reduction, twice the registers for 16-bit elements.
-template <int kCount, typename Pack>
-__device__ __forceinline__ void keep_packed(Pack (&packs)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    if constexpr (sizeof(packs[i][0]) == 4) {
-      for (auto& word : packs[i].data) asm volatile("" : "+r"(word));
-    } else {
-      for (auto& half : packs[i].data) asm volatile("" : "+h"(half));
-    }
-  }
-}
-
-template <typename Layout>
-__device__ __forceinline__ const typename Layout::Pack* row_in(const void* base, int64_t row,
-                                                               int64_t stride) {
-  using T = typename Layout::T;
-  return reinterpret_cast<const typename Layout::Pack*>(static_cast<const T*>(base) +
-                                                        row * stride);
-}
-template <typename Layout>
-__device__ __forceinline__ typename Layout::Pack* row_out(void* base, int64_t row,
-                                                          int64_t stride) {
-  using T = typename Layout::T;
-  return reinterpret_cast<typename Layout::Pack*>(static_cast<T*>(base) + row * stride);
-}
-
 // Slot k of a thread is vector lane + k * kThreadsPerRow of its row. A slot is live when
 // its row exists and reaches that far; dead slots are neither read nor written.
-template <typename Layout>
+template <typename Tiling>
 __device__ __forceinline__ int slot_index(int lane, int k) {
-  return lane + k * Layout::kThreadsPerRow;
+  return lane + k * Tiling::kThreadsPerRow;
 }
-template <typename Layout>
+template <typename Tiling>
 __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
-  if (k >= Layout::kVecsPerThread) return false;
-  const bool in_row = k + 1 < Layout::kVecsPerThread || !Layout::kRagged ||
-                      slot_index<Layout>(lane, k) < Layout::kVecsPerRow;
+  if (k >= Tiling::kVecsPerThread) return false;
+  const bool in_row = k + 1 < Tiling::kVecsPerThread || !Tiling::kRagged ||
+                      slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow;
   return row_valid && in_row;
 }
 
 // Loads slots first .. first + kCount - 1, all issued before any is used. Dead slots read
 // as zeros, which add nothing to a sum of squares.
-template <typename Layout, int kCount, typename Pack>
+template <typename Tiling, int kCount, typename Pack>
 __device__ __forceinline__ void load_slots(Pack (&v)[kCount], const Pack* row, int first,
                                            int lane, bool row_valid) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
-    v[i] = slot_live<Layout>(lane, k, row_valid) ? row[slot_index<Layout>(lane, k)] : Pack{};
+    v[i] = slot_live<Tiling>(lane, k, row_valid) ? row[slot_index<Tiling>(lane, k)] : Pack{};
   }
 }
 
-template <typename Layout, int kCount, typename Pack>
+template <typename Tiling, int kCount, typename Pack>
 __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], int first,
                                             int lane, bool row_valid) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
-    if (slot_live<Layout>(lane, k, row_valid)) row[slot_index<Layout>(lane, k)] = v[i];
+    if (slot_live<Tiling>(lane, k, row_valid)) row[slot_index<Tiling>(lane, k)] = v[i];
   }
 }
 
-template <typename Layout, int kCount>
-__device__ __forceinline__ float sum_of_squares(const typename Layout::Pack (&x)[kCount]) {
+// One prefetch per 128-byte line of this thread's slots of the weight.
+template <typename Tiling, typename Pack>
+__device__ __forceinline__ void prefetch_slots(const Pack* row, int lane) {
+#pragma unroll
+  for (int k = 0; k < Tiling::kVecsPerThread; ++k) {
+    const int index = slot_index<Tiling>(lane, k);
+    if (slot_live<Tiling>(lane, k, true) && index * Tiling::kVecBytes % 128 == 0) {
+      device::prefetch_l2(row + index);
+    }
+  }
+}
+
+template <typename Tiling, int kCount>
+__device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
-    const auto f = to_floats<Layout>(x[i]);
+    const auto f = Tiling::unpack(x[i]);
 #pragma unroll
-    for (int e = 0; e < Layout::kVecSize; ++e) sum = fmaf(f[e], f[e], sum);
+    for (int e = 0; e < Tiling::kVecSize; ++e) sum = fmaf(f[e], f[e], sum);
   }
   return sum;
 }
 
-// x += r, rounded to the dtype: the residual stream holds the sum in its own dtype.
-template <typename Layout, int kCount>
-__device__ __forceinline__ void add_slots(typename Layout::Pack (&x)[kCount],
-                                          const typename Layout::Pack (&r)[kCount]) {
+// x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
+template <typename Tiling, int kCount, typename F>
+__device__ __forceinline__ void combine(typename Tiling::Pack (&x)[kCount],
+                                        const typename Tiling::Pack (&y)[kCount], F f) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
-    auto sum = to_floats<Layout>(x[i]);
-    const auto addend = to_floats<Layout>(r[i]);
+    auto a = Tiling::unpack(x[i]);
+    const auto b = Tiling::unpack(y[i]);
 #pragma unroll
-    for (int e = 0; e < Layout::kVecSize; ++e) sum[e] += addend[e];
-    x[i] = from_floats<Layout>(sum);
+    for (int e = 0; e < Tiling::kVecSize; ++e) a[e] = f(a[e], b[e]);
+    x[i] = Tiling::pack(a);
   }
 }
 
-// x = x * inv_rms * w, rounded to the dtype.
-template <typename Layout, int kCount>
-__device__ __forceinline__ void scale_slots(typename Layout::Pack (&x)[kCount],
-                                            const typename Layout::Pack (&w)[kCount],
-                                            float inv_rms) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    auto y = to_floats<Layout>(x[i]);
-    const auto scale = to_floats<Layout>(w[i]);
-#pragma unroll
-    for (int e = 0; e < Layout::kVecSize; ++e) y[e] = y[e] * inv_rms * scale[e];
-    x[i] = from_floats<Layout>(y);
-  }
-}
+// x + r: the residual stream holds the sum in its own dtype.
+struct Add {
+  __device__ float operator()(float x, float r) const { return x + r; }
+};
+struct Scale {
+  float inv_rms;
+  __device__ float operator()(float x, float w) const { return x * inv_rms * w; }
+};
 
-// The sum over the threads of one row; every one of them gets it.
-template <typename Layout>
+// The sum over the threads of one row; every one of them gets it. Consecutive calls must
+// alternate between two scratch buffers.
+template <typename Tiling>
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
-  if constexpr (Layout::kSubWarp) {
+  if constexpr (Tiling::kSubWarp) {
     // Groups are aligned runs of kThreadsPerRow lanes, and xor stays inside its run.
 #pragma unroll
-    for (int offset = Layout::kThreadsPerRow / 2; offset > 0; offset /= 2) {
+    for (int offset = Tiling::kThreadsPerRow / 2; offset > 0; offset /= 2) {
       v += __shfl_xor_sync(0xffffffffu, v, offset);
     }
     return v;
   } else {
-    return device::block_sum<Layout::kThreadsPerRow>(v, scratch);
+    return device::block_sum<Tiling::kThreadsPerRow, false>(v, scratch);
   }
 }
 
-template <typename Layout>
+template <typename Tiling>
 __device__ __forceinline__ float inverse_rms(float sum_sq, float eps, float* scratch) {
-  return rsqrtf(row_sum<Layout>(sum_sq, scratch) / Layout::kHidden + eps);
+  return rsqrtf(row_sum<Tiling>(sum_sq, scratch) / Tiling::kHidden + eps);
 }
 
-template <typename Layout>
-struct RowPointers {
-  using Pack = typename Layout::Pack;
+// One row's place in each tensor; `valid` is false for the rows past the last that the
+// threads of a block's last rows stand in for.
+template <typename Tiling, bool kFusedAdd>
+struct Row {
+  using Pack = typename Tiling::Pack;
   const Pack* input;
   Pack* residual;
   Pack* output;
-  const Pack* weight;
+  bool valid;
+
+  __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
+    const RowIndex at = p.split.index(valid ? row : 0);
+    using T = typename Tiling::T;
+    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) +
+                                          p.input_rows.offset(at));
+    output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + p.output_rows.offset(at));
+    residual = kFusedAdd ? reinterpret_cast<Pack*>(static_cast<T*>(p.residual) +
+                                                   p.residual_rows.offset(at))
+                         : nullptr;
+  }
 };
 
-// The whole row stays in registers: read once, reduce, scale, write.
-template <typename Layout, bool kFusedAdd>
-__device__ __forceinline__ void normalize_in_registers(const RowPointers<Layout>& row, int lane,
-                                                       bool row_valid, float eps,
-                                                       float* scratch) {
-  constexpr int kSlots = Layout::kVecsPerThread;
-  typename Layout::Pack x[kSlots], r[kFusedAdd ? kSlots : 1], w[kSlots];
-  load_slots<Layout>(x, row.input, 0, lane, row_valid);
-  if constexpr (kFusedAdd) load_slots<Layout>(r, row.residual, 0, lane, row_valid);
-  load_slots<Layout>(w, row.weight, 0, lane, row_valid);
+// The whole row stays in registers: read once, reduce, scale, write. `w` holds this
+// thread's slots of the weight.
+template <typename Tiling, bool kFusedAdd>
+__device__ __forceinline__ void normalize_in_registers(
+    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread],
+    int lane, float eps, float* scratch) {
+  constexpr int kSlots = Tiling::kVecsPerThread;
+  typename Tiling::Pack x[kSlots], r[kFusedAdd ? kSlots : 1];
+  load_slots<Tiling>(x, row.input, 0, lane, row.valid);
   if constexpr (kFusedAdd) {
-    add_slots<Layout>(x, r);
-    store_slots<Layout>(row.residual, x, 0, lane, row_valid);
+    load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
+    combine<Tiling>(x, r, Add{});
+    store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
-  const float inv_rms = inverse_rms<Layout>(sum_of_squares<Layout>(x), eps, scratch);
-  keep_packed(x);
-  keep_packed(w);
-  scale_slots<Layout>(x, w, inv_rms);
-  store_slots<Layout>(row.output, x, 0, lane, row_valid);
+  const float inv_rms = inverse_rms<Tiling>(sum_of_squares<Tiling>(x), eps, scratch);
+  device::keep_packed(x);
+  device::keep_packed(w);
+  combine<Tiling>(x, w, Scale{inv_rms});
+  store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }
 
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum),
 // then a pass that reads the row again, mostly from L2, to scale it. Both go a chunk of
 // slots at a time so that a chunk's loads are in flight together.
-template <typename Layout, bool kFusedAdd>
-__device__ __forceinline__ void normalize_in_two_passes(const RowPointers<Layout>& row, int lane,
-                                                        bool row_valid, float eps,
-                                                        float* scratch) {
-  constexpr int kChunk = Layout::kVecsInRegisters;
+template <typename Tiling, bool kFusedAdd>
+__device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFusedAdd>& row,
+                                                        const typename Tiling::Pack* weight,
+                                                        int lane, float eps, float* scratch) {
+  constexpr int kChunk = Tiling::kMaxVecsInRegisters;
   float sum_sq = 0.0f;
 #pragma unroll 1
-  for (int first = 0; first < Layout::kVecsPerThread; first += kChunk) {
-    typename Layout::Pack x[kChunk];
-    load_slots<Layout>(x, row.input, first, lane, row_valid);
+  for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
+    typename Tiling::Pack x[kChunk];
+    load_slots<Tiling>(x, row.input, first, lane, row.valid);
     if constexpr (kFusedAdd) {
-      typename Layout::Pack r[kChunk];
-      load_slots<Layout>(r, row.residual, first, lane, row_valid);
-      add_slots<Layout>(x, r);
-      store_slots<Layout>(row.residual, x, first, lane, row_valid);
+      typename Tiling::Pack r[kChunk];
+      load_slots<Tiling>(r, row.residual, first, lane, row.valid);
+      combine<Tiling>(x, r, Add{});
+      store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
-    sum_sq += sum_of_squares<Layout>(x);
+    sum_sq += sum_of_squares<Tiling>(x);
   }
-  const float inv_rms = inverse_rms<Layout>(sum_sq, eps, scratch);
+  const float inv_rms = inverse_rms<Tiling>(sum_sq, eps, scratch);
   // The fused form normalises the sum as stored, which this thread wrote itself.
-  const typename Layout::Pack* source = kFusedAdd ? row.residual : row.input;
+  const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
-  for (int first = 0; first < Layout::kVecsPerThread; first += kChunk) {
-    typename Layout::Pack x[kChunk], w[kChunk];
-    load_slots<Layout>(x, source, first, lane, row_valid);
-    load_slots<Layout>(w, row.weight, first, lane, row_valid);
-    scale_slots<Layout>(x, w, inv_rms);
-    store_slots<Layout>(row.output, x, first, lane, row_valid);
+  for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
+    typename Tiling::Pack x[kChunk], w[kChunk];
+    load_slots<Tiling>(x, source, first, lane, row.valid);
+    load_slots<Tiling>(w, weight, first, lane, row.valid);
+    combine<Tiling>(x, w, Scale{inv_rms});
+    store_slots<Tiling>(row.output, x, first, lane, row.valid);
   }
 }
 
-template <typename Layout, bool kFusedAdd>
-__global__ void __launch_bounds__(Layout::kBlockThreads) rmsnorm_kernel(const Params p) {
-  __shared__ float scratch[Layout::kSubWarp ? 1 : Layout::kThreadsPerRow / kWarpThreads];
-  const int lane = threadIdx.x % Layout::kThreadsPerRow;
-  const int64_t row_id =
-      int64_t{blockIdx.x} * Layout::kRowsPerBlock + threadIdx.x / Layout::kThreadsPerRow;
-  // Threads of a row past the last still take part in the shuffles, adding nothing.
-  const bool row_valid = row_id < p.rows;
+template <typename Tiling, typename Tuning, bool kFusedAdd>
+__global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Params p) {
+  using Pack = typename Tiling::Pack;
+  constexpr int kWarps = Tiling::kSubWarp ? 1 : Tiling::kThreadsPerRow / kWarpThreads;
+  __shared__ float scratch[2][kWarps];  // alternate rows use alternate halves
+  const int lane = threadIdx.x % Tiling::kThreadsPerRow;
+  const int64_t row_in_block = threadIdx.x / Tiling::kThreadsPerRow;
+  const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
+  const auto* weight = static_cast<const Pack*>(p.weight);
 
-  RowPointers<Layout> row{};
-  row.input = row_in<Layout>(p.input, row_id, p.input_stride);
-  row.output = row_out<Layout>(p.output, row_id, p.output_stride);
-  row.weight = static_cast<const typename Layout::Pack*>(p.weight);
-  if constexpr (kFusedAdd) row.residual = row_out<Layout>(p.residual, row_id, p.residual_stride);
-
+  // A prefetch changes no value a load returns, so it may come before the wait; one block's
+  // serves all.
+  if (Tuning::kPrefetchWeight && blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
   // Launched with PDL, this kernel may start before the previous one on the stream is done:
-  // wait for it before reading anything, and let the next one start its launch now.
+  // wait for it before reading or writing anything. The next kernel may launch now: it
+  // waits in turn for this one to finish.
   device::pdl_wait();
   device::pdl_launch_dependents();
 
-  if constexpr (Layout::kInRegisters) {
-    normalize_in_registers<Layout, kFusedAdd>(row, lane, row_valid, p.eps, scratch);
+  // Every thread of a block takes the same number of turns, so shuffles and barriers match.
+  int64_t row = int64_t{blockIdx.x} * Tiling::kRowsPerBlock + row_in_block;
+  int turn = 0;
+  if constexpr (Tiling::kInRegisters) {
+    Pack w[Tiling::kVecsPerThread];
+    load_slots<Tiling>(w, weight, 0, lane, true);
+    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
+      normalize_in_registers(Row<Tiling, kFusedAdd>(p, row), w, lane, p.eps, scratch[turn]);
+    }
   } else {
-    normalize_in_two_passes<Layout, kFusedAdd>(row, lane, row_valid, p.eps, scratch);
+    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
+      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps,
+                              scratch[turn]);
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------
 // Host side.
 
-// PDL needs sm_90 or newer. A module runs only on GPUs it holds code for, so when every
-// target architecture is sm_90+ the launch attribute is always accepted.
-inline constexpr bool kPdlOnAllTargets = [] {
-#ifdef __CUDA_ARCH_LIST__
-  for (const int arch : {__CUDA_ARCH_LIST__}) {
-    if (arch < 900) return false;
-  }
-  return true;
-#else
-  return false;
-#endif
-}();
-
-// A tensor of any rank read as [rows, hidden]: the last dimension is the hidden one, and
-// the leading ones must step through memory with one stride, as view(-1, hidden) needs.
-class RowMatrix {
- public:
-  RowMatrix(const TensorView& t, const char* name, DebugInfo where = {}) : tensor_(t) {
-    detail::check_at(t.ndim() >= 1, where, "'", name, "' must have at least one dimension ",
-                     "(the hidden size), got ", PrintTensor{t});
-    const int last = t.ndim() - 1;
-    shape_[0] = 1;
-    shape_[1] = t.size(last);
-    strides_[0] = 0;  // a single row is never stepped over
-    strides_[1] = t.stride(last);
-    bool have_row_stride = false;
-    int64_t continuing_stride = 0;  // the stride that would continue the dimensions inside
-    int broken = -1;                // the first dimension that does not
-    int64_t broken_expected = 0;
-    for (int i = last - 1; i >= 0; --i) {
-      shape_[0] *= t.size(i);
-      if (t.size(i) == 1) continue;
-      if (!have_row_stride) {
-        strides_[0] = t.stride(i);
-        have_row_stride = true;
-      } else if (t.stride(i) != continuing_stride && broken < 0) {
-        broken = i;
-        broken_expected = continuing_stride;
-      }
-      continuing_stride = t.stride(i) * t.size(i);
-    }
-    detail::check_at(broken < 0 || shape_[0] == 0, where, "'", name, "' ", PrintTensor{t},
-                     " cannot be read as rows of the hidden size: its leading dimensions do "
-                     "not collapse into one row dimension with a single stride (stride#",
-                     broken, " is ", broken < 0 ? 0 : t.stride(broken), ", not ",
-                     broken_expected, ")");
-  }
-
-  // Valid while this object lives: the view points at its shape and strides.
-  TensorView view() const {
-    return tensor_.as_strided(ShapeView(shape_, 2), ShapeView(strides_, 2));
-  }
-
- private:
-  TensorView tensor_;
-  int64_t shape_[2]{};
-  int64_t strides_[2]{};
+// "row stride 64 < hidden size 128", or the strides of rows in two runs.
+struct RowStridesOf {
+  const RowView& v;
 };
+inline void append_to(Text& out, const RowStridesOf& s) {
+  if (!s.v.two_runs()) return append(out, "row stride ", s.v.inner_stride(), " < hidden size ",
+                                     s.v.row_size());
+  append(out, "rows of ", s.v.row_size(), " at strides ", s.v.outer_stride(), " and ",
+         s.v.inner_stride(), ", in runs of ", s.v.inner_rows());
+}
 
-struct RowOperand {
-  void* data;
-  int64_t row_stride;
-};
-
-// Checks one [rows, hidden] operand; `written` ones must not have rows that overlap.
+// Checks one operand; `written` ones must not have rows that overlap.
 template <typename T>
-RowOperand check_rows(const TensorView& t, const char* name, bool written, SymbolicSize& rows,
-                      SymbolicSize& hidden, SymbolicDevice& device, DebugInfo where = {}) {
-  const RowMatrix matrix(t, name, where);
-  const TensorView view = matrix.view();
+RowView check_rows(const TensorView& t, const char* name, bool written, SymbolicSize& rows,
+                   SymbolicSize& hidden, SymbolicDevice& device, DebugInfo where = {}) {
+  RowView view(t, name, where);
   TensorMatcher({rows, hidden})
       .with_strides({-1, 1})
       .with_dtype<T>()
       .template with_device<kDLCUDA>(device)
-      .verify(view, name, where);
-  const int64_t row_stride = view.stride(0);
-  detail::check_at(!written || view.size(0) <= 1 || std::abs(row_stride) >= view.size(1), where,
-                   "rows of '", name, "' overlap in memory (row stride ", row_stride,
-                   " < hidden size ", view.size(1), "), so writing them would race");
-  return {view.data_ptr(), row_stride};
+      .verify(view.matrix(), name, where);
+  RuntimeCheck(where, !written || view.rows_disjoint(), "rows of '", name,
+               "' overlap in memory (", RowStridesOf{view}, "), so writing them would race");
+  return view;
 }
 
 template <typename T>
@@ -478,28 +370,29 @@ const void* check_weight(const TensorView& weight, SymbolicSize& hidden, Symboli
 }
 
 inline float check_eps(double eps, DebugInfo where = {}) {
-  detail::check_at(std::isfinite(eps) && eps >= 0, where,
-                   "eps must be finite and >= 0, got ", eps);
+  RuntimeCheck(where, std::isfinite(eps) && eps >= 0 && eps <= std::numeric_limits<float>::max(),
+               "eps must be finite and >= 0 (as a float32), got ", eps);
   return static_cast<float>(eps);
 }
 
-template <int kHidden, typename T>
+template <int kHidden, typename T, typename Tune = DefaultTuning<kHidden, T>>
 struct RMSNorm {
   static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> ||
                     std::is_same_v<T, bf16_t>,
                 "rmsnorm supports float32, float16 and bfloat16");
-  static_assert(kHidden >= 1);
+  static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
   static constexpr int kVecSize = widest_vec_size<T>(kHidden);
 
   // out = rmsnorm(input) * weight; out may be input.
   static void run(TensorView input, TensorView weight, TensorView out, double eps) {
     SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
     SymbolicDevice device;
-    const RowOperand x = check_rows<T>(input, "input", false, rows, hidden, device);
-    const RowOperand y = check_rows<T>(out, "out", true, rows, hidden, device);
+    const RowView x = check_rows<T>(input, "input", false, rows, hidden, device);
+    const RowView y = check_rows<T>(out, "out", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
-    const Params params{x.data, nullptr, y.data, w, x.row_stride, 0, y.row_stride,
-                        rows.unwrap(), check_eps(eps)};
+    const RowSplit split = shared_split({&x, &y});
+    const Params params{x.data(), nullptr, y.data(), w, split, x.strides_in(split), {},
+                        y.strides_in(split), rows.unwrap(), check_eps(eps)};
     launch<false>(params, device.unwrap());
   }
 
@@ -508,24 +401,25 @@ struct RMSNorm {
                             double eps) {
     SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
     SymbolicDevice device;
-    const RowOperand x = check_rows<T>(input, "input", true, rows, hidden, device);
-    const RowOperand r = check_rows<T>(residual, "residual", true, rows, hidden, device);
+    const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
+    const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
-    const Params params{x.data, r.data, x.data, w, x.row_stride, r.row_stride, x.row_stride,
-                        rows.unwrap(), check_eps(eps)};
+    const RowSplit split = shared_split({&x, &r});
+    const RowStrides x_rows = x.strides_in(split);
+    const Params params{x.data(), r.data(), x.data(), w, split, x_rows, r.strides_in(split),
+                        x_rows, rows.unwrap(), check_eps(eps)};
     launch<true>(params, device.unwrap());
   }
 
  private:
   // Whether every access of the vectorised kernel lands on a whole vector.
   static bool vectors_aligned(const Params& p) {
-    constexpr int64_t kBytes = kVecSize * sizeof(T);
     const auto aligned = [](const void* ptr) {
-      return reinterpret_cast<uintptr_t>(ptr) % kBytes == 0;
+      return reinterpret_cast<uintptr_t>(ptr) % (kVecSize * sizeof(T)) == 0;
     };
-    const auto whole = [](int64_t stride) { return stride * int64_t{sizeof(T)} % kBytes == 0; };
     return aligned(p.input) && aligned(p.output) && aligned(p.weight) && aligned(p.residual) &&
-           whole(p.input_stride) && whole(p.output_stride) && whole(p.residual_stride);
+           p.input_rows.steps_by(kVecSize) && p.output_rows.steps_by(kVecSize) &&
+           p.residual_rows.steps_by(kVecSize);
   }
 
   template <bool kFusedAdd>
@@ -533,19 +427,22 @@ struct RMSNorm {
     if (p.rows == 0) return;
     if constexpr (kVecSize > 1) {
       if (vectors_aligned(p)) {
-        return launch_with<RowLayout<kHidden, T, kVecSize>, kFusedAdd>(p, device);
+        return launch_with<Tiling<kHidden, T, kVecSize, Tune::kRowRegisters>, kFusedAdd>(
+            p, device);
       }
     }
-    launch_with<RowLayout<kHidden, T, 1>, kFusedAdd>(p, device);
+    launch_with<Tiling<kHidden, T, 1, Tune::kRowRegisters>, kFusedAdd>(p, device);
   }
 
-  template <typename Layout, bool kFusedAdd>
+  template <typename Tiles, bool kFusedAdd>
   static void launch_with(const Params& p, DLDevice device) {
-    const int64_t blocks = div_ceil(p.rows, int64_t{Layout::kRowsPerBlock});
-    RuntimeCheck(blocks <= std::numeric_limits<int32_t>::max(), "too many rows for one launch: ",
-                 p.rows);
-    LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Layout::kBlockThreads), device)
-        .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Layout, kFusedAdd>, p);
+    // A block per group of rows. Blocks loop over rows, so a grid capped at the launch limit
+    // still covers them all. (A grid of what the GPU holds at once, looping, measured 3-7%
+    // slower: the block scheduler balances better.)
+    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
+                                  int64_t{std::numeric_limits<int32_t>::max()});
+    LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
+        .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);
   }
 };
 

@@ -1,5 +1,5 @@
-// Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access,
-// warp and block reductions, and programmatic-dependent-launch hooks.
+// Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access and
+// L2 prefetch, warp and block reductions, and programmatic-dependent-launch hooks.
 #pragma once
 
 #include <jitk/utils.cuh>
@@ -35,6 +35,12 @@ __device__ __forceinline__ void store_stream(void* ptr, const uint4& v) {
                : "memory");
 }
 
+// Asks L2 for the 128-byte line holding `ptr`. A hint: no value any load returns changes,
+// so it is safe even before pdl_wait().
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T value) {
 #pragma unroll
@@ -44,8 +50,10 @@ __device__ __forceinline__ T warp_sum(T value) {
   return value;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds one T per warp.
-template <int kThreads, typename T>
+// Sum over the block; every thread gets the result. `scratch` holds one T per warp and is
+// free again on return. A caller that alternates between two scratch buffers may drop that
+// last barrier (kFreeScratch = false): the next call's barrier orders the reuse.
+template <int kThreads, bool kFreeScratch = true, typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
   constexpr int kWarps = kThreads / kWarpThreads;
@@ -59,7 +67,7 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
     __syncthreads();
     value = lane < kWarps ? scratch[lane] : T{};
     value = warp_sum(value);
-    __syncthreads();  // scratch may be reused right after
+    if constexpr (kFreeScratch) __syncthreads();
     return value;
   }
 }

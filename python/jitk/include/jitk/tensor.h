@@ -10,6 +10,7 @@
 // line and the first rule it broke.
 #pragma once
 
+#include <jitk/dlpack.h>
 #include <jitk/utils.h>
 
 #include <dlpack/dlpack.h>
@@ -18,35 +19,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-// Declared, not included: dtype_trait only needs the names, and <cuda_fp16.h> with
-// <cuda_bf16.h> cost about 0.4 s of every build. Kernels that compute on them include them.
-struct __half;
-struct __nv_bfloat16;
-
-// DLPack's dtype compared as tvm-ffi does, for the translation units that do not include
-// tvm-ffi's C++ headers (jitk kernels never do: they cost every build seconds of parsing).
-#ifndef TVM_FFI_DTYPE_H_
-inline bool operator==(const DLDataType& a, const DLDataType& b) {
-  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
-}
-inline bool operator!=(const DLDataType& a, const DLDataType& b) { return !(a == b); }
-#endif
-
 namespace jitk {
-
-// "float32", "bfloat16", "int64x4": DLPack's dtype as tvm-ffi and PyTorch users read it.
-inline void append_to(Text& out, const DLDataType& dtype) {
-  if (dtype.code == kDLBool) return append_to(out, "bool");
-  switch (dtype.code) {
-    case kDLInt: append_to(out, "int"); break;
-    case kDLUInt: append_to(out, "uint"); break;
-    case kDLFloat: append_to(out, "float"); break;
-    case kDLBfloat: append_to(out, "bfloat"); break;
-    default: append(out, "dtype", static_cast<int>(dtype.code), '_');
-  }
-  append_to(out, static_cast<int>(dtype.bits));
-  if (dtype.lanes != 1) append(out, 'x', static_cast<int>(dtype.lanes));
-}
 
 // A list of sizes or strides: a pointer and a length, as DLPack keeps them.
 class ShapeView {
@@ -72,6 +45,18 @@ class TensorView {
   explicit TensorView(const DLTensor* tensor) : tensor_(*tensor) {
     if (tensor_.strides == nullptr) use_compact_strides();
   }
+  // Another library's tensor or view with DLPack's accessors (tvm::ffi::TensorView or
+  // Tensor), e.g. to check it with a TensorMatcher. Refers to its shape and strides.
+  template <typename View>
+    requires requires(const View& v) {
+      { v.data_ptr() } -> std::convertible_to<void*>;
+      { v.shape().data() } -> std::convertible_to<const int64_t*>;
+      { v.strides().data() } -> std::convertible_to<const int64_t*>;
+      { v.byte_offset() } -> std::convertible_to<uint64_t>;
+      { v.device() } -> std::convertible_to<DLDevice>;
+      { v.dtype() } -> std::convertible_to<DLDataType>;
+    }
+  explicit TensorView(const View& view) : TensorView(as_dl_tensor(view)) {}
   TensorView(const TensorView& other) { *this = other; }
   TensorView& operator=(const TensorView& other) {
     tensor_ = other.tensor_;
@@ -121,73 +106,20 @@ class TensorView {
     tensor_.strides = compact_;
   }
 
+  explicit TensorView(const DLTensor& tensor) : TensorView(&tensor) {}
+  template <typename View>
+  static DLTensor as_dl_tensor(const View& v) {
+    return {v.data_ptr(), v.device(), static_cast<int32_t>(v.shape().size()), v.dtype(),
+            const_cast<int64_t*>(v.shape().data()), const_cast<int64_t*>(v.strides().data()),
+            v.byte_offset()};
+  }
+
   DLTensor tensor_;
   int64_t compact_[kMaxCompactDims]{};
 };
 
 // ---------------------------------------------------------------------------------------
-// C++ type -> DLPack dtype.
-template <typename T>
-struct dtype_trait;
-
-#define JITK_DEFINE_DTYPE(T, CODE, BITS) \
-  template <>                            \
-  struct dtype_trait<T> {                \
-    static constexpr DLDataType value{static_cast<uint8_t>(CODE), BITS, 1}; \
-  }
-
-JITK_DEFINE_DTYPE(bool, kDLBool, 8);
-JITK_DEFINE_DTYPE(int8_t, kDLInt, 8);
-JITK_DEFINE_DTYPE(int16_t, kDLInt, 16);
-JITK_DEFINE_DTYPE(int32_t, kDLInt, 32);
-JITK_DEFINE_DTYPE(int64_t, kDLInt, 64);
-JITK_DEFINE_DTYPE(uint8_t, kDLUInt, 8);
-JITK_DEFINE_DTYPE(uint16_t, kDLUInt, 16);
-JITK_DEFINE_DTYPE(uint32_t, kDLUInt, 32);
-JITK_DEFINE_DTYPE(uint64_t, kDLUInt, 64);
-JITK_DEFINE_DTYPE(float, kDLFloat, 32);
-JITK_DEFINE_DTYPE(double, kDLFloat, 64);
-JITK_DEFINE_DTYPE(__half, kDLFloat, 16);
-JITK_DEFINE_DTYPE(__nv_bfloat16, kDLBfloat, 16);
-#undef JITK_DEFINE_DTYPE
-
-template <typename T>
-inline constexpr DLDataType dtype_v = dtype_trait<T>::value;
-
-// DLPack device type -> the name PyTorch users know it by.
-template <DLDeviceType D>
-struct device_trait {
-  static constexpr DLDeviceType value = D;
-  static constexpr const char* name = D == kDLCPU        ? "cpu"
-                                      : D == kDLCUDA     ? "cuda"
-                                      : D == kDLCUDAHost ? "cuda_host"
-                                      : D == kDLCUDAManaged ? "cuda_managed"
-                                      : D == kDLROCM     ? "rocm"
-                                                         : "device";
-};
-
-inline const char* device_type_name(DLDeviceType type) {
-  switch (type) {
-    case kDLCPU: return device_trait<kDLCPU>::name;
-    case kDLCUDA: return device_trait<kDLCUDA>::name;
-    case kDLCUDAHost: return device_trait<kDLCUDAHost>::name;
-    case kDLCUDAManaged: return device_trait<kDLCUDAManaged>::name;
-    case kDLROCM: return device_trait<kDLROCM>::name;
-    default: return "device";
-  }
-}
-
-constexpr bool operator==(const DLDevice& a, const DLDevice& b) {
-  return a.device_type == b.device_type && a.device_id == b.device_id;
-}
-
-inline void append_to(Text& out, DLDeviceType type) { append_to(out, device_type_name(type)); }
-
-// "cuda:0", "cpu"
-inline void append_to(Text& out, const DLDevice& device) {
-  append_to(out, device.device_type);
-  if (device.device_type != kDLCPU) append(out, ':', device.device_id);
-}
+// How messages print shapes and tensors.
 
 // "<100, 256>"
 struct PrintDims {
@@ -224,7 +156,7 @@ class Symbol {
   bool has_value() const { return bound_; }
   T unwrap(DebugInfo where = {}) const {
     if (!bound_) [[unlikely]] {
-      detail::panic_at(where, "symbol '", name_, "' was read before any tensor bound it");
+      Panic(where, "symbol '", name_, "' was read before any tensor bound it");
     }
     return value_;
   }
@@ -271,16 +203,16 @@ class TensorMatcher {
 
   TensorMatcher(std::initializer_list<SizeSpec> dims, DebugInfo where = {})
       : ndim_(static_cast<int>(dims.size())) {
-    detail::check_at(dims.size() <= kMaxDims, where, "TensorMatcher supports at most ",
-                     kMaxDims, " dimensions, got ", dims.size());
+    RuntimeCheck(where, dims.size() <= kMaxDims, "TensorMatcher supports at most ", kMaxDims,
+                 " dimensions, got ", dims.size());
     int i = 0;
     for (const SizeSpec& dim : dims) dims_[i++] = dim;
   }
 
   // Without with_strides the tensor must be contiguous.
   TensorMatcher& with_strides(std::initializer_list<SizeSpec> strides, DebugInfo where = {}) {
-    detail::check_at(static_cast<int>(strides.size()) == ndim_, where, "with_strides got ",
-                     strides.size(), " entries for a ", ndim_, "-d matcher");
+    RuntimeCheck(where, static_cast<int>(strides.size()) == ndim_, "with_strides got ",
+                 strides.size(), " entries for a ", ndim_, "-d matcher");
     int i = 0;
     for (const SizeSpec& stride : strides) strides_[i++] = stride;
     has_strides_ = true;

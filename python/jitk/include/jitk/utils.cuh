@@ -37,10 +37,24 @@ inline void RuntimeDeviceCheck(DebugInfo where = {}) {
 // each call from PyTorch's current stream, so this is also the stream a CUDA graph
 // capture is recording.
 inline cudaStream_t current_stream(DLDevice device, DebugInfo where = {}) {
-  detail::check_at(device.device_type == kDLCUDA, where, "kernels launch on a cuda device, got ",
-                   device);
+  RuntimeCheck(where, device.device_type == kDLCUDA, "kernels launch on a cuda device, got ",
+               device);
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device.device_id));
 }
+
+// Whether every architecture this module is built for has programmatic dependent launch
+// (sm_90+). A module runs only on GPUs it holds code for, so then enable_pdl(kPdlOnAllTargets)
+// is always accepted.
+inline constexpr bool kPdlOnAllTargets = [] {
+#ifdef __CUDA_ARCH_LIST__
+  for (const int arch : {__CUDA_ARCH_LIST__}) {
+    if (arch < 900) return false;
+  }
+  return true;
+#else
+  return false;
+#endif
+}();
 
 // LaunchKernel(grid, block, device)(kernel, args...);
 // LaunchKernel(grid, block, stream, dynamic_smem_bytes).enable_pdl()(kernel, args...);

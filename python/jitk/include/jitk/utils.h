@@ -21,6 +21,14 @@
 #include <source_location>
 #endif
 
+// Small functions that host and device code share (a plain inline function to a host
+// compiler).
+#if defined(__CUDACC__)
+#define JITK_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JITK_HOST_DEVICE inline
+#endif
+
 namespace jitk {
 
 // The place in the source that asked for a check. It is always taken as a defaulted
@@ -262,8 +270,8 @@ Text concat(const Args&... args) {
   throw Error(kind, std::move(message));
 }
 
-// For code that already holds the location to blame (a header checking on behalf of its
-// caller): Panic and RuntimeCheck would take a DebugInfo argument as part of the message.
+// What Panic and RuntimeCheck do. Kernel code calls those, with the location first when it
+// checks on behalf of its caller.
 template <typename... Args>
 [[noreturn]] void panic_at(const DebugInfo& where, const Args&... args) {
   raise("RuntimeError", concat("Panic at ", where, ": ", args...));
@@ -278,26 +286,43 @@ void check_at(bool condition, const DebugInfo& where, const Args&... args) {
 }  // namespace detail
 
 // Panic("what went wrong: ", value) raises RuntimeError("Panic at file.cuh:12: what went
-// wrong: 7"). A class template only so that a defaulted DebugInfo can follow the pack.
+// wrong: 7"). A helper that checks on behalf of its caller passes the caller's location
+// first: Panic(where, "...") (see RuntimeCheck). A class template only so that a defaulted
+// DebugInfo can follow the pack.
 template <typename... Args>
 struct Panic {
   [[noreturn]] explicit Panic(Args&&... args, DebugInfo where = {}) {
     detail::panic_at(where, args...);
   }
+  // Without message arguments the constructor above already takes a location.
+  [[noreturn]] explicit Panic(DebugInfo where, Args&&... args)
+    requires(sizeof...(Args) > 0)
+  {
+    detail::panic_at(where, args...);
+  }
 };
 template <typename... Args>
 Panic(Args&&...) -> Panic<Args...>;
+template <typename... Args>
+Panic(DebugInfo, Args&&...) -> Panic<Args...>;
 
 // RuntimeCheck(n > 0, "n must be positive, got ", n) raises
 // RuntimeError("Runtime check failed at file.cuh:12: n must be positive, got 0").
+// RuntimeCheck(where, n > 0, ...) names `where` instead: for a helper that checks on behalf
+// of its caller, taking `DebugInfo where = {}` as its last parameter.
 template <typename... Args>
 struct RuntimeCheck {
   explicit RuntimeCheck(bool condition, Args&&... args, DebugInfo where = {}) {
     detail::check_at(condition, where, args...);
   }
+  explicit RuntimeCheck(DebugInfo where, bool condition, Args&&... args) {
+    detail::check_at(condition, where, args...);
+  }
 };
 template <typename... Args>
 RuntimeCheck(bool, Args&&...) -> RuntimeCheck<Args...>;
+template <typename... Args>
+RuntimeCheck(DebugInfo, bool, Args&&...) -> RuntimeCheck<Args...>;
 
 // for (auto i : irange(n)) / irange(begin, end): integer ranges without sign mix-ups.
 // Written out rather than std::views::iota: <ranges> adds close to a second to every
