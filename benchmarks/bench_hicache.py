@@ -201,10 +201,10 @@ def overlap_table(args, sms) -> list[dict]:
     gemm_ms = gemm_alone_ms(gemm)
     print(f"GEMM alone: {GEMM[0]} x bf16 {GEMM[1]}^3 = {gemm_ms:.2f} ms", flush=True)
     streams = [torch.cuda.Stream() for _ in range(2)]
-    shapes = ([(4096, 1024, p) for p in (1, 64)] if args.quick else
-              list(itertools.product((4096, 32768), (256, 1024, 4096), (1, 16, 64))))
+    shapes = ([(4096, 1024, p) for p in (64, 1)] if args.quick else
+              list(itertools.product((4096, 32768), (1024, 4096, 256), (64, 16, 1))))
     rows = []
-    for row_bytes in sorted({b for _, b, _ in shapes}):
+    for row_bytes in dict.fromkeys(b for _, b, _ in shapes):  # the headline sizes first
         pools = pools_for(row_bytes)
         for direction in ("h2d", "d2h"):
             for tokens, _, page in [s for s in shapes if s[1] == row_bytes]:
@@ -371,17 +371,17 @@ def main():
           f"h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s", flush=True)
     result = {"device": common.device_name(), "device_copy_gbps": device_copy,
               "pinned_h2d_gbps": h2d, "pinned_d2h_gbps": d2h}
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(torch.cuda.Stream()):  # the GEMMs' stream
+        result["overlap"] = overlap_table(args, sms)
+    common.write_json(args.json, result)
+    with torch.cuda.stream(torch.cuda.Stream()):
         if args.sweep:
-            result["sweep"] = quota_sweep(args, sms, timing)
+            result["sweep"] = quota_sweep(args, sms, {"warmup_ms": 10, "rep_ms": 40})
             common.print_table("kernel GB/s per block quota (K+V)", result["sweep"],
                                list(result["sweep"][0]))
         if not args.skip_solo:
             result["rows"] = todays_shapes(args, device_copy, timing)
             result["rows"] += host_pool_shapes(args, device_copy, timing)
-    with torch.cuda.stream(torch.cuda.Stream()):  # the GEMMs' stream
-        result["overlap"] = overlap_table(args, sms)
     if "rows" in result:
         common.print_table("solo (ratio = GB/s / ceiling GB/s)", result["rows"],
                            ["direction", "tokens", "bytes/token", "page", "pool", "method",
