@@ -13,7 +13,7 @@ Tables:
   tokens x 256 B / 1 KiB / 4 KiB, pages of 1 / 16 / 64 tokens.
 - sweep (--sweep): the kernel's bandwidth per block quota, which picks its default.
 Transfers run on side streams (the copy engines' batch submission refuses the legacy default
-stream). --quick measures a subset; --explore adds method variants under study.
+stream). --quick measures a subset.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter runs")
     parser.add_argument("--sweep", action="store_true", help="block quota sweep")
-    parser.add_argument("--explore", action="store_true", help="method variants under study")
     parser.add_argument("--skip-solo", action="store_true", help="overlap table only")
     return parser.parse_args()
 
@@ -68,23 +67,19 @@ def random_rows(rows: int, row_bytes: int, where: str) -> torch.Tensor:
 @dataclass
 class Variant:
     """A way to run one layer's transfer: a jitk method with its options, indices on the
-    GPU or pinned on the host, layers spread over `streams` side streams."""
+    GPU or pinned on the host."""
     label: str
     method: str
     host_indices: bool = False
     options: dict = field(default_factory=dict)
-    streams: int = 1
 
 
-def variants(explore: bool, sms: int) -> list[Variant]:
-    found = [Variant("kernel", "kernel"),
-             Variant(f"kernel quota {sms} (all SMs)", "kernel", options={"block_quota": sms}),
-             Variant("copy_engine", "copy_engine", host_indices=True)]
-    if explore:
-        found += [Variant("copy_engine x2 streams", "copy_engine", True, streams=2),
-                  Variant("kernel, pinned host idx", "kernel", True),
-                  Variant("kernel unroll 8", "kernel", options={"unroll": 8})]
-    return found
+def variants(sms: int) -> list[Variant]:
+    """The kernel as jitk runs it by default and on every SM (its old default), and the copy
+    engines."""
+    return [Variant("kernel", "kernel"),
+            Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
+            Variant("copy_engine", "copy_engine", host_indices=True)]
 
 
 @functools.cache
@@ -115,17 +110,22 @@ def page_indices(tokens: int, pool: int, page: int) -> torch.Tensor:
 
 def layer_calls(variant: Variant, pools: Pools, direction: str, tokens: int, page: int):
     """One zero-argument call per index set, each a whole layer's K+V transfer."""
-    dst, src = pools.sides(direction)
+    return caches_calls(variant, *pools.sides(direction), tokens, page)
+
+
+def caches_calls(variant: Variant, dst: list, src: list, tokens: int, page: int):
+    """layer_calls between given K and V caches (fp16 rows of their last dimension)."""
+    element_dim = dst[0].shape[-1]
     calls = []
     for _ in range(INDEX_SETS):
-        idx = [page_indices(tokens, side[0].shape[0], page) for side in (dst, src)]
+        idx = [page_indices(tokens, side[0].numel() // element_dim, page) for side in (dst, src)]
         if variant.host_indices:
             idx = [i.pin_memory() for i in idx]
         else:
             idx = [i.cuda() for i in idx]
         calls.append(lambda i=idx: hicache.transfer_hicache_one_layer(
             dst[0], dst[1], i[0], src[0], src[1], i[1], page_size=page,
-            method=variant.method, **variant.options))
+            element_dim=element_dim, method=variant.method, **variant.options))
     return calls
 
 
@@ -168,15 +168,14 @@ def make_gemm():
 
 
 def gemm_alone_ms(gemm) -> float:
-    samples = []
-    for _ in range(5):
-        _, ms = run_layers([lambda: None], 0, [torch.cuda.current_stream()], gemm)
-        samples.append(ms)
-    return statistics.median(samples[1:])
+    """After a second of GEMMs, so that clocks have settled."""
+    samples = [run_layers([], 0, [], gemm)[1] for _ in range(60)]
+    return statistics.median(samples[-5:])
 
 
 def overlap_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds) -> dict:
-    """Alone, then beside the GEMMs: enough layers to outlast them at the solo rate."""
+    """Alone, then beside the GEMMs: enough layers to outlast them at the solo rate. The
+    GEMMs are timed alone between the rounds (clocks drift over a run)."""
     for call in calls:
         call()  # build, load, first touch
     probe = max(2, min(64, math.ceil(4 * MIB * 16 / layer_bytes)))
@@ -185,22 +184,26 @@ def overlap_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds) -> di
     layers = max(4, min(2000, math.ceil(1.3 * gemm_ms * alone_gbps * 1e6 / layer_bytes)))
     ends, _ = run_layers(calls, layers, streams)
     alone_gbps = layers * layer_bytes / max(ends) / 1e6
-    beside, slowdown = [], []
+    beside, with_transfer, alone = [], [], []
     for _ in range(rounds):
+        alone.append(run_layers([], 0, streams, gemm)[1])
         ends, gemm_end = run_layers(calls, layers, streams, gemm)
         done = [t for t in ends if t <= gemm_end]
-        beside.append(len(done) * layer_bytes / max(done) / 1e6 if done else 0.0)
-        slowdown.append(gemm_end / gemm_ms - 1)
-    return {"method": label, "alone GB/s": alone_gbps, "beside GB/s": statistics.median(beside),
-            "GEMM slowdown": statistics.median(slowdown), "layers": layers,
-            "gemm ms": gemm_ms}
+        if done:  # none when one layer outlasts the GEMMs
+            beside.append(len(done) * layer_bytes / max(done) / 1e6)
+        with_transfer.append(gemm_end)
+    gemm_alone = statistics.median(alone)
+    return {"method": label, "gemm ms": gemm_alone, "alone GB/s": alone_gbps,
+            "beside GB/s": statistics.median(beside) if beside else "n/a",
+            "GEMM slowdown": statistics.median(with_transfer) / gemm_alone - 1,
+            "layers": layers}
 
 
 def overlap_table(args, sms) -> list[dict]:
     gemm = make_gemm()
     gemm_ms = gemm_alone_ms(gemm)
     print(f"GEMM alone: {GEMM[0]} x bf16 {GEMM[1]}^3 = {gemm_ms:.2f} ms", flush=True)
-    streams = [torch.cuda.Stream() for _ in range(2)]
+    streams = [torch.cuda.Stream()]
     shapes = ([(4096, 1024, p) for p in (64, 1)] if args.quick else
               list(itertools.product((4096, 32768), (1024, 4096, 256), (64, 16, 1))))
     rows = []
@@ -209,16 +212,15 @@ def overlap_table(args, sms) -> list[dict]:
         for direction in ("h2d", "d2h"):
             for tokens, _, page in [s for s in shapes if s[1] == row_bytes]:
                 layer_bytes = 2 * tokens * row_bytes
-                todo = [(v.label, layer_calls(v, pools, direction, tokens, page),
-                         streams[:v.streams]) for v in variants(args.explore, sms)]
+                todo = [(v.label, layer_calls(v, pools, direction, tokens, page))
+                        for v in variants(sms)]
                 if page == 1:  # once per shape: the contiguous copy_ reference
-                    todo.append(("copy_ contiguous", contiguous_calls(pools, direction, tokens),
-                                 streams[:1]))
-                for label, calls, on in todo:
+                    todo.append(("copy_ contiguous", contiguous_calls(pools, direction, tokens)))
+                for label, calls in todo:
                     shape = {"direction": direction, "tokens": tokens,
                              "bytes/token": row_bytes, "page": page}
                     try:
-                        row = overlap_row(label, calls, layer_bytes, on, gemm, gemm_ms,
+                        row = overlap_row(label, calls, layer_bytes, streams, gemm, gemm_ms,
                                           2 if args.quick else 3)
                     except RuntimeError as error:  # one failed method must not end the run
                         row = {"method": label, "error": str(error)[:300]}
@@ -318,6 +320,32 @@ def todays_row(direction, tokens, row_bytes, device_copy, timing) -> dict:
     return row
 
 
+def layout_shapes(args, device_copy, timing) -> list[dict]:
+    """SGLang's interleaved host layouts, 8 layers of 32K tokens x 1 KiB: page_first (a
+    layer's rows are 8 KiB apart: 2-d copies for the engines) and page_first_direct (pages
+    of 64 rows per layer), at 4096 tokens in pages of 64."""
+    tokens, row_bytes, page, layers, slots = 4096, 1024, 64, 8, 32768
+    gpu = pools_for(row_bytes).gpu
+    shapes = {"page_first": (slots, layers, row_bytes // 2),
+              "page_first_direct": (slots // page, layers, page, row_bytes // 2)}
+    rows = []
+    for layout, shape in shapes.items():
+        host = [random_rows(slots * layers, row_bytes, "cpu").view(shape)[:, 3]
+                for _ in range(2)]
+        for direction in ("h2d", "d2h"):
+            dst, src = (gpu, host) if direction == "h2d" else (host, gpu)
+            for variant in solo_variants():
+                call = rotating(caches_calls(variant, dst, src, tokens, page))
+                rows.append(solo_row(direction, tokens, row_bytes, page, layout,
+                                     variant.label, call, device_copy, timing))
+                print("  ", _short(rows[-1]), flush=True)
+    return rows
+
+
+def solo_variants() -> list[Variant]:
+    return [Variant("kernel", "kernel"), Variant("copy_engine", "copy_engine", True)]
+
+
 def host_pool_shapes(args, device_copy, timing) -> list[dict]:
     """Indices over a 256K-token host pool, pages of 1 and 64, kernel and copy engines."""
     shapes = ([(4096, 1024)] if args.quick else
@@ -327,11 +355,12 @@ def host_pool_shapes(args, device_copy, timing) -> list[dict]:
         pools = pools_for(row_bytes)
         for direction, (tokens, _), page in itertools.product(
                 ("h2d", "d2h"), [s for s in shapes if s[1] == row_bytes], (1, 64)):
-            for variant in (Variant("kernel", "kernel"),
-                            Variant("copy_engine", "copy_engine", host_indices=True)):
-                call = rotating(layer_calls(variant, pools, direction, tokens, page))
+            for variant in solo_variants():
+                calls = layer_calls(variant, pools, direction, tokens, page)
                 rows.append(solo_row(direction, tokens, row_bytes, page, HOST_POOL,
-                                     variant.label, call, device_copy, timing))
+                                     variant.label, rotating(calls), device_copy, timing))
+                if page > 1 and tokens == 4096:  # graph replay: copies are nodes one by one
+                    rows[-1]["graph us"] = common.time_graph_us(calls[0], 10, 10)
                 print("  ", _short(rows[-1]), flush=True)
     return rows
 
@@ -382,6 +411,8 @@ def main():
         if not args.skip_solo:
             result["rows"] = todays_shapes(args, device_copy, timing)
             result["rows"] += host_pool_shapes(args, device_copy, timing)
+            if not args.quick:
+                result["rows"] += layout_shapes(args, device_copy, timing)
     if "rows" in result:
         common.print_table("solo (ratio = GB/s / ceiling GB/s)", result["rows"],
                            ["direction", "tokens", "bytes/token", "page", "pool", "method",
@@ -391,7 +422,22 @@ def main():
                        result["overlap"],
                        ["direction", "tokens", "bytes/token", "page", "method", "gemm ms",
                         "alone GB/s", "beside GB/s", "GEMM slowdown", "layers"])
+    print_goal(result["overlap"])
     common.write_json(args.json, result)
+
+
+def print_goal(rows: list[dict]) -> None:
+    """The issue's goal, per method: >= 40 GB/s beside the GEMMs with <= 5% slowdown for
+    pages of >= 64 tokens x >= 1 KiB."""
+    print("\ngoal (pages >= 64 tokens x >= 1 KiB): beside GB/s >= 40, GEMM slowdown <= 5%")
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method and r["page"] >= 64
+                and r["bytes/token"] >= 1024 and isinstance(r.get("beside GB/s"), float)]
+        if mine:
+            low = min(r["beside GB/s"] for r in mine)
+            worst = max(r["GEMM slowdown"] for r in mine)
+            met = "met" if low >= 40 and worst <= 0.05 else "not met"
+            print(f"  {method}: lowest {low:.1f} GB/s, worst slowdown {worst:+.1%}: {met}")
 
 
 if __name__ == "__main__":

@@ -313,11 +313,21 @@ def test_sglang_call_forms_reach_the_cpp_checks(form, method):
     assert ".cuh:" in message
 
 
-def test_auto_picks_by_where_the_indices_are_and_the_page_bytes():
+def test_auto_picks_by_where_the_indices_are_and_the_copy_size():
     cpu = torch.arange(4)
     assert hicache._method("auto", cpu, hicache.COPY_ENGINE_MIN_PAGE_BYTES) == "copy_engine"
     assert hicache._method("auto", cpu, 256) == "copy_engine"  # pageable: only the engines
     assert hicache._method("kernel", cpu, 2**30) == "kernel"
+
+
+def test_a_page_is_one_copy_only_where_its_rows_are_packed():
+    width = 64
+    assert hicache._packed(torch.empty(100, width), width)
+    assert not hicache._packed(torch.empty(100, width + 8)[:, :width], width)  # padded rows
+    assert not hicache._packed(torch.empty(100, 3, width)[:, 1], width)  # page_first layer
+    assert hicache._packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
+    assert hicache._packed(torch.empty(100, 2 * width), width)  # rows split one run
+    assert hicache._packed(torch.empty(100, 1, width), width)
 
 
 def test_precompile_configs_are_a_few_labelled_thunks():
@@ -387,14 +397,14 @@ def layout_cache(layout, slots, row_shape, dtype, where, *, pad=0, page_rows=64,
     padded by `pad` elements), "page_first" (layer 1 of [slots, layers, row]: strided rows) or
     "page_first_direct" (layer 1 of [pages, layers, page_rows, row]: pages)."""
     width = int(torch.Size(row_shape).numel())
-    if layout == "flat":
-        shape, cut = (slots, width + pad), lambda b: b[:, :width]
-    elif layout == "page_first":
-        shape, cut = (slots, LAYERS, width), lambda b: b[:, 1]
-    else:
-        shape, cut = (slots // page_rows, LAYERS, page_rows, width), lambda b: b[:, 1]
-    to_view = lambda b: cut(b).unflatten(-1, tuple(row_shape))
-    return make_cache(shape, dtype, where, to_view, width, poison=poison)
+    shapes = {"flat": (slots, width + pad), "page_first": (slots, LAYERS, width),
+              "page_first_direct": (slots // page_rows, LAYERS, page_rows, width)}
+
+    def to_view(base: torch.Tensor) -> torch.Tensor:
+        cut = base[:, :width] if layout == "flat" else base[:, 1]
+        return cut.unflatten(-1, tuple(row_shape))
+
+    return make_cache(shapes[layout], dtype, where, to_view, width, poison=poison)
 
 
 def page_firsts(pages: int, slots: int, page_size: int) -> list[int]:
@@ -451,15 +461,16 @@ class Expected:
 
 def index_tensor(values, dtype, method) -> torch.Tensor:
     """Indices where the method reads them: the GPU for the kernel, the host for the copy
-    engines ("kernel-pinned": pinned host memory, read by the kernel)."""
+    engines ("kernel-pinned": pinned host memory, read by the kernel; "auto-host": pinned
+    host memory, the method left to "auto")."""
     t = torch.tensor(values, dtype=dtype)
     if method == "kernel":
         return t.cuda()
-    return t.pin_memory() if method == "kernel-pinned" else t
+    return t.pin_memory() if method in ("kernel-pinned", "auto-host") else t
 
 
 def method_arg(method: str) -> str:
-    return "kernel" if method == "kernel-pinned" else method
+    return {"kernel-pinned": "kernel", "auto-host": "auto"}.get(method, method)
 
 
 DIRECTIONS = {"d2h": ("gpu", "host"), "h2d": ("host", "gpu"), "d2d": ("gpu", "gpu"),
@@ -547,7 +558,7 @@ def test_on_the_legacy_default_stream(method, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-@pytest.mark.parametrize("method", [*METHODS, "kernel-pinned"])
+@pytest.mark.parametrize("method", [*METHODS, "kernel-pinned", "auto-host"])
 def test_one_layer_mla(method, direction, page_size):
     run_one_layer(method, direction, layout="page_first_direct", page_size=page_size,
                   row_shape=(576,), dtype=torch.bfloat16, mla=True)
@@ -669,13 +680,11 @@ def make_layered(num_layers, slots, width, dtype, where, layout, page_size, *, p
         return layers, width * itemsize, None
     if layout == "page_first":
         shape, stride, page_stride = (slots, num_layers, width), num_layers * width, None
-        cut = lambda b, i: b[:, i]
     else:
         shape = (slots // page_size, num_layers, page_size, width)
         stride, page_stride = width, num_layers * page_size * width * itemsize
-        cut = lambda b, i: b[:, i]
     whole = make_cache(shape, dtype, where, lambda b: b, shape[-1], poison=poison)
-    layers = [cut_cache(whole.base, lambda b, i=i: cut(b, i), width) for i in range(num_layers)]
+    layers = [cut_cache(whole.base, lambda b, i=i: b[:, i], width) for i in range(num_layers)]
     return layers, stride * itemsize, page_stride
 
 
@@ -689,11 +698,11 @@ def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_lay
                   idx_dst=None, idx_src=None, bounds=False, **options):
     src_at, dst_at = DIRECTIONS[direction]
     caches = 1 if mla else 2
-    layout_of = lambda at: host_layout if at == "host" else "flat"
-    srcs = [make_layered(num_layers, src_slots, width, dtype, src_at, layout_of(src_at),
-                         page_size) for _ in range(caches)]
-    dsts = [make_layered(num_layers, dst_slots, width, dtype, dst_at, layout_of(dst_at),
-                         page_size, poison=True) for _ in range(caches)]
+    src_layout, dst_layout = (host_layout if at == "host" else "flat" for at in (src_at, dst_at))
+    srcs = [make_layered(num_layers, src_slots, width, dtype, src_at, src_layout, page_size)
+            for _ in range(caches)]
+    dsts = [make_layered(num_layers, dst_slots, width, dtype, dst_at, dst_layout, page_size,
+                         poison=True) for _ in range(caches)]
     if idx_dst is None:
         count = min(src_slots, dst_slots) // page_size // 2
         idx_dst = token_indices(page_firsts(count, dst_slots, page_size), page_size)

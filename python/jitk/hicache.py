@@ -28,9 +28,9 @@ Methods (`method=`), every one selectable:
   CUDA graph capture the copies are recorded one by one with the addresses of that moment:
   replays repeat those pages. `unroll` and `block_quota` do not apply.
 - "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
-  engines when a page holds at least COPY_ENGINE_MIN_PAGE_BYTES per cache (measured on an
-  H100: below that a copy costs the engines more than it moves), else the kernel if the
-  indices are pinned.
+  engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
+  packed back to back), else the kernel if the indices are pinned (measured on an H100: a
+  copy costs the engines and the driver about a microsecond whatever its size).
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
@@ -169,16 +169,28 @@ def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
     return last
 
 
-def _method(method: object, indices: torch.Tensor, page_bytes: int) -> str:
+def _method(method: object, indices: torch.Tensor, copy_bytes: int) -> str:
+    """The method to run; `copy_bytes` is what one copy-engine copy would move."""
     if method not in METHODS:
         raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     if indices.is_cuda:
         return "kernel"
-    if page_bytes >= COPY_ENGINE_MIN_PAGE_BYTES or not indices.is_pinned():
+    if copy_bytes >= COPY_ENGINE_MIN_PAGE_BYTES or not indices.is_pinned():
         return "copy_engine"
     return "kernel"
+
+
+def _packed(cache: torch.Tensor, element_dim: int) -> bool:
+    """Whether the slots of a page sit back to back in `cache`, so that a copy engine moves
+    a page in one copy rather than a row at a time (the C++ side checks the layout)."""
+    covered = 1
+    for size, stride in zip(reversed(cache.shape), reversed(cache.stride())):
+        if covered % element_dim == 0 and size > 1:  # the first dimension past a row
+            return covered > element_dim or stride == element_dim
+        covered *= size
+    return True
 
 
 def _stream(*tensors: torch.Tensor) -> int:
@@ -247,7 +259,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
                                  f"element_dim {element_dim} of {dst.dtype}")
     pages = _int(1 if page_size is None else page_size, "page_size", 1)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
-    chosen = _method(method, indices_dst, pages * element_size)
+    packed = _packed(dst, element_dim) and _packed(src, element_dim)
+    chosen = _method(method, indices_dst, element_size * (pages if packed else 1))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -347,7 +360,8 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
-    chosen = _method(method, tensors[caches], pages * size)
+    packed = strides[0] == size == strides[1]
+    chosen = _method(method, tensors[caches], size * (pages if packed else 1))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla

@@ -179,32 +179,40 @@ class CopyList {
   }
 
   static constexpr bool batch_supported() { return CUDART_VERSION >= 12080; }
+  // Copies per batch call. The driver's time per copy grows with the batch (host to device
+  // most: 1.9 us a copy in batches of 8192, 0.5 in batches of 64, CUDA 13 on an H100), and
+  // a short first batch starts the engines sooner.
+  static constexpr size_t kBatchCopies = 64;
 
   void submit_batches(cudaStream_t stream, DebugInfo where) {
 #if CUDART_VERSION >= 12080
-    if (sizes_.size() > 0) {
+    for (size_t at = 0; at < sizes_.size(); at += kBatchCopies) {
+      const size_t count = min_of(sizes_.size() - at, kBatchCopies);
       cudaMemcpyAttributes attributes{};
       attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       size_t first = 0;
 #if CUDART_VERSION >= 13000
-      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                              sizes_.size(), &attributes, &first, 1, stream),
+      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at, srcs_.data() + at,
+                                              sizes_.data() + at, count, &attributes, &first,
+                                              1, stream),
                          where);
 #else
       size_t failed = 0;
-      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()),
-                                              sizes_.data(), sizes_.size(), &attributes,
-                                              &first, 1, &failed, stream),
+      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at,
+                                              const_cast<void**>(srcs_.data() + at),
+                                              sizes_.data() + at, count, &attributes, &first,
+                                              1, &failed, stream),
                          where);
 #endif
     }
-    if (ops_.size() > 0) {
+    for (size_t at = 0; at < ops_.size(); at += kBatchCopies) {
+      const size_t count = min_of(ops_.size() - at, kBatchCopies);
 #if CUDART_VERSION >= 13000
-      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(ops_.size(), ops_.data(), 0, stream), where);
+      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(count, ops_.data() + at, 0, stream), where);
 #else
       size_t failed = 0;
-      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(ops_.size(), ops_.data(), &failed, 0, stream),
+      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(count, ops_.data() + at, &failed, 0, stream),
                          where);
 #endif
     }
