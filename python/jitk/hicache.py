@@ -1,6 +1,6 @@
 """HiCache KV transfers: move KV-cache rows by index lists, between GPU memory and pinned
 host memory (either way) or within a GPU, on PyTorch's current stream. The calls are
-SGLang 0.5.23's (`jitk.hicache` can stand in for `sglang.jit_kernel.hicache`):
+SGLang 0.5.23's, names, forms and defaults (README.md lists what still differs):
 
     transfer_hicache_one_layer(k_host, v_host, host_slots, k_gpu, v_gpu, gpu_slots)
     # k_host[host_slots[i]] = k_gpu[gpu_slots[i]], and the same for v
@@ -17,16 +17,17 @@ straddle two pages of a paged cache. Rows must be a multiple of 16 bytes and 16-
 A cache lives on the GPU or in pinned host memory (pageable memory is refused).
 
 Methods (`method=`), every one selectable:
-- "kernel": a transfer kernel on `block_quota` SMs (by default a few when the transfer
-  crosses PCIe: they reach the link's bandwidth, and compute keeps the rest). It reads the
+- "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
+  PCIe, the fewest that reach the link's bandwidth, so compute keeps the rest). It reads the
   indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
   and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
   GEMM) its blocks wait for SMs, and its bandwidth drops with them.
 - "copy_engine": the GPU's copy engines, one batched submission per call; no SM is used,
   so the bandwidth holds beside compute. The indices (and all-layer pointer tables) must be
   CPU tensors: the call reads them on the host and refuses an index it cannot move. Under
-  CUDA graph capture the copies are recorded one by one with the addresses of that moment:
-  replays repeat those pages. `unroll` and `block_quota` do not apply.
+  CUDA graph capture the copies are recorded one node each with the addresses of that
+  moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
+  and `block_quota` do not apply.
 - "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
   engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
   packed back to back), else the kernel if the indices are pinned (measured on an H100: a
@@ -35,7 +36,8 @@ Methods (`method=`), every one selectable:
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
 used), and so is the upper bound of the indices unless num_tokens_src / num_tokens_dst are
-given. Calls allocate no GPU memory and never synchronize.
+given. Calls allocate no GPU memory (the copy engines' host-side lists grow once per
+thread and are reused) and never synchronize.
 """
 
 from __future__ import annotations
