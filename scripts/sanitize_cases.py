@@ -75,14 +75,37 @@ def _():
     assert torch.equal(dst[idx_gpu], gpu[0][idx_gpu])
     layers_src = [torch.randn(256, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     layers_dst = [torch.randn(256, dim, dtype=torch.bfloat16).pin_memory() for _ in range(3)]
-    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")
+
+    def table(ts):
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")
     stride = dim * 2
     hicache.transfer_hicache_all_layer_mla(table(layers_dst), idx_host, table(layers_src), idx_gpu,
-                                           kv_cache_src_stride_bytes=stride,
-                                           kv_cache_dst_stride_bytes=stride)
+                                           cache_src_stride_bytes=stride,
+                                           cache_dst_stride_bytes=stride)
     torch.cuda.synchronize()
     for src, dst in zip(layers_src, layers_dst):
         assert torch.equal(dst[idx_host.cpu()], src[idx_gpu].cpu())
+
+
+@case("hicache pages of 16 into a page_first_direct host layout, kernel and copy engines")
+def _():
+    page, pages, layers, dim = 16, 8, 3, 256
+    host = torch.zeros(pages, layers, page, dim, dtype=torch.float16).pin_memory()
+    gpu = torch.randn(pages * page, dim, device="cuda", dtype=torch.float16)
+    firsts = torch.randperm(pages)[:4] * page
+    idx_host = (firsts[:, None] + torch.arange(page)).flatten()
+    idx_gpu = (torch.randperm(pages)[:4, None] * page + torch.arange(page)).flatten()
+    for layer, method in ((0, "kernel"), (2, "copy_engine")):
+        on = "cuda" if method == "kernel" else "cpu"
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            hicache.transfer_hicache_one_layer_mla(
+                host[:, layer], idx_host.to(on), gpu, idx_gpu.to(on), element_dim=dim,
+                page_size=page, method=method)
+        side.synchronize()
+        got = host[:, layer].reshape(-1, dim)[idx_host]
+        assert torch.equal(got, gpu[idx_gpu.cuda()].cpu()), method
+    assert not host[:, 1].any()  # the layer between was not touched
 
 
 @case("wait_value write then wait: int32/int64, cuda/pinned, memory ops and spin kernels")

@@ -26,24 +26,27 @@ WRONG = {"None": None, "numpy": np.zeros(4, np.float32), "int": 3, "list": [1, 2
 GOT = {"None": "None", "numpy": "numpy.ndarray", "int": "int 3", "list": "list",
        "str": "str '4'", "bool": "bool True"}
 
-ONE_LAYER = {"k_cache_dst": TENSOR, "v_cache_dst": TENSOR, "indices_dst": TENSOR,
-             "k_cache_src": TENSOR, "v_cache_src": TENSOR, "indices_src": TENSOR,
-             "element_dim": OPTIONAL_INT, "unroll": OPTIONAL_INT, "block_quota": OPTIONAL_INT}
-ALL_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "kv_cache_src_stride_bytes": INT,
-             "kv_cache_dst_stride_bytes": INT, "element_size": OPTIONAL_INT,
-             "unroll": OPTIONAL_INT, "block_quota": OPTIONAL_INT, "num_tokens_src": OPTIONAL_INT,
-             "num_tokens_dst": OPTIONAL_INT}
+HICACHE = {"unroll": OPTIONAL_INT, "block_quota": OPTIONAL_INT, "page_size": OPTIONAL_INT,
+           "method": STR}
+ONE_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "element_dim": OPTIONAL_INT,
+             **HICACHE}
+ALL_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "element_size": OPTIONAL_INT,
+             "num_tokens_src": OPTIONAL_INT, "num_tokens_dst": OPTIONAL_INT, **HICACHE}
 PARAMETERS = {
     "rmsnorm": {"input": TENSOR, "weight": TENSOR, "out": OPTIONAL_TENSOR, "eps": FLOAT},
     "fused_add_rmsnorm": {"input": TENSOR, "residual": TENSOR, "weight": TENSOR, "eps": FLOAT},
-    "transfer_hicache_one_layer": ONE_LAYER,
-    "transfer_hicache_one_layer_mla": {"cache_dst": TENSOR, "indices_dst": TENSOR,
-                                       "cache_src": TENSOR, "indices_src": TENSOR,
-                                       "element_dim": OPTIONAL_INT, "unroll": OPTIONAL_INT,
-                                       "block_quota": OPTIONAL_INT},
-    "transfer_hicache_all_layer": {"k_ptrs_dst": TENSOR, "v_ptrs_dst": TENSOR,
-                                   "k_ptrs_src": TENSOR, "v_ptrs_src": TENSOR, **ALL_LAYER},
-    "transfer_hicache_all_layer_mla": {"ptrs_dst": TENSOR, "ptrs_src": TENSOR, **ALL_LAYER},
+    "transfer_hicache_one_layer": {"k_cache_dst": TENSOR, "v_cache_dst": TENSOR,
+                                   "k_cache_src": TENSOR, "v_cache_src": TENSOR, **ONE_LAYER},
+    "transfer_hicache_one_layer_mla": {"cache_dst": TENSOR, "cache_src": TENSOR, **ONE_LAYER},
+    "transfer_hicache_all_layer": {
+        "k_ptr_dst": TENSOR, "v_ptr_dst": TENSOR, "k_ptr_src": TENSOR, "v_ptr_src": TENSOR,
+        "kv_cache_src_stride_bytes": INT, "kv_cache_dst_stride_bytes": INT,
+        "kv_cache_src_page_stride_bytes": OPTIONAL_INT,
+        "kv_cache_dst_page_stride_bytes": OPTIONAL_INT, **ALL_LAYER},
+    "transfer_hicache_all_layer_mla": {
+        "ptr_dst": TENSOR, "ptr_src": TENSOR, "cache_src_stride_bytes": INT,
+        "cache_dst_stride_bytes": INT, "cache_src_page_stride_bytes": OPTIONAL_INT,
+        "cache_dst_page_stride_bytes": OPTIONAL_INT, **ALL_LAYER},
     "stream_wait_value": {"flag": TENSOR, "value": INT, "op": STR},
     "stream_write_value": {"flag": TENSOR, "value": INT},
 }

@@ -1,11 +1,15 @@
-"""HiCache KV transfers (jitk/csrc/hicache.cuh through jitk.hicache).
+"""HiCache KV transfers (jitk/csrc/hicache*.cuh through jitk.hicache).
 
-CPU part: the module builds for sm_90 and every entry point refuses bad arguments with a
-message naming the argument and the rule. GPU part: every direction against a byte-exact
-reference computed with torch indexing on the CPU, destinations poisoned beforehand."""
+CPU part: the modules build for sm_90; SGLang's call forms reach the C++ checks; every entry
+point refuses bad arguments with a message naming the argument and the rule, and refuses
+template arguments in Python before any build. GPU part: every method, layout, direction and
+page size against a byte-exact reference computed with torch on the CPU, destinations
+poisoned beforehand (padding and other layers included in the comparison)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -17,7 +21,7 @@ from jitk import hicache
 
 POISON = 0x7F
 
-# The one module the CPU tests build: rows of 128 float16 = 256 bytes.
+# The one kernel module the CPU tests build: rows of 128 float16 = 256 bytes.
 ROW = 128
 ROW_BYTES = 256
 
@@ -27,8 +31,9 @@ def cpu_rows(rows=16, width=ROW, dtype=torch.float16) -> torch.Tensor:
 
 
 def one_layer_args(**changes) -> dict:
-    args = dict(k_cache_dst=cpu_rows(), v_cache_dst=cpu_rows(), indices_dst=torch.arange(4),
-                k_cache_src=cpu_rows(20), v_cache_src=cpu_rows(20), indices_src=torch.arange(4))
+    args = {"k_cache_dst": cpu_rows(), "v_cache_dst": cpu_rows(),
+            "indices_dst": torch.arange(4), "k_cache_src": cpu_rows(20),
+            "v_cache_src": cpu_rows(20), "indices_src": torch.arange(4)}
     return {**args, **changes}
 
 
@@ -37,18 +42,67 @@ def one_layer(**changes):
 
 
 # ------------------------------------------------------------------------------ CPU / CI
-def test_module_builds_for_sm90():
-    kernels = hicache._kernels(ROW_BYTES, hicache.DEFAULT_UNROLL)
+def test_modules_build_for_sm90():
+    kernels = hicache._kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL)
     assert all(callable(f) for f in kernels)
-    assert hicache._kernels(ROW_BYTES, hicache.DEFAULT_UNROLL) is kernels  # cached
+    assert hicache._kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL) is kernels  # cached
+    assert all(callable(f) for f in hicache._copy_entries())
 
 
-def test_cpu_indices_are_refused_naming_the_device():
-    expect_error(one_layer(), "'indices_dst'", "Device mismatch: expected cuda but got cpu",
-                 "hicache.cuh:")
+def test_python_rules_for_template_arguments_match_the_cpp_ones():
+    module = hicache._copy_module()
+    assert module.vector_bytes() == hicache.VECTOR_BYTES
+    for unroll in range(17):
+        assert module.unroll_supported(unroll) == (unroll in hicache.UNROLLS), unroll
+    for size in (0, 8, 16, 40, 48, 4096, hicache.MAX_ELEMENT_BYTES,
+                 hicache.MAX_ELEMENT_BYTES + 16, 2**40):
+        fits = size > 0 and size % hicache.VECTOR_BYTES == 0 and size <= hicache.MAX_ELEMENT_BYTES
+        assert module.element_size_supported(size) == fits, size
+
+
+def cache_entries() -> set[str]:
+    return set(os.listdir(os.environ["JITK_CACHE_DIR"]))
+
+
+def test_impossible_template_arguments_are_refused_before_any_build():
+    before = cache_entries()
+    expect_error(one_layer(element_dim=2**62, method="kernel"), "element_dim", "a row of",
+                 "over the", kind=ValueError)
+    expect_error(one_layer(element_dim=True), "'element_dim' must be an int or None, got bool",
+                 kind=TypeError)
+    expect_error(one_layer(unroll="4", method="kernel"), "'unroll' must be an int or None, "
+                 "got str", kind=TypeError)
+    expect_error(one_layer(block_quota="4"), "'block_quota' must be an int or None, got str",
+                 kind=TypeError)
+    expect_error(all_layer(element_size=2**31), "a row of 2147483648 bytes (element_size)",
+                 kind=ValueError)
+    expect_error(all_layer(kv_cache_src_stride_bytes=2**40, kv_cache_dst_stride_bytes=2**40),
+                 "kv_cache_src_stride_bytes", "over the", kind=ValueError)
+    assert cache_entries() == before
+
+
+def test_sglang_element_dim_default_is_the_last_dimension_and_ambiguity_is_refused():
+    heads = torch.randn(16, 4, 32).half()
+    expect_error(one_layer(k_cache_dst=heads, v_cache_dst=heads), "element_dim is ambiguous",
+                 "'k_cache_dst' of shape (16, 4, 32)", "SGLang's default is the last dimension "
+                 "(32)", "pass element_dim=128", kind=ValueError)
+    # One head: both defaults agree, and the call reaches the C++ checks.
+    one_head = torch.randn(16, 1, ROW).half()
+    expect_error(one_layer(k_cache_dst=one_head, v_cache_dst=one_head),
+                 "'k_cache_dst' is in pageable host memory", ".cuh:")
+
+
+def test_methods_are_named():
+    expect_error(one_layer(method="dma"), "method must be one of ('auto', 'kernel', "
+                 "'copy_engine'), got 'dma'", kind=ValueError)
+
+
+def test_cpu_pageable_indices_are_refused_by_the_kernel_naming_them():
+    expect_error(one_layer(method="kernel"), "'indices_dst' is in pageable host memory",
+                 "method='copy_engine'", "hicache.cuh:")
     expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
-        cpu_rows(), torch.arange(3), cpu_rows(), torch.arange(3)),
-        "'indices_dst'", "Device mismatch: expected cuda but got cpu", "hicache.cuh:")
+        cpu_rows(), torch.arange(3), cpu_rows(), torch.arange(3), method="kernel"),
+        "'indices_dst' is in pageable host memory")
 
 
 def test_index_lists_must_agree_in_length_and_dtype():
@@ -62,11 +116,14 @@ def test_index_lists_must_agree_in_length_and_dtype():
                  "Stride mismatch")
     expect_error(one_layer(indices_dst=torch.arange(4).view(2, 2)), "'indices_dst'",
                  "Dimension mismatch: expected 1 dims but got 2")
+    expect_error(one_layer(indices_dst=[0, 1]), "'indices_dst' must be a torch.Tensor, got list",
+                 kind=TypeError)
 
 
 def test_k_and_v_must_agree_in_shape_and_all_caches_in_dtype():
     expect_error(one_layer(v_cache_dst=cpu_rows(17)), "'v_cache_dst'",
-                 "Size mismatch for shape#0('dst tokens'): expected 16 but got 17", "hicache.cuh:")
+                 "Size mismatch for shape#0('dst tokens'): expected 16 but got 17",
+                 ".cuh:")
     expect_error(one_layer(v_cache_src=cpu_rows(21)), "'v_cache_src'",
                  "Size mismatch for shape#0('src tokens'): expected 20 but got 21")
     expect_error(one_layer(v_cache_src=cpu_rows(20, dtype=torch.bfloat16)),
@@ -82,27 +139,31 @@ def test_element_size_must_be_a_multiple_of_16_bytes():
     expect_error(one_layer(element_dim=100), "a row of 200 bytes", kind=ValueError)
 
 
-def test_rows_must_be_contiguous_and_one_stride_apart():
+def test_rows_must_be_contiguous_and_at_most_two_strides_apart():
     expect_error(one_layer(k_cache_src=cpu_rows(20, 2 * ROW)[:, ::2]), "'k_cache_src'",
                  "must be contiguous", "dimension 1 has stride 2")
     padded = torch.randn(16, 256).half()[:, :240].unflatten(1, (3, 80))
     expect_error(one_layer(k_cache_dst=padded, element_dim=ROW), "'k_cache_dst'",
                  "must be contiguous", "dimension 0 has stride 256 where 240 was needed")
-    gappy = torch.randn(2, 10, ROW).half()[:, :8]
-    expect_error(one_layer(k_cache_dst=gappy, element_dim=ROW), "'k_cache_dst'",
-                 "with one row stride",
-                 "dimension 0 has stride 1280 where 1024 was needed")
+    three_strides = torch.randn(2, 3, 10, ROW).half()[:, :2, :8]
+    expect_error(one_layer(k_cache_dst=three_strides, element_dim=ROW), "'k_cache_dst'",
+                 "under at most two strides (a row stride and a page stride)",
+                 "dimension 0 has stride 3840 where 2560 was needed")
     expect_error(one_layer(k_cache_dst=cpu_rows(1, ROW).expand(16, ROW)), "'k_cache_dst'",
                  "overlap")
 
 
-def test_leading_dimensions_flatten_into_rows():
-    # [2, 8, 128] with element_dim 128 is 16 rows: it passes every cache check and stops
-    # only at the CPU indices. So do rows split out of one contiguous run.
+def test_leading_dimensions_flatten_into_rows_under_one_or_two_strides():
+    # [2, 8, 128] with element_dim 128 is 16 rows, as are rows split out of one contiguous
+    # run and pages of 8 rows with a gap between them (a page stride): each passes every
+    # cache check and stops only at the pageable memory.
+    pageable = "is in pageable host memory"
     expect_error(one_layer(k_cache_dst=torch.randn(2, 8, ROW).half(), element_dim=ROW),
-                 "'indices_dst'", "Device mismatch")
+                 pageable)
     expect_error(one_layer(v_cache_dst=torch.randn(8, 2 * ROW).half(), element_dim=ROW),
-                 "'indices_dst'", "Device mismatch")
+                 pageable)
+    gappy = torch.randn(2, 10, ROW).half()[:, :8]
+    expect_error(one_layer(v_cache_dst=gappy, element_dim=ROW), pageable)
     expect_error(one_layer(v_cache_dst=torch.randn(8, 2 * ROW).half(), element_dim=ROW,
                            k_cache_dst=cpu_rows(15)),
                  "'v_cache_dst'", "expected 15 but got 16")
@@ -114,6 +175,9 @@ def test_rows_must_be_16_byte_aligned():
                  "not 16-byte aligned")
     expect_error(one_layer(v_cache_dst=torch.randn(16, ROW + 4).half()[:, :ROW]),
                  "'v_cache_dst' has a row stride of 264 bytes, not a multiple of 16")
+    odd_pages = torch.randn(2, 8 * ROW + 4).half()[:, :8 * ROW].unflatten(1, (8, ROW))
+    expect_error(one_layer(v_cache_dst=odd_pages),
+                 "'v_cache_dst' has a page stride of 2056 bytes, not a multiple of 16")
 
 
 def test_launch_options_are_checked():
@@ -121,13 +185,43 @@ def test_launch_options_are_checked():
                  kind=ValueError)
     expect_error(one_layer(block_quota=0), "block_quota must be at least 1, got 0",
                  kind=ValueError)
+    expect_error(one_layer(page_size=0), "page_size must be at least 1, got 0",
+                 kind=ValueError)
+
+
+def test_page_size_checks_name_the_tensor_and_the_rule():
+    expect_error(one_layer(page_size=3), "'indices_dst' and 'indices_src' hold 4 indices, "
+                 "not a whole number of pages of page_size 3", ".cuh:")
+    pages_of_4 = torch.randn(4, 4, ROW).half()
+    expect_error(one_layer(k_cache_dst=pages_of_4[:, :, :], v_cache_dst=pages_of_4,
+                           element_dim=ROW, page_size=2), "pageable")  # 2 divides 4
+    paged = torch.randn(4, 6, ROW).half()[:, :4]  # pages of 4 slots, 6 apart
+    expect_error(one_layer(k_cache_dst=paged, v_cache_dst=paged, element_dim=ROW,
+                           indices_dst=torch.arange(8), indices_src=torch.arange(8),
+                           page_size=8),
+                 "'k_cache_dst'", "has pages of 4 slots, which page_size 8 does not divide",
+                 "must not straddle two pages of the cache")
+
+
+def test_copy_engine_reads_indices_on_the_host_and_refuses_what_it_cannot_move():
+    # Checked on the host before any copy: all-layer, so no cache needs to be pinned.
+    expect_error(all_layer(indices_src=torch.tensor([0, 1, 2, 300]), num_tokens_src=300,
+                           method="copy_engine"),
+                 "'indices_src'[3] = 300: a page of 1 slots from there is outside (the source "
+                 "layers, num_tokens_src) (300 slots)", "hicache_copy.cuh:")
+    expect_error(all_layer(indices_dst=torch.tensor([0, -1, 4, 5]), method="copy_engine"),
+                 "'indices_dst'[1] = -1")
+    expect_error(all_layer(indices_src=torch.tensor([0, 1, 3, 4]), page_size=2,
+                           kv_cache_src_page_stride_bytes=4 * ROW_BYTES, method="copy_engine"),
+                 "'indices_src'[2] = 3: a page of 2 slots from there straddles two pages of "
+                 "(the source layers")
 
 
 def all_layer_args(**changes) -> dict:
     table = torch.zeros(4, dtype=torch.int64)
-    args = dict(k_ptrs_dst=table, v_ptrs_dst=table, indices_dst=torch.arange(4),
-                k_ptrs_src=table, v_ptrs_src=table, indices_src=torch.arange(4),
-                kv_cache_src_stride_bytes=ROW_BYTES, kv_cache_dst_stride_bytes=ROW_BYTES)
+    args = {"k_ptr_dst": table, "v_ptr_dst": table, "indices_dst": torch.arange(4),
+            "k_ptr_src": table, "v_ptr_src": table, "indices_src": torch.arange(4),
+            "kv_cache_src_stride_bytes": ROW_BYTES, "kv_cache_dst_stride_bytes": ROW_BYTES}
     return {**args, **changes}
 
 
@@ -136,11 +230,11 @@ def all_layer(**changes):
 
 
 def test_all_layer_checks_pointer_tables_strides_and_indices():
-    expect_error(all_layer(), "'indices_dst'", "Device mismatch: expected cuda but got cpu",
-                 "hicache.cuh:")
-    expect_error(all_layer(v_ptrs_src=torch.zeros(5, dtype=torch.int64)), "'v_ptrs_src'",
+    expect_error(all_layer(method="kernel"),
+                 "the pointer tables and the indices are in host memory", "hicache.cuh:")
+    expect_error(all_layer(v_ptr_src=torch.zeros(5, dtype=torch.int64)), "'v_ptr_src'",
                  "Size mismatch for shape#0('num layers'): expected 4 but got 5")
-    expect_error(all_layer(k_ptrs_dst=torch.zeros(4, dtype=torch.int32)), "'k_ptrs_dst'",
+    expect_error(all_layer(k_ptr_dst=torch.zeros(4, dtype=torch.int32)), "'k_ptr_dst'",
                  "DType mismatch: expected one of [uint64, int64] but got int32")
     expect_error(all_layer(indices_src=torch.arange(3)), "'indices_src'", "indices length")
     expect_error(all_layer(kv_cache_dst_stride_bytes=2 * ROW_BYTES),
@@ -155,18 +249,85 @@ def test_all_layer_checks_pointer_tables_strides_and_indices():
                  kind=ValueError)
     expect_error(all_layer(element_size=40, kv_cache_src_stride_bytes=48,
                            kv_cache_dst_stride_bytes=48), "a row of 40 bytes", kind=ValueError)
+    expect_error(all_layer(page_size=2, kv_cache_dst_page_stride_bytes=ROW_BYTES),
+                 "kv_cache_dst_page_stride_bytes must be a multiple of 16 and at least "
+                 "page_size * kv_cache_dst_stride_bytes (512 bytes), got 256")
 
 
 def test_all_layer_mla_checks_pointer_tables():
     table = torch.zeros(4, dtype=torch.int64)
+    strides = {"cache_src_stride_bytes": ROW_BYTES, "cache_dst_stride_bytes": ROW_BYTES}
     expect_error(lambda: hicache.transfer_hicache_all_layer_mla(
-        table, torch.arange(2), table[:3], torch.arange(2),
-        kv_cache_src_stride_bytes=ROW_BYTES, kv_cache_dst_stride_bytes=ROW_BYTES),
-        "'ptrs_src'", "'num layers'")
+        table, torch.arange(2), table[:3], torch.arange(2), **strides),
+        "'ptr_src'", "'num layers'")
     expect_error(lambda: hicache.transfer_hicache_all_layer_mla(
-        table, torch.arange(2), table, torch.arange(2),
-        kv_cache_src_stride_bytes=ROW_BYTES, kv_cache_dst_stride_bytes=ROW_BYTES),
-        "'indices_dst'", "expected cuda but got cpu")
+        table, torch.arange(2), table, torch.arange(2), method="kernel", **strides),
+        "the pointer tables and the indices are in host memory")
+    expect_error(lambda: hicache.transfer_hicache_all_layer_mla(
+        table, torch.arange(2), table, torch.arange(2), cache_src_page_stride_bytes=8, **strides,
+        page_size=2), "cache_src_page_stride_bytes must be a multiple of 16")
+
+
+# SGLang 0.5.23's call forms, each with indices of different lengths so that the call stops
+# in the C++ checks: it must get there (a RuntimeError from a .cuh), never a TypeError.
+# `extra` adds jitk's method= to the form; "auto" runs SGLang's form unchanged.
+def sglang_forms():
+    cache, table = cpu_rows(), torch.zeros(3, dtype=torch.int64)
+    idx3, idx4 = torch.arange(3), torch.arange(4)
+    knobs = {"unroll": None, "block_quota": None, "page_size": None}
+    one = hicache.transfer_hicache_one_layer
+    one_mla = hicache.transfer_hicache_one_layer_mla
+    all_kv = hicache.transfer_hicache_all_layer
+    all_mla = hicache.transfer_hicache_all_layer_mla
+    kv_strides = {"kv_cache_src_stride_bytes": ROW_BYTES, "kv_cache_dst_stride_bytes": ROW_BYTES}
+    mla_strides = {"cache_src_stride_bytes": ROW_BYTES, "cache_dst_stride_bytes": ROW_BYTES}
+    return {
+        "one positional": lambda **extra: one(cache, cache, idx3, cache, cache, idx4, **extra),
+        "one keywords": lambda **extra: one(
+            k_cache_dst=cache, v_cache_dst=cache, indices_dst=idx3, k_cache_src=cache,
+            v_cache_src=cache, indices_src=idx4, element_dim=ROW, **knobs, **extra),
+        "one_mla positional": lambda **extra: one_mla(cache, idx3, cache, idx4, **extra),
+        "one_mla keywords": lambda **extra: one_mla(
+            cache_dst=cache, indices_dst=idx3, cache_src=cache, indices_src=idx4,
+            element_dim=ROW, **knobs, **extra),
+        "all positional": lambda **extra: all_kv(table, table, idx3, table, table, idx4,
+                                                 **kv_strides, **extra),
+        "all keywords": lambda **extra: all_kv(
+            k_ptr_dst=table, v_ptr_dst=table, indices_dst=idx3, k_ptr_src=table,
+            v_ptr_src=table, indices_src=idx4, element_size=ROW_BYTES, **kv_strides, **knobs,
+            **extra),
+        "all_mla positional": lambda **extra: all_mla(table, idx3, table, idx4, **mla_strides,
+                                                      **extra),
+        "all_mla keywords": lambda **extra: all_mla(
+            ptr_dst=table, indices_dst=idx3, ptr_src=table, indices_src=idx4,
+            element_size=ROW_BYTES, **mla_strides, **knobs, **extra),
+    }
+
+
+@pytest.mark.parametrize("form", sglang_forms())
+@pytest.mark.parametrize("method", ["auto", "kernel", "copy_engine"])
+def test_sglang_call_forms_reach_the_cpp_checks(form, method):
+    extra = {} if method == "auto" else {"method": method}
+    message = expect_error(lambda: sglang_forms()[form](**extra),
+                           "Size mismatch for shape#0('indices length')")
+    assert ".cuh:" in message
+
+
+def test_auto_picks_by_where_the_indices_are_and_the_copy_size():
+    cpu = torch.arange(4)
+    assert hicache._method("auto", cpu, hicache.COPY_ENGINE_MIN_PAGE_BYTES) == "copy_engine"
+    assert hicache._method("auto", cpu, 256) == "copy_engine"  # pageable: only the engines
+    assert hicache._method("kernel", cpu, 2**30) == "kernel"
+
+
+def test_a_page_is_one_copy_only_where_its_rows_are_packed():
+    width = 64
+    assert hicache._packed(torch.empty(100, width), width)
+    assert not hicache._packed(torch.empty(100, width + 8)[:, :width], width)  # padded rows
+    assert not hicache._packed(torch.empty(100, 3, width)[:, 1], width)  # page_first layer
+    assert hicache._packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
+    assert hicache._packed(torch.empty(100, 2 * width), width)  # rows split one run
+    assert hicache._packed(torch.empty(100, 1, width), width)
 
 
 def test_precompile_configs_are_a_few_labelled_thunks():
@@ -177,65 +338,195 @@ def test_precompile_configs_are_a_few_labelled_thunks():
     assert all(callable(thunk) for _, thunk in configs)
 
 
+def test_every_kernel_source_is_hashed_into_the_module_key():
+    # hicache.cuh includes hicache_layout.cuh: both must be listed, so an edit rebuilds.
+    kernel_dir = Path(hicache.__file__).parent / "csrc"
+    for name in ("hicache.cuh", "hicache_copy.cuh"):
+        included = [line.split('"')[1] for line in (kernel_dir / name).read_text().splitlines()
+                    if line.startswith('#include "')]
+        assert set(included) <= set(hicache._CUDA_FILES), (name, included)
+
+
 # ------------------------------------------------------------------------------------ GPU
 class Cache(NamedTuple):
-    """A cache as the kernel sees it (`view`) and the whole allocation behind it (`base`,
-    row padding included), which the checks compare byte for byte."""
+    """A cache as a transfer sees it (`view`), the whole allocation behind it (`base`:
+    padding, other layers and other pages included, compared byte for byte) and where each
+    slot's row starts in the base's bytes."""
     base: torch.Tensor
     view: torch.Tensor
+    slot_bytes: torch.Tensor  # CPU int64, one per slot
+    row_bytes: int
 
     @property
-    def row_bytes(self) -> torch.Tensor:
-        """The rows' bytes, without padding, as a [rows, bytes] uint8 view of a CPU copy."""
-        width = self.view[0].numel() * self.view.element_size()
-        return self.base.cpu().view(torch.uint8)[:, :width]
+    def slots(self) -> int:
+        return self.slot_bytes.numel()
 
 
 def place(t: torch.Tensor, where: str) -> torch.Tensor:
     return t.cuda() if where == "gpu" else t.pin_memory()
 
 
-def make_cache(rows, row_shape, dtype, where, *, pad=0, poison=False) -> Cache:
-    """Rows of `row_shape`, `pad` elements of padding after each. Random data (never zeros),
-    or every byte POISON for a destination."""
-    width = int(torch.Size(row_shape).numel())
+def make_cache(base_shape, dtype, where, to_view, element_dim, *, poison=False) -> Cache:
+    """A base of random data (never zeros), or every byte POISON for a destination, and the
+    view `to_view` cuts from it; slot positions are found by cutting the same view from a
+    tensor of element numbers."""
+    numel = int(torch.Size(base_shape).numel())
     if poison:
-        base = torch.full((rows, (width + pad) * dtype.itemsize), POISON, dtype=torch.uint8)
-        base = base.view(dtype)
+        base = torch.full((numel * dtype.itemsize,), POISON, dtype=torch.uint8).view(dtype)
+        base = base.view(base_shape)
     else:
-        base = (torch.randn(rows, width + pad) * 3).to(dtype)
+        base = (torch.randn(base_shape) * 3).to(dtype)
     base = place(base, where)
-    return Cache(base, base[:, :width].unflatten(1, tuple(row_shape)))
+    return cut_cache(base, to_view, element_dim)
 
 
-def gpu_indices(values, dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device="cuda")
+def cut_cache(base: torch.Tensor, to_view, element_dim: int) -> Cache:
+    """The cache `to_view` cuts from `base`."""
+    numbers = torch.arange(base.numel()).view(base.shape)
+    positions = to_view(numbers).reshape(-1, element_dim)[:, 0]
+    itemsize = base.element_size()
+    return Cache(base, to_view(base), positions * itemsize, element_dim * itemsize)
 
 
-def distinct_rows(count: int, rows: int) -> list[int]:
-    return torch.randperm(rows)[:count].tolist()
+LAYERS = 3  # layers of the host layouts that interleave them
 
 
-def expected_bytes(dst: Cache, src: Cache, idx_dst, idx_src, src_rows, dst_rows):
-    """dst's bytes after the transfer: rows copied for in-range pairs, all else untouched."""
-    expected = dst.base.cpu().view(torch.uint8).clone()
-    width = src.row_bytes.shape[1]
-    pairs = [(d, s) for d, s in zip(idx_dst, idx_src) if 0 <= d < dst_rows and 0 <= s < src_rows]
-    if pairs:
-        d, s = zip(*pairs)
-        expected[:, :width][list(d)] = src.row_bytes[list(s)]
-    return expected
+def layout_cache(layout, slots, row_shape, dtype, where, *, pad=0, page_rows=64,
+                 poison=False) -> Cache:
+    """One layer of a cache in one of SGLang's layouts: "flat" (rows of a [slots, row] pool,
+    padded by `pad` elements), "page_first" (layer 1 of [slots, layers, row]: strided rows) or
+    "page_first_direct" (layer 1 of [pages, layers, page_rows, row]: pages)."""
+    width = int(torch.Size(row_shape).numel())
+    shapes = {"flat": (slots, width + pad), "page_first": (slots, LAYERS, width),
+              "page_first_direct": (slots // page_rows, LAYERS, page_rows, width)}
+
+    def to_view(base: torch.Tensor) -> torch.Tensor:
+        cut = base[:, :width] if layout == "flat" else base[:, 1]
+        return cut.unflatten(-1, tuple(row_shape))
+
+    return make_cache(shapes[layout], dtype, where, to_view, width, poison=poison)
 
 
-def assert_bytes_equal(cache: Cache, expected: torch.Tensor) -> None:
-    got = cache.base.cpu().view(torch.uint8)
-    mismatched = (got != expected).any(dim=1).nonzero().flatten().tolist()
-    assert not mismatched, f"{len(mismatched)} rows differ, first rows {mismatched[:8]}"
+def page_firsts(pages: int, slots: int, page_size: int) -> list[int]:
+    """Distinct page-aligned first slots."""
+    return (torch.randperm(slots // page_size)[:pages] * page_size).tolist()
+
+
+def token_indices(firsts: list[int], page_size: int) -> list[int]:
+    return [first + j for first in firsts for j in range(page_size)]
+
+
+def page_fits(first: int, page_size: int, cache: Cache, page_rows: int | None) -> bool:
+    inside = 0 <= first <= cache.slots - page_size
+    return inside and (page_rows is None or first % page_rows + page_size <= page_rows)
+
+
+def slot_pairs(idx_dst, idx_src, page_size, dst: Cache, src: Cache, dst_pages=None,
+               src_pages=None):
+    """(dst slot, src slot) of every token the transfer moves: pages whose runs fit."""
+    pairs = []
+    for k in range(0, len(idx_dst), page_size):
+        d, s = idx_dst[k], idx_src[k]
+        if page_fits(d, page_size, dst, dst_pages) and page_fits(s, page_size, src, src_pages):
+            pairs += [(d + j, s + j) for j in range(page_size)]
+    return pairs
+
+
+class Expected:
+    """The bytes every destination allocation must hold: its poisoned bytes, with the moved
+    rows copied in on the CPU."""
+
+    def __init__(self):
+        self.bytes = {}  # base address -> (base, expected bytes)
+
+    def move(self, dst: Cache, src: Cache, pairs) -> None:
+        key = dst.base.data_ptr()
+        if key not in self.bytes:
+            self.bytes[key] = (dst.base, dst.base.cpu().view(torch.uint8).flatten().clone())
+        expected = self.bytes[key][1]
+        if pairs:
+            d, s = (torch.tensor(list(side)) for side in zip(*pairs))
+            cols = torch.arange(dst.row_bytes)
+            to = (dst.slot_bytes[d][:, None] + cols).flatten()
+            source = src.base.cpu().view(torch.uint8).flatten()
+            expected[to] = source[(src.slot_bytes[s][:, None] + cols).flatten()]
+
+    def check(self) -> None:
+        torch.cuda.synchronize()
+        for base, expected in self.bytes.values():
+            got = base.cpu().view(torch.uint8).flatten()
+            wrong = (got != expected).nonzero().flatten().tolist()
+            assert not wrong, f"{len(wrong)} bytes differ, first at byte {wrong[:8]}"
+
+
+def index_tensor(values, dtype, method) -> torch.Tensor:
+    """Indices where the method reads them: the GPU for the kernel, the host for the copy
+    engines ("kernel-pinned": pinned host memory, read by the kernel; "auto-host": pinned
+    host memory, the method left to "auto")."""
+    t = torch.tensor(values, dtype=dtype)
+    if method == "kernel":
+        return t.cuda()
+    return t.pin_memory() if method in ("kernel-pinned", "auto-host") else t
+
+
+def method_arg(method: str) -> str:
+    return {"kernel-pinned": "kernel", "auto-host": "auto"}.get(method, method)
 
 
 DIRECTIONS = {"d2h": ("gpu", "host"), "h2d": ("host", "gpu"), "d2d": ("gpu", "gpu"),
               "h2h": ("host", "host")}
+METHODS = ["kernel", "copy_engine"]
 INDEX_DTYPES = [torch.int32, torch.int64]
+
+
+def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8, 16),
+                  dtype=torch.float16, pad=0, index_dtype=torch.int64, src_slots=512,
+                  dst_slots=384, pages=None, idx_dst=None, idx_src=None, mla=False,
+                  side_stream=True, **options):
+    src_at, dst_at = DIRECTIONS[direction]
+    page_rows = 64 if layout == "page_first_direct" else None
+    caches = 1 if mla else 2
+    # Each cache its own padding: K and V, source and destination all differ.
+    srcs = [layout_cache(layout, src_slots, row_shape, dtype, src_at, pad=pad * (c + 1))
+            for c in range(caches)]
+    dsts = [layout_cache(layout, dst_slots, row_shape, dtype, dst_at, pad=pad * (c + 3),
+                         poison=True) for c in range(caches)]
+    if idx_dst is None:
+        count = pages or min(dst_slots, src_slots) // page_size // 2
+        idx_dst = token_indices(page_firsts(count, dst_slots, page_size), page_size)
+        idx_src = token_indices(page_firsts(count, src_slots, page_size), page_size)
+    expected = Expected()
+    for d, s in zip(dsts, srcs):
+        expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s, page_rows,
+                                       page_rows))
+    index_dst = index_tensor(idx_dst, index_dtype, method)
+    index_src = index_tensor(idx_src, index_dtype, method)
+    options.update(element_dim=srcs[0].row_bytes // dtype.itemsize, page_size=page_size,
+                   method=method_arg(method))
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        if mla:
+            hicache.transfer_hicache_one_layer_mla(dsts[0].view, index_dst, srcs[0].view,
+                                                   index_src, **options)
+        else:
+            hicache.transfer_hicache_one_layer(dsts[0].view, dsts[1].view, index_dst,
+                                               srcs[0].view, srcs[1].view, index_src, **options)
+    expected.check()
+
+
+LAYOUTS = ["flat", "page_first", "page_first_direct"]
+PAGE_SIZES = [1, 16, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
+@pytest.mark.parametrize("method", METHODS)
+def test_one_layer_layouts_and_pages(method, direction, layout, page_size):
+    run_one_layer(method, direction, layout=layout, page_size=page_size)
+
+
 # (dtype, row shape, padding): 2048-byte rows from [heads, head_dim], 48-byte rows (three
 # vectors), 256-byte fp8 rows; padding makes the row strides differ from the row size.
 ROW_CASES = {
@@ -245,186 +536,121 @@ ROW_CASES = {
 }
 
 
-def run_one_layer(direction, index_dtype, dtype, row_shape, pad, *, src_rows=301,
-                  dst_rows=517, count=199, idx_dst=None, idx_src=None, **options):
-    src_at, dst_at = DIRECTIONS[direction]
-    # Each cache its own row stride: K and V, source and destination all differ.
-    k_src = make_cache(src_rows, row_shape, dtype, src_at, pad=pad)
-    v_src = make_cache(src_rows, row_shape, dtype, src_at, pad=2 * pad)
-    k_dst = make_cache(dst_rows, row_shape, dtype, dst_at, pad=3 * pad, poison=True)
-    v_dst = make_cache(dst_rows, row_shape, dtype, dst_at, poison=True)
-    idx_dst = distinct_rows(count, dst_rows) if idx_dst is None else idx_dst
-    idx_src = distinct_rows(count, src_rows) if idx_src is None else idx_src
-    expected_k = expected_bytes(k_dst, k_src, idx_dst, idx_src, src_rows, dst_rows)
-    expected_v = expected_bytes(v_dst, v_src, idx_dst, idx_src, src_rows, dst_rows)
-    hicache.transfer_hicache_one_layer(
-        k_dst.view, v_dst.view, gpu_indices(idx_dst, index_dtype),
-        k_src.view, v_src.view, gpu_indices(idx_src, index_dtype), **options)
-    torch.cuda.synchronize()
-    assert_bytes_equal(k_dst, expected_k)
-    assert_bytes_equal(v_dst, expected_v)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ROW_CASES)
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_one_layer_matches_torch(direction, index_dtype, case):
-    run_one_layer(direction, index_dtype, *ROW_CASES[case])
+@pytest.mark.parametrize("method", METHODS)
+def test_one_layer_row_shapes_and_index_types(method, direction, index_dtype, case):
+    dtype, row_shape, pad = ROW_CASES[case]
+    run_one_layer(method, direction, row_shape=row_shape, dtype=dtype, pad=pad,
+                  index_dtype=index_dtype, src_slots=301, dst_slots=517)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", METHODS)
+def test_on_the_legacy_default_stream(method, layout):
+    # The copy engines' batch submission refuses the legacy stream: copies go one by one.
+    run_one_layer(method, "h2d", layout=layout, page_size=16, side_stream=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("method", [*METHODS, "kernel-pinned", "auto-host"])
+def test_one_layer_mla(method, direction, page_size):
+    run_one_layer(method, direction, layout="page_first_direct", page_size=page_size,
+                  row_shape=(576,), dtype=torch.bfloat16, mla=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_consecutive_pages_merge_and_stay_exact(method):
+    # Runs of pages that follow each other on both sides, some across the pages of a paged
+    # cache (which must not merge there).
+    idx_dst = list(range(64, 64 + 256)) + list(range(32))
+    idx_src = list(range(128, 128 + 256)) + list(range(448, 480))
+    for layout in ("flat", "page_first_direct"):
+        run_one_layer(method, "d2h", layout=layout, page_size=16, idx_dst=idx_dst,
+                      idx_src=idx_src)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_only_the_first_index_of_a_page_is_read(method):
+    firsts_dst, firsts_src = page_firsts(4, 384, 16), page_firsts(4, 512, 16)
+    idx_dst = [v if j == 0 else -7 for v in firsts_dst for j in range(16)]
+    idx_src = [v if j == 0 else 10**9 for v in firsts_src for j in range(16)]
+    run_one_layer(method, "h2d", page_size=16, idx_dst=idx_dst, idx_src=idx_src)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_quota", [None, 1, 3])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 def test_many_tokens_and_block_quota(direction, block_quota):
-    # 5000 tokens of 2 KiB: several grid-stride rounds at the default grid, thousands
-    # with one block.
-    run_one_layer(direction, torch.int64, torch.bfloat16, (1024,), 0, src_rows=6000,
-                  dst_rows=5500, count=5000, block_quota=block_quota)
+    # 5000 tokens of 2 KiB: several grid-stride rounds, thousands with one block.
+    run_one_layer("kernel", direction, row_shape=(1024,), dtype=torch.bfloat16,
+                  src_slots=6000, dst_slots=5500, pages=5000, block_quota=block_quota)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_deeper_unroll_with_fewer_threads(direction):
-    run_one_layer(direction, torch.int32, torch.float16, (128,), 16, unroll=8)
+    run_one_layer("kernel", direction, row_shape=(128,), pad=16, index_dtype=torch.int32,
+                  unroll=8)
 
 
 @pytest.mark.gpu
-def test_element_dim_splits_rows():
-    # [rows, 2, 128] seen as rows of 128: twice the rows, half the width.
-    src = make_cache(50, (2, 128), torch.float16, "gpu")
-    dst = make_cache(40, (2, 128), torch.float16, "host", poison=True)
-    idx_dst, idx_src = distinct_rows(30, 80), distinct_rows(30, 100)
-    half = lambda c: Cache(c.base.view(-1, 128), c.view.reshape(-1, 128))  # noqa: E731
-    expected = expected_bytes(half(dst), half(src), idx_dst, idx_src, 100, 80)
-    hicache.transfer_hicache_one_layer_mla(
-        dst.view, gpu_indices(idx_dst, torch.int64), src.view,
-        gpu_indices(idx_src, torch.int64), element_dim=128)
-    torch.cuda.synchronize()
-    assert_bytes_equal(half(dst), expected)
-
-
-@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-def test_empty_indices_change_nothing(direction):
-    run_one_layer(direction, torch.int64, torch.float16, (128,), 0, idx_dst=[], idx_src=[])
+def test_empty_indices_change_nothing(method, direction):
+    run_one_layer(method, direction, idx_dst=[], idx_src=[])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
-def test_out_of_range_indices_are_skipped(direction, index_dtype):
-    src_rows, dst_rows = 64, 48
+def test_kernel_skips_pages_out_of_range_or_straddling(direction, index_dtype):
     top = torch.iinfo(index_dtype).max
-    idx_dst = [0, 5, -1, 7, 9, dst_rows, 11, 13, top, 47, 20, -dst_rows]
-    idx_src = [3, -1, 2, src_rows, 8, 1, -(2**31), 63, 4, 6, top, 10]
-    run_one_layer(direction, index_dtype, torch.float16, (8, 16), 0, src_rows=src_rows,
-                  dst_rows=dst_rows, idx_dst=idx_dst, idx_src=idx_src)
+    idx_dst = [0, 5, -1, 7, 9, 384, 11, 13, top, 383, 20, -384]
+    idx_src = [3, -1, 2, 512, 8, 1, -(2**31), 511, 4, 6, top, 10]
+    run_one_layer("kernel", direction, index_dtype=index_dtype, idx_dst=idx_dst,
+                  idx_src=idx_src)
+    # Pages of 16 from slots 56 (dst) and 120 (src) straddle the cache's pages of 64 slots:
+    # skipped; one from slot 8 does not.
+    firsts_dst, firsts_src = [0, 24, 64, 56, 100], [128, 64, 8, 256, 120]
+    run_one_layer("kernel", direction, layout="page_first_direct", page_size=16,
+                  index_dtype=index_dtype, idx_dst=token_indices(firsts_dst, 16),
+                  idx_src=token_indices(firsts_src, 16))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
-def test_one_layer_mla(direction):
-    src_at, dst_at = DIRECTIONS[direction]
-    src = make_cache(700, (576,), torch.bfloat16, src_at, pad=64)
-    dst = make_cache(333, (576,), torch.bfloat16, dst_at, poison=True)
-    idx_dst, idx_src = distinct_rows(257, 333), distinct_rows(257, 700)
-    expected = expected_bytes(dst, src, idx_dst, idx_src, 700, 333)
+def test_copy_engine_refuses_indices_it_cannot_move_and_gpu_indices():
+    gpu = torch.randn(64, 128, device="cuda").half()
+    host = torch.randn(64, 128).half().pin_memory()
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        gpu, torch.tensor([1, 64]), host, torch.tensor([0, 1]), method="copy_engine"),
+        "'indices_dst'[1] = 64", "is outside 'cache_dst' (64 slots)")
+    idx = torch.arange(4, device="cuda")
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        gpu, idx, host, idx, method="copy_engine"),
+        "'indices_dst' is on cuda:0, but the copy engine reads it on the host")
+
+
+@pytest.mark.gpu
+def test_element_dim_splits_rows():
+    # [rows, 2, 128] seen as rows of 128: twice the slots, half the width.
+    src = make_cache((50, 256), torch.float16, "gpu", lambda b: b.view(50, 2, 128), 128)
+    dst = make_cache((40, 256), torch.float16, "host", lambda b: b.view(40, 2, 128), 128,
+                     poison=True)
+    idx_dst, idx_src = page_firsts(30, 80, 1), page_firsts(30, 100, 1)
+    expected = Expected()
+    expected.move(dst, src, list(zip(idx_dst, idx_src)))
     hicache.transfer_hicache_one_layer_mla(
-        dst.view, gpu_indices(idx_dst, torch.int32), src.view, gpu_indices(idx_src, torch.int32))
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, expected)
-
-
-class LayeredCache(NamedTuple):
-    """Per-layer caches: on the GPU one tensor per layer; on the host one buffer
-    [tokens, layers, row] (layer-interleaved), so that its row stride spans all layers."""
-    layers: list[Cache]
-    stride_bytes: int
-
-    def table(self, dtype) -> torch.Tensor:
-        return torch.tensor([c.view.data_ptr() for c in self.layers], dtype=dtype).cuda()
-
-
-def make_layered(num_layers, rows, width, dtype, where, *, poison=False) -> LayeredCache:
-    if where == "gpu":
-        layers = [make_cache(rows, (width,), dtype, where, poison=poison)
-                  for _ in range(num_layers)]
-        return LayeredCache(layers, width * dtype.itemsize)
-    whole = make_cache(rows, (num_layers, width), dtype, where, poison=poison)
-    layers = []
-    for layer in range(num_layers):
-        # Each layer's base is the whole buffer: the rows it owns are a strided slice of it.
-        view = whole.view[:, layer]
-        layers.append(Cache(whole.base, view))
-    return LayeredCache(layers, num_layers * width * dtype.itemsize)
-
-
-def layer_bytes(layered: LayeredCache, layer: int) -> Cache:
-    """One layer of a layered cache as a Cache whose `base` holds only that layer's rows."""
-    view = layered.layers[layer].view
-    return Cache(view.contiguous(), view)
-
-
-def run_all_layer(direction, table_dtype, *, num_layers=5, width=128, dtype=torch.float16,
-                  mla=False, src_rows=300, dst_rows=250, idx_dst=None, idx_src=None,
-                  bounds=False, **options):
-    src_at, dst_at = DIRECTIONS[direction]
-    caches = 1 if mla else 2
-    srcs = [make_layered(num_layers, src_rows, width, dtype, src_at) for _ in range(caches)]
-    dsts = [make_layered(num_layers, dst_rows, width, dtype, dst_at, poison=True)
-            for _ in range(caches)]
-    idx_dst = distinct_rows(180, dst_rows) if idx_dst is None else idx_dst
-    idx_src = distinct_rows(180, src_rows) if idx_src is None else idx_src
-    # Without row bounds the kernel trusts the upper bound: give it only in-range ones then.
-    limit_src, limit_dst = (src_rows, dst_rows) if bounds else (2**62, 2**62)
-    expected = [[expected_bytes(layer_bytes(d, layer), layer_bytes(s, layer), idx_dst, idx_src,
-                                limit_src, limit_dst) for layer in range(num_layers)]
-                for d, s in zip(dsts, srcs)]
-    row_bytes = width * dtype.itemsize
-    element_size = row_bytes if srcs[0].stride_bytes != dsts[0].stride_bytes else None
-    tables = [t for pair in zip(dsts, srcs) for t in pair]
-    kwargs = dict(kv_cache_src_stride_bytes=srcs[0].stride_bytes,
-                  kv_cache_dst_stride_bytes=dsts[0].stride_bytes, element_size=element_size,
-                  **options)
-    if bounds:
-        kwargs.update(num_tokens_src=src_rows, num_tokens_dst=dst_rows)
-    index_dst, index_src = gpu_indices(idx_dst, torch.int64), gpu_indices(idx_src, torch.int64)
-    if mla:
-        hicache.transfer_hicache_all_layer_mla(dsts[0].table(table_dtype), index_dst,
-                                               srcs[0].table(table_dtype), index_src, **kwargs)
-    else:
-        k_dst, k_src, v_dst, v_src = (t.table(table_dtype) for t in tables)
-        hicache.transfer_hicache_all_layer(k_dst, v_dst, index_dst, k_src, v_src, index_src,
-                                           **kwargs)
-    torch.cuda.synchronize()
-    for dst, per_layer in zip(dsts, expected):
-        for layer in range(num_layers):
-            assert_bytes_equal(layer_bytes(dst, layer), per_layer[layer])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
-def test_all_layer_matches_torch(direction):
-    run_all_layer(direction, torch.int64)
-
-
-@pytest.mark.gpu
-def test_all_layer_uint64_tables_and_block_quota_below_layers():
-    run_all_layer("d2h", torch.uint64, block_quota=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("direction", ["d2h", "h2d"])
-def test_all_layer_mla(direction):
-    run_all_layer(direction, torch.int64, mla=True, width=576, dtype=torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_all_layer_skips_indices_outside_the_given_row_counts():
-    idx_dst = [0, 1, 249, 250, -1, 7, 100, 2**40, 8]
-    idx_src = [5, 300, 6, 7, 8, -3, 299, 9, 2**40]
-    run_all_layer("h2d", torch.int64, idx_dst=idx_dst, idx_src=idx_src, bounds=True)
+        dst.view, index_tensor(idx_dst, torch.int64, "kernel"), src.view,
+        index_tensor(idx_src, torch.int64, "kernel"), element_dim=128)
+    expected.check()
 
 
 @pytest.mark.gpu
@@ -435,27 +661,148 @@ def test_pageable_host_memory_is_refused():
     idx = torch.arange(8, device="cuda")
     expect_error(lambda: hicache.transfer_hicache_one_layer(pageable, pageable, idx, gpu, gpu,
                                                             idx),
-                 "'k_cache_dst' is in pageable host memory", "pin_memory=True", "hicache.cuh:")
+                 "'k_cache_dst' is in pageable host memory", "pin_memory=True")
     expect_error(lambda: hicache.transfer_hicache_one_layer_mla(gpu, idx, pageable, idx),
                  "'cache_src' is in pageable host memory")
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        gpu, idx.cpu(), pageable, idx.cpu(), method="copy_engine"),
+        "'cache_src' is in pageable host memory")
+
+
+def make_layered(num_layers, slots, width, dtype, where, layout, page_size, *, poison=False):
+    """Per-layer caches and the byte strides an all-layer call describes them by: one GPU
+    tensor per layer ("flat"), or one host buffer interleaving the layers per token
+    ("page_first") or per page ("page_first_direct", pages of page_size slots)."""
+    itemsize = dtype.itemsize
+    if layout == "flat":
+        layers = [make_cache((slots, width), dtype, where, lambda b: b, width, poison=poison)
+                  for _ in range(num_layers)]
+        return layers, width * itemsize, None
+    if layout == "page_first":
+        shape, stride, page_stride = (slots, num_layers, width), num_layers * width, None
+    else:
+        shape = (slots // page_size, num_layers, page_size, width)
+        stride, page_stride = width, num_layers * page_size * width * itemsize
+    whole = make_cache(shape, dtype, where, lambda b: b, shape[-1], poison=poison)
+    layers = [cut_cache(whole.base, lambda b, i=i: b[:, i], width) for i in range(num_layers)]
+    return layers, stride * itemsize, page_stride
+
+
+def table(layers: list[Cache], on: str) -> torch.Tensor:
+    pointers = torch.tensor([c.view.data_ptr() for c in layers], dtype=torch.int64)
+    return pointers.cuda() if on == "kernel" else pointers
+
+
+def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_layers=4,
+                  width=128, dtype=torch.float16, mla=False, src_slots=512, dst_slots=384,
+                  idx_dst=None, idx_src=None, bounds=False, **options):
+    src_at, dst_at = DIRECTIONS[direction]
+    caches = 1 if mla else 2
+    src_layout, dst_layout = (host_layout if at == "host" else "flat" for at in (src_at, dst_at))
+    srcs = [make_layered(num_layers, src_slots, width, dtype, src_at, src_layout, page_size)
+            for _ in range(caches)]
+    dsts = [make_layered(num_layers, dst_slots, width, dtype, dst_at, dst_layout, page_size,
+                         poison=True) for _ in range(caches)]
+    if idx_dst is None:
+        count = min(src_slots, dst_slots) // page_size // 2
+        idx_dst = token_indices(page_firsts(count, dst_slots, page_size), page_size)
+        idx_src = token_indices(page_firsts(count, src_slots, page_size), page_size)
+    expected = Expected()
+    for (d_layers, _, _), (s_layers, _, _) in zip(dsts, srcs):
+        for d, s in zip(d_layers, s_layers):
+            # Without row bounds the kernel trusts the upper bound: only in-range ones then.
+            expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s))
+    prefix = "cache_" if mla else "kv_cache_"
+    kwargs = {f"{prefix}src_stride_bytes": srcs[0][1], f"{prefix}dst_stride_bytes": dsts[0][1],
+              f"{prefix}src_page_stride_bytes": srcs[0][2],
+              f"{prefix}dst_page_stride_bytes": dsts[0][2],
+              "element_size": width * dtype.itemsize, "page_size": page_size,
+              "method": method, **options}
+    if bounds:
+        kwargs.update(num_tokens_src=src_slots, num_tokens_dst=dst_slots)
+    index_dst = index_tensor(idx_dst, torch.int64, method)
+    index_src = index_tensor(idx_src, torch.int64, method)
+    tables = [(table(d[0], method), table(s[0], method)) for d, s in zip(dsts, srcs)]
+    with torch.cuda.stream(torch.cuda.Stream()):
+        if mla:
+            hicache.transfer_hicache_all_layer_mla(tables[0][0], index_dst, tables[0][1],
+                                                   index_src, **kwargs)
+        else:
+            (k_dst, k_src), (v_dst, v_src) = tables
+            hicache.transfer_hicache_all_layer(k_dst, v_dst, index_dst, k_src, v_src,
+                                               index_src, **kwargs)
+    expected.check()
 
 
 @pytest.mark.gpu
-def test_captured_in_a_cuda_graph():
-    src = make_cache(300, (128,), torch.float16, "host")
-    dst = make_cache(200, (128,), torch.float16, "gpu", poison=True)
-    idx_dst, idx_src = distinct_rows(150, 200), distinct_rows(150, 300)
-    index_dst, index_src = gpu_indices(idx_dst, torch.int64), gpu_indices(idx_src, torch.int64)
-    transfer = lambda: hicache.transfer_hicache_one_layer_mla(  # noqa: E731
-        dst.view, index_dst, src.view, index_src)
-    transfer()  # build and load outside the capture
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("host_layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("method", METHODS)
+def test_all_layer_layouts_and_pages(method, direction, host_layout, page_size):
+    run_all_layer(method, direction, host_layout=host_layout, page_size=page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_all_layer_d2d_and_block_quota_below_layers(method):
+    run_all_layer(method, "d2d", block_quota=2 if method == "kernel" else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("method", METHODS)
+def test_all_layer_mla(method, direction, page_size):
+    run_all_layer(method, direction, host_layout="page_first_direct", page_size=page_size,
+                  mla=True, width=576, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_all_layer_kernel_skips_indices_outside_the_given_row_counts():
+    idx_dst = [0, 1, 383, 384, -1, 7, 100, 2**40, 8]
+    idx_src = [5, 512, 6, 7, 8, -3, 511, 9, 2**40]
+    run_all_layer("kernel", "h2d", idx_dst=idx_dst, idx_src=idx_src, bounds=True)
+
+
+def captured(call) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # build and load outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        transfer()
+        call()
+    return graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_captured_in_a_cuda_graph(method):
+    # The kernel reads the indices at each replay; the copy engines replay the copies of
+    # the indices as they were at capture.
+    src = layout_cache("page_first_direct", 512, (128,), torch.float16, "host")
+    dst = layout_cache("flat", 384, (128,), torch.float16, "gpu", poison=True)
+    idx_dst = token_indices(page_firsts(3, 384, 16), 16)
+    idx_src = token_indices(page_firsts(3, 512, 16), 16)
+    index_dst = index_tensor(idx_dst, torch.int64, method)
+    index_src = index_tensor(idx_src, torch.int64, method)
+    graph = captured(lambda: hicache.transfer_hicache_one_layer_mla(
+        dst.view, index_dst, src.view, index_src, element_dim=128, page_size=16,
+        method=method))
     for _ in range(2):
-        src.base.copy_(torch.randn(src.base.shape).half())
+        replayed_dst, replayed_src = list(idx_dst), list(idx_src)
+        if method == "kernel":
+            idx_src = token_indices(page_firsts(3, 512, 16), 16)
+            replayed_src = idx_src
+            index_src.copy_(torch.tensor(idx_src))
+        else:
+            index_src.copy_(torch.tensor(token_indices(page_firsts(3, 512, 16), 16)))
+        src.base.copy_((torch.randn(src.base.shape) * 3).half())
         dst.base.view(torch.uint8).fill_(POISON)
-        expected = expected_bytes(dst, src, idx_dst, idx_src, 300, 200)
+        expected = Expected()
+        expected.move(dst, src, slot_pairs(replayed_dst, replayed_src, 16, dst, src, None, 64))
         graph.replay()
-        torch.cuda.synchronize()
-        assert_bytes_equal(dst, expected)
+        expected.check()

@@ -56,8 +56,8 @@ def calls(tensor):
                                                         for _ in range(4))
     flag = tensor((1,), torch.int32, "gpu")
     strides = {"kv_cache_src_stride_bytes": 2 * ROW, "kv_cache_dst_stride_bytes": 2 * ROW}
-    latent_strides = {"kv_cache_src_stride_bytes": 2 * LATENT,
-                      "kv_cache_dst_stride_bytes": 2 * LATENT}
+    latent_strides = {"cache_src_stride_bytes": 2 * LATENT,
+                      "cache_dst_stride_bytes": 2 * LATENT}
     return [
         ("rmsnorm", jitk.rmsnorm, (x, weight, out, 1e-6), {}),
         ("fused_add_rmsnorm", jitk.fused_add_rmsnorm, (x, residual, weight, 1e-6), {}),
@@ -220,8 +220,9 @@ def gpu_cases():
                                         ptrs(k_layers), ptrs(v_layers), gpu_slots), strides,
          backup.prepare, backup.check),
         ("transfer_hicache_all_layer_mla", (ptrs(k_backup), host_slots, ptrs(k_layers),
-                                            gpu_slots), strides, backup_mla.prepare,
-         backup_mla.check),
+                                            gpu_slots),
+         {"cache_src_stride_bytes": 2 * ROW, "cache_dst_stride_bytes": 2 * ROW},
+         backup_mla.prepare, backup_mla.check),
     ]
 
 

@@ -1,26 +1,43 @@
 """HiCache KV transfers: move KV-cache rows by index lists, between GPU memory and pinned
-host memory (either way) or within a GPU, in one kernel on PyTorch's current stream.
+host memory (either way) or within a GPU, on PyTorch's current stream. The calls are
+SGLang 0.5.23's, names, forms and defaults (README.md lists what still differs):
 
     transfer_hicache_one_layer(k_host, v_host, host_slots, k_gpu, v_gpu, gpu_slots)
     # k_host[host_slots[i]] = k_gpu[gpu_slots[i]], and the same for v
 
-Caches are seen as `cache.view(-1, element_dim)`: rows of `element_dim` contiguous elements
-(by default every dimension after the first, e.g. heads * head_dim), one row stride apart
-(rows may be padded); the source and destination may have different strides and numbers of
-rows. A row must be a multiple of 16 bytes, and rows 16-byte aligned: they move as 16-byte
-vectors. A cache lives on the GPU of the indices, or in pinned host memory (pageable memory
-is refused: a kernel touching it would fault). Indices are int32 or int64 tensors on the
-GPU, both lists the same length and dtype; an empty list does nothing.
+Rows and pages. A cache is seen as rows ("slots") of `element_dim` contiguous elements, in
+the order of `cache.view(-1, element_dim)`; the slots may sit under one stride (a flat cache,
+rows possibly padded) or two (a paged cache: pages of slots, e.g. the [page, page_size, ...]
+layer view of SGLang's page_first_direct host layout). By default `element_dim` is the last
+dimension, as in SGLang; where that would differ from a whole token's row (every dimension
+after the first, jitk's old default) the call is refused and says which to pass. With
+`page_size` P, the indices come in runs of P consecutive slots and only the first index of
+each run (page) is read: the lists' length must be a multiple of P, and a page may not
+straddle two pages of a paged cache. Rows must be a multiple of 16 bytes and 16-byte aligned.
+A cache lives on the GPU or in pinned host memory (pageable memory is refused).
 
-Indices are never read on the host (that would synchronize): an item whose source or
-destination index is negative or at least that cache's number of rows is skipped, its rows
-untouched. The all-layer variants take one base address per layer instead of tensors; those
-addresses are trusted (they must be 16-byte aligned and valid for every index used), and so
-is the upper bound of the indices unless num_tokens_src / num_tokens_dst are given.
+Methods (`method=`), every one selectable:
+- "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
+  PCIe, the fewest that reach the link's bandwidth, so compute keeps the rest). It reads the
+  indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
+  and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
+  GEMM) its blocks wait for SMs, and its bandwidth drops with them.
+- "copy_engine": the GPU's copy engines, one batched submission per call; no SM is used,
+  so the bandwidth holds beside compute. The indices (and all-layer pointer tables) must be
+  CPU tensors: the call reads them on the host and refuses an index it cannot move. Under
+  CUDA graph capture the copies are recorded one node each with the addresses of that
+  moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
+  and `block_quota` do not apply.
+- "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
+  engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
+  packed back to back), else the kernel if the indices are pinned (measured on an H100: a
+  copy costs the engines and the driver about a microsecond whatever its size).
 
-`block_quota` caps the blocks of one launch (a block has up to 1024 threads and takes one
-SM), so that a transfer can run beside compute kernels; by default the transfer takes the
-whole GPU. Calls allocate nothing and never synchronize (CUDA-graph capturable).
+The all-layer variants take one base address per layer (uint64/int64 pointer tables)
+instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
+used), and so is the upper bound of the indices unless num_tokens_src / num_tokens_dst are
+given. Calls allocate no GPU memory (the copy engines' host-side lists grow once per
+thread and are reused) and never synchronize.
 """
 
 from __future__ import annotations
@@ -44,66 +61,141 @@ __all__ = [
     "transfer_hicache_one_layer_mla",
 ]
 
+METHODS = ("auto", "kernel", "copy_engine")
+# Python's copy of the rules the C++ side (hicache_layout.cuh) holds for the template
+# arguments, applied before any build; tests/test_hicache.py pins the pair.
 VECTOR_BYTES = 16
-# Four 16-byte vectors per thread, read before any is written. The kernel walks a flat list
-# of vectors, so the launch shape does not depend on the row size and one default serves
-# every element size: 1024 threads x 4 vectors = 64 KiB in flight per SM, more than HBM
-# latency needs hidden, and over just two SMs about PCIe's bandwidth-latency product. A
-# deeper unroll is built with fewer threads (the buffers live in registers), so the bytes in
-# flight stay the same.
-DEFAULT_UNROLL = 4
+MAX_ELEMENT_BYTES = 1 << 20
 UNROLLS = (1, 2, 4, 8)
+# Four 16-byte vectors per thread, read before any is written: 1024 threads x 4 vectors = 64
+# KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
+# bandwidth-latency product. A deeper unroll is built with fewer threads.
+DEFAULT_UNROLL = 4
+# "auto" with host indices: the copy engines from pages of this many bytes (per cache) on.
+COPY_ENGINE_MIN_PAGE_BYTES = 16 << 10
+
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
+_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh"]
+_ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
-class _Kernels(NamedTuple):
+class _Entries(NamedTuple):
     one_layer: Callable
     one_layer_mla: Callable
     all_layer: Callable
     all_layer_mla: Callable
 
 
-def _threads_for(unroll: int) -> int:
-    """Threads per block: as many as one SM keeps resident with `unroll` vectors each."""
-    return min(1024, 4096 // unroll)
+@functools.cache
+def _kernel_module(element_size: int, unroll: int) -> _Entries:
+    """The kernel for rows of element_size bytes; both checked by the caller."""
+    args = make_cpp_args(element_size, unroll)
+    entry = f"jitk::hicache::HiCache<{args}>"
+    module = load_jit("hicache", *args, cuda_files=_CUDA_FILES[:2],
+                      cuda_wrappers=[(name, f"{entry}::{name}") for name in _ENTRY_POINTS])
+    # Fetched once: a module attribute lookup goes through the FFI each time.
+    return _Entries(*(getattr(module, name) for name in _ENTRY_POINTS))
 
 
 @functools.cache
-def _kernels(element_size: int, unroll: int) -> _Kernels:
-    if element_size <= 0 or element_size % VECTOR_BYTES:
-        raise ValueError(f"hicache: a row of {element_size} bytes cannot move as 16-byte "
-                         "vectors; the element size must be a positive multiple of 16 bytes")
-    if unroll not in UNROLLS:
-        raise ValueError(f"hicache: unroll must be one of {UNROLLS}, got {unroll}")
-    args = make_cpp_args(element_size, unroll, _threads_for(unroll))
-    entry = f"jitk::hicache::HiCache<{args}>"
-    module = load_jit("hicache", *args, cuda_files=["hicache.cuh"],
-                      cuda_wrappers=[(name, f"{entry}::{name}") for name in _Kernels._fields])
-    # Fetched once: a module attribute lookup goes through the FFI each time.
-    return _Kernels(*(getattr(module, name) for name in _Kernels._fields))
+def _copy_module():
+    """The copy-engine entry points: one module for every element size."""
+    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported")
+    return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
+                    cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
+                                   for name in names])
 
 
-def _unroll(unroll: int | None) -> int:
-    return DEFAULT_UNROLL if unroll is None else unroll
+@functools.cache
+def _copy_entries() -> _Entries:
+    module = _copy_module()
+    return _Entries(*(getattr(module, name) for name in _ENTRY_POINTS))
 
 
-def _optional(value: int | None, name: str, least: int) -> int:
-    if value is None:
-        return _NOT_GIVEN
+# ------------------------------------------------------------------------- argument checks
+# Types are the operator layer's to check (jitk.op, from the annotations); values are here.
+def _int(value: int, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"hicache: {name} must be at least {least}, got {value}")
     return value
 
 
-def _one_layer_kernels(cache: torch.Tensor, element_dim: int | None,
-                       unroll: int | None) -> tuple[_Kernels, int]:
-    """The module for rows of `cache` (every dimension after the first unless element_dim is
-    given), and the element_dim it was built for."""
-    if element_dim is None:
-        element_dim = math.prod(cache.shape[1:])
-    return _kernels(element_dim * cache.element_size(), _unroll(unroll)), element_dim
+def _optional(value: int | None, name: str, least: int) -> int:
+    return _NOT_GIVEN if value is None else _int(value, name, least)
 
 
+def _element_size(size: int, source: str) -> int:
+    """A row size a module can be built for; `source` says where it came from."""
+    if size <= 0 or size % VECTOR_BYTES:
+        raise ValueError(f"hicache: a row of {size} bytes ({source}) cannot move as 16-byte "
+                         "vectors; the element size must be a positive multiple of 16 bytes")
+    if size > MAX_ELEMENT_BYTES:
+        raise ValueError(f"hicache: a row of {size} bytes ({source}) is over the "
+                         f"{MAX_ELEMENT_BYTES} bytes a module is built for")
+    return size
+
+
+def _unroll(unroll: object) -> int:
+    if unroll is None:
+        return DEFAULT_UNROLL
+    value = _int(unroll, "unroll", 1)
+    if value not in UNROLLS:
+        raise ValueError(f"hicache: unroll must be one of {UNROLLS}, got {value}")
+    return value
+
+
+def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
+    """SGLang's default (the last dimension), refused where it would silently differ from a
+    whole token's row (every dimension after the first, jitk's old default)."""
+    if element_dim is not None:
+        return _int(element_dim, "element_dim", 1)
+    last = cache.shape[-1] if cache.dim() > 0 else 1
+    whole_row = math.prod(cache.shape[1:])
+    if whole_row != last:
+        raise ValueError(
+            f"hicache: element_dim is ambiguous for '{name}' of shape {tuple(cache.shape)}: "
+            f"SGLang's default is the last dimension ({last}), jitk's was every dimension "
+            f"after the first ({whole_row}); pass element_dim={whole_row} to move whole "
+            f"tokens, or element_dim={last} for rows of the last dimension")
+    return last
+
+
+def _method(method: object, indices: torch.Tensor, copy_bytes: int) -> str:
+    """The method to run; `copy_bytes` is what one copy-engine copy would move."""
+    if method not in METHODS:
+        raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    if indices.is_cuda:
+        return "kernel"
+    if copy_bytes >= COPY_ENGINE_MIN_PAGE_BYTES or not indices.is_pinned():
+        return "copy_engine"
+    return "kernel"
+
+
+def _packed(cache: torch.Tensor, element_dim: int) -> bool:
+    """Whether the slots of a page sit back to back in `cache`, so that a copy engine moves
+    a page in one copy rather than a row at a time (the C++ side checks the layout)."""
+    covered = 1
+    for size, stride in zip(reversed(cache.shape), reversed(cache.stride())):
+        if covered % element_dim == 0 and size > 1:  # the first dimension past a row
+            return covered > element_dim or stride == element_dim
+        covered *= size
+    return True
+
+
+def _stream(*tensors: torch.Tensor) -> int:
+    """The handle of PyTorch's current stream on the GPU of the first GPU tensor (the
+    current GPU if none): the copy engines' calls may have no GPU tensor to tell."""
+    if not torch.cuda.is_available():
+        return 0  # nothing can be copied then: the C++ checks refuse the call first
+    for t in tensors:
+        if t.is_cuda:
+            return torch.cuda.current_stream(t.device).cuda_stream
+    return torch.cuda.current_stream().cuda_stream
+
+
+# ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
@@ -117,12 +209,12 @@ def transfer_hicache_one_layer(
     element_dim: int | None = None,
     unroll: int | None = None,
     block_quota: int | None = None,
+    page_size: int | None = None,
+    method: str = "auto",
 ) -> None:
     """k_cache_dst[indices_dst[i]] = k_cache_src[indices_src[i]], the same for V."""
-    kernels, element_dim = _one_layer_kernels(k_cache_dst, element_dim, unroll)
-    kernels.one_layer(
-        k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
-        element_dim, _optional(block_quota, "block_quota", 1))
+    _one_layer(2, (k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+                   indices_src), element_dim, unroll, block_quota, page_size, method)
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
@@ -136,32 +228,45 @@ def transfer_hicache_one_layer_mla(
     element_dim: int | None = None,
     unroll: int | None = None,
     block_quota: int | None = None,
+    page_size: int | None = None,
+    method: str = "auto",
 ) -> None:
     """cache_dst[indices_dst[i]] = cache_src[indices_src[i]]: one cache (MLA's latent KV)."""
-    kernels, element_dim = _one_layer_kernels(cache_dst, element_dim, unroll)
-    kernels.one_layer_mla(
-        cache_dst, indices_dst, cache_src, indices_src, element_dim,
-        _optional(block_quota, "block_quota", 1))
+    _one_layer(1, (cache_dst, indices_dst, cache_src, indices_src), element_dim, unroll,
+               block_quota, page_size, method)
 
 
-def _all_layer_element_size(element_size: int | None, src_stride: int, dst_stride: int) -> int:
-    """By default a row fills its stride, which needs both strides equal."""
-    if element_size is not None:
-        return element_size
-    if src_stride != dst_stride:
-        raise ValueError(
-            f"hicache: element_size is required when the row strides differ "
-            f"(kv_cache_src_stride_bytes={src_stride}, kv_cache_dst_stride_bytes={dst_stride})")
-    return src_stride
+def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
+               block_quota: object, page_size: object, method: object) -> None:
+    """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
+    dst, indices_dst, src, indices_src = tensors[0], tensors[caches], tensors[caches + 1], \
+        tensors[-1]
+    dst_name = "k_cache_dst" if caches == 2 else "cache_dst"
+    element_dim = _element_dim(dst, element_dim, dst_name)
+    element_size = _element_size(element_dim * dst.element_size(),
+                                 f"element_dim {element_dim} of {dst.dtype}")
+    pages = _int(1 if page_size is None else page_size, "page_size", 1)
+    unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    packed = _packed(dst, element_dim) and _packed(src, element_dim)
+    chosen = _method(method, indices_dst, element_size * (pages if packed else 1))
+    if chosen == "kernel":
+        entries = _kernel_module(element_size, unroll)
+        entry = entries.one_layer if caches == 2 else entries.one_layer_mla
+        entry(*tensors, element_dim, pages, quota)
+    else:
+        entries = _copy_entries()
+        entry = entries.one_layer if caches == 2 else entries.one_layer_mla
+        entry(*tensors, element_dim, pages, _stream(dst, src))
 
 
+# ---------------------------------------------------------------------------- all layers
 @op("jitk::transfer_hicache_all_layer", mutates_args=())  # writes through pointers only
 def transfer_hicache_all_layer(
-    k_ptrs_dst: torch.Tensor,
-    v_ptrs_dst: torch.Tensor,
+    k_ptr_dst: torch.Tensor,
+    v_ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
-    k_ptrs_src: torch.Tensor,
-    v_ptrs_src: torch.Tensor,
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
     indices_src: torch.Tensor,
     *,
     kv_cache_src_stride_bytes: int,
@@ -169,49 +274,88 @@ def transfer_hicache_all_layer(
     element_size: int | None = None,
     unroll: int | None = None,
     block_quota: int | None = None,
+    page_size: int | None = None,
     num_tokens_src: int | None = None,
     num_tokens_dst: int | None = None,
+    kv_cache_src_page_stride_bytes: int | None = None,
+    kv_cache_dst_page_stride_bytes: int | None = None,
+    method: str = "auto",
 ) -> None:
-    """For every layer l, in one launch: row indices_dst[i] of layer l's K (and V) cache at
-    k_ptrs_dst[l] gets row indices_src[i] of the cache at k_ptrs_src[l]. The pointer tables
-    are uint64 or int64 GPU tensors, one entry per layer; row r of a layer is at
-    `ptr + r * stride_bytes`. `element_size` (bytes per row) defaults to the stride, and is
-    required when the two strides differ. With num_tokens_src / num_tokens_dst, indices at or
-    past them are skipped too."""
-    element_size = _all_layer_element_size(element_size, kv_cache_src_stride_bytes,
-                                           kv_cache_dst_stride_bytes)
-    _kernels(element_size, _unroll(unroll)).all_layer(
-        k_ptrs_dst, v_ptrs_dst, indices_dst, k_ptrs_src, v_ptrs_src, indices_src,
-        kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size,
-        _optional(num_tokens_src, "num_tokens_src", 0),
-        _optional(num_tokens_dst, "num_tokens_dst", 0),
-        _optional(block_quota, "block_quota", 1))
+    """For every layer l, in one call: slot indices_dst[i] of layer l's K (and V) cache at
+    k_ptr_dst[l] gets slot indices_src[i] of the cache at k_ptr_src[l]. The pointer tables
+    are uint64 or int64 tensors, one entry per layer (on the GPU or pinned for the kernel,
+    on the CPU for the copy engines). Slot s of a layer is at `ptr + s * stride_bytes`, or,
+    with a page stride, at `ptr + (s // page_size) * page_stride_bytes + (s % page_size) *
+    stride_bytes`. `element_size` (bytes per row) defaults to the stride and is required
+    when the two strides differ. With num_tokens_src / num_tokens_dst, indices at or past
+    them are out of range too."""
+    _all_layer(2, (k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src, indices_src),
+               ("kv_cache_src_stride_bytes", kv_cache_src_stride_bytes),
+               ("kv_cache_dst_stride_bytes", kv_cache_dst_stride_bytes),
+               ("kv_cache_src_page_stride_bytes", kv_cache_src_page_stride_bytes),
+               ("kv_cache_dst_page_stride_bytes", kv_cache_dst_page_stride_bytes),
+               element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
+               method)
 
 
 @op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
 def transfer_hicache_all_layer_mla(
-    ptrs_dst: torch.Tensor,
+    ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
-    ptrs_src: torch.Tensor,
+    ptr_src: torch.Tensor,
     indices_src: torch.Tensor,
     *,
-    kv_cache_src_stride_bytes: int,
-    kv_cache_dst_stride_bytes: int,
+    cache_src_stride_bytes: int,
+    cache_dst_stride_bytes: int,
     element_size: int | None = None,
     unroll: int | None = None,
     block_quota: int | None = None,
+    page_size: int | None = None,
     num_tokens_src: int | None = None,
     num_tokens_dst: int | None = None,
+    cache_src_page_stride_bytes: int | None = None,
+    cache_dst_page_stride_bytes: int | None = None,
+    method: str = "auto",
 ) -> None:
     """transfer_hicache_all_layer for one cache per layer (MLA)."""
-    element_size = _all_layer_element_size(element_size, kv_cache_src_stride_bytes,
-                                           kv_cache_dst_stride_bytes)
-    _kernels(element_size, _unroll(unroll)).all_layer_mla(
-        ptrs_dst, indices_dst, ptrs_src, indices_src,
-        kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size,
-        _optional(num_tokens_src, "num_tokens_src", 0),
-        _optional(num_tokens_dst, "num_tokens_dst", 0),
-        _optional(block_quota, "block_quota", 1))
+    _all_layer(1, (ptr_dst, indices_dst, ptr_src, indices_src),
+               ("cache_src_stride_bytes", cache_src_stride_bytes),
+               ("cache_dst_stride_bytes", cache_dst_stride_bytes),
+               ("cache_src_page_stride_bytes", cache_src_page_stride_bytes),
+               ("cache_dst_page_stride_bytes", cache_dst_page_stride_bytes),
+               element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
+               method)
+
+
+def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple,
+               src_page_stride: tuple, dst_page_stride: tuple, element_size: object,
+               unroll: object, block_quota: object, page_size: object, num_tokens_src: object,
+               num_tokens_dst: object, method: object) -> None:
+    """The all-layer call; the strides come as (Python name, value)."""
+    strides = [_int(value, name, 1) for name, value in (src_stride, dst_stride)]
+    if element_size is None:
+        if strides[0] != strides[1]:
+            raise ValueError(f"hicache: element_size is required when the row strides differ "
+                             f"({src_stride[0]}={strides[0]}, {dst_stride[0]}={strides[1]})")
+        size = _element_size(strides[0], src_stride[0])
+    else:
+        size = _element_size(_int(element_size, "element_size", 1), "element_size")
+    pages = _int(1 if page_size is None else page_size, "page_size", 1)
+    layout = (*strides, size, pages, *(_optional(value, name, 1)
+                                       for name, value in (src_page_stride, dst_page_stride)),
+              _optional(num_tokens_src, "num_tokens_src", 0),
+              _optional(num_tokens_dst, "num_tokens_dst", 0))
+    unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    packed = strides[0] == size == strides[1]
+    chosen = _method(method, tensors[caches], size * (pages if packed else 1))
+    if chosen == "kernel":
+        entries = _kernel_module(size, unroll)
+        entry = entries.all_layer if caches == 2 else entries.all_layer_mla
+        entry(*tensors, *layout, quota)
+    else:
+        entries = _copy_entries()
+        entry = entries.all_layer if caches == 2 else entries.all_layer_mla
+        entry(*tensors, *layout, _stream())
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what
@@ -220,6 +364,7 @@ _COMMON_ELEMENT_SIZES = (256, 1024, 2048, 1152)
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) for the module of each common element size, default unroll."""
-    return [(f"element_size={size}", functools.partial(_kernels, size, DEFAULT_UNROLL))
-            for size in _COMMON_ELEMENT_SIZES]
+    """(label, thunk) for the copy engines and the kernel of each common element size."""
+    kernels = [(f"element_size={size}", functools.partial(_kernel_module, size, DEFAULT_UNROLL))
+               for size in _COMMON_ELEMENT_SIZES]
+    return [("copy engines", _copy_module), *kernels]

@@ -1,0 +1,370 @@
+// HiCache KV transfers by the GPU's copy engines: the same calls as hicache.cuh's kernel, but
+// no SM moves a byte, so a transfer keeps its bandwidth while compute fills the GPU.
+//
+// The copy engines take addresses from the host, so this method reads the indices (and the
+// all-layer pointer tables) on the host, during the call: they must be CPU tensors. Pages
+// that follow each other on both sides merge into one copy; each run is one copy per layer
+// and cache: contiguous bytes when both sides' rows are packed, else a 2-d copy (one row per
+// slot). A whole call is one cudaMemcpyBatchAsync (plus one cudaMemcpy3DBatchAsync for 2-d
+// copies), which costs the host far less per copy than a cudaMemcpyAsync each.
+//
+// Unlike the kernel, which skips a page it cannot move, this method refuses the call: it sees
+// every index before it submits anything.
+//
+// Under CUDA graph capture (where the batch calls cannot be captured) and on the legacy
+// default stream (which they refuse) each copy is issued on its own; a captured graph then
+// replays the copies of the indices as they were at capture.
+#pragma once
+
+#include "hicache_layout.cuh"
+
+#include <jitk/tensor.h>
+#include <jitk/utils.cuh>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+
+namespace jitk::hicache {
+namespace host {
+
+// An array that grows to the largest size asked of it and is reused: a submission's copy
+// lists live in one per thread, so calls allocate nothing once warm.
+template <typename T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(data_); }
+
+  T* data() { return data_; }
+  T& push(const T& value) {
+    if (size_ == capacity_) grow();
+    data_[size_] = value;
+    return data_[size_++];
+  }
+  T& back() { return data_[size_ - 1]; }
+  size_t size() const { return size_; }
+  void clear() { size_ = 0; }
+
+ private:
+  void grow() {
+    const size_t capacity = capacity_ > 0 ? 2 * capacity_ : 256;
+    T* grown = static_cast<T*>(std::realloc(data_, capacity * sizeof(T)));
+    if (grown == nullptr) throw std::bad_alloc();
+    data_ = grown;
+    capacity_ = capacity;
+  }
+
+  T* data_ = nullptr;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
+// Consecutive slots on both sides: `slots` of them from `src` and `dst`.
+struct Run {
+  int64_t src;
+  int64_t dst;
+  int64_t slots;
+};
+
+// The copies of one call, built on the host and submitted at once.
+class CopyList {
+ public:
+  void clear() {
+    runs_.clear();
+    dsts_.clear();
+    srcs_.clear();
+    sizes_.clear();
+    ops_.clear();
+  }
+
+  // Reads one index per page, checks that every page fits every cache of its side, and
+  // merges pages that continue each other on both sides into runs.
+  template <typename Index, int kNumCaches>
+  void collect_runs(const Indices& indices, int64_t page_size,
+                    const SlotLayout (&src)[kNumCaches], const SlotLayout (&dst)[kNumCaches],
+                    const char* const (&src_names)[kNumCaches],
+                    const char* const (&dst_names)[kNumCaches]) {
+    const Index* src_indices = reinterpret_cast<const Index*>(address_of(indices.src));
+    const Index* dst_indices = reinterpret_cast<const Index*>(address_of(indices.dst));
+    for (int64_t i = 0; i < indices.size; i += page_size) {
+      const int64_t s = src_indices[i];
+      const int64_t d = dst_indices[i];
+      bool continues = runs_.size() > 0 && runs_.back().src + runs_.back().slots == s &&
+                       runs_.back().dst + runs_.back().slots == d;
+      for (int c = 0; c < kNumCaches; ++c) {
+        check_page(src[c], s, page_size, "indices_src", i, src_names[c]);
+        check_page(dst[c], d, page_size, "indices_dst", i, dst_names[c]);
+        continues = continues && src[c].continues_at(s) && dst[c].continues_at(d);
+      }
+      if (continues) {
+        runs_.back().slots += page_size;
+      } else {
+        runs_.push({s, d, page_size});
+      }
+    }
+  }
+
+  // Every run between the caches at these bases: packed runs as contiguous copies, others
+  // as 2-d copies of one row per slot.
+  void add_runs(uint64_t src_base, const SlotLayout& src, uint64_t dst_base,
+                const SlotLayout& dst, int64_t element_bytes) {
+    const bool packed = src.row_stride == element_bytes && dst.row_stride == element_bytes;
+    for (size_t r = 0; r < runs_.size(); ++r) {
+      const Run& run = runs_.data()[r];
+      char* to = reinterpret_cast<char*>(dst_base + dst.offset(run.dst, 0));
+      const char* from = reinterpret_cast<const char*>(src_base + src.offset(run.src, 0));
+      if (packed || run.slots == 1) {
+        dsts_.push(to);
+        srcs_.push(from);
+        sizes_.push(static_cast<size_t>(run.slots * element_bytes));
+      } else {
+        cudaMemcpy3DBatchOp op{};
+        op.src.type = cudaMemcpyOperandTypePointer;
+        op.src.op.ptr.ptr = const_cast<char*>(from);
+        op.src.op.ptr.rowLength = static_cast<size_t>(src.row_stride);
+        op.dst.type = cudaMemcpyOperandTypePointer;
+        op.dst.op.ptr.ptr = to;
+        op.dst.op.ptr.rowLength = static_cast<size_t>(dst.row_stride);
+        op.extent = make_cudaExtent(static_cast<size_t>(element_bytes),
+                                    static_cast<size_t>(run.slots), 1);
+        op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+        ops_.push(op);
+      }
+    }
+  }
+
+  void submit(cudaStream_t stream, DebugInfo where = {}) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    RuntimeDeviceCheck(cudaStreamIsCapturing(stream, &capture), where);
+    const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
+    if (capture == cudaStreamCaptureStatusNone && !legacy && batch_supported()) {
+      submit_batches(stream, where);
+      return;
+    }
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      RuntimeDeviceCheck(cudaMemcpyAsync(dsts_.data()[i], srcs_.data()[i], sizes_.data()[i],
+                                         cudaMemcpyDefault, stream),
+                         where);
+    }
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      const cudaMemcpy3DBatchOp& op = ops_.data()[i];
+      RuntimeDeviceCheck(cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength,
+                                           op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
+                                           op.extent.width, op.extent.height,
+                                           cudaMemcpyDefault, stream),
+                         where);
+    }
+  }
+
+ private:
+  // `cache` names a tensor (quoted in the message) or, in braces, a description.
+  static void check_page(const SlotLayout& layout, int64_t first, int64_t page_size,
+                         const char* list, int64_t position, const char* cache,
+                         DebugInfo where = {}) {
+    const char* quote = cache[0] == '(' ? "" : "'";
+    detail::check_at(first >= 0 && first <= layout.slots - page_size, where, "'", list, "'[",
+                     position, "] = ", first, ": a page of ", page_size, " slots from there ",
+                     "is outside ", quote, cache, quote, " (", layout.slots, " slots); the ",
+                     "copy engine refuses indices it cannot move");
+    detail::check_at(layout.holds(first, page_size), where, "'", list, "'[", position, "] = ",
+                     first, ": a page of ", page_size, " slots from there straddles two ",
+                     "pages of ", quote, cache, quote, " (", layout.page_rows.divisor,
+                     " slots each)");
+  }
+
+  static constexpr bool batch_supported() { return CUDART_VERSION >= 12080; }
+  // Copies per batch call: the driver's host time per host-to-device copy grows with the
+  // batch (CUDA 13, H100: 1.8 us a copy in batches of 8192, 0.5 in batches of 64 or 256),
+  // while each call costs its own overhead.
+  static constexpr size_t kBatchCopies = 256;
+
+  void submit_batches(cudaStream_t stream, DebugInfo where) {
+#if CUDART_VERSION >= 12080
+    for (size_t at = 0; at < sizes_.size(); at += kBatchCopies) {
+      const size_t count = min_of(sizes_.size() - at, kBatchCopies);
+      cudaMemcpyAttributes attributes{};
+      attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      size_t first = 0;
+#if CUDART_VERSION >= 13000
+      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at, srcs_.data() + at,
+                                              sizes_.data() + at, count, &attributes, &first,
+                                              1, stream),
+                         where);
+#else
+      size_t failed = 0;
+      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at,
+                                              const_cast<void**>(srcs_.data() + at),
+                                              sizes_.data() + at, count, &attributes, &first,
+                                              1, &failed, stream),
+                         where);
+#endif
+    }
+    for (size_t at = 0; at < ops_.size(); at += kBatchCopies) {
+      const size_t count = min_of(ops_.size() - at, kBatchCopies);
+#if CUDART_VERSION >= 13000
+      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(count, ops_.data() + at, 0, stream), where);
+#else
+      size_t failed = 0;
+      RuntimeDeviceCheck(cudaMemcpy3DBatchAsync(count, ops_.data() + at, &failed, 0, stream),
+                         where);
+#endif
+    }
+#else
+    (void)stream;
+    (void)where;
+#endif
+  }
+
+  Scratch<Run> runs_;
+  Scratch<void*> dsts_;
+  Scratch<const void*> srcs_;
+  Scratch<size_t> sizes_;
+  Scratch<cudaMemcpy3DBatchOp> ops_;
+};
+
+// The calling thread's copy list, emptied.
+inline CopyList& copy_list() {
+  thread_local CopyList list;
+  list.clear();
+  return list;
+}
+
+// The copy engine reads the indices (and pointer tables) on the host.
+inline void check_host_readable(const TensorView& t, const char* name, DebugInfo where = {}) {
+  detail::check_at(t.device().device_type != kDLCUDA, where, "'", name, "' is on ",
+                   t.device(), ", but the copy engine reads it on the host, during the call: ",
+                   "pass a CPU tensor, or use method='kernel'");
+}
+
+}  // namespace host
+
+// The copy-engine entry points. `stream` is the handle of the stream the copies join
+// (PyTorch's current stream, passed from Python: the arguments may all be host tensors).
+struct CopyEngine {
+  static void one_layer(TensorView k_cache_dst, TensorView v_cache_dst, TensorView indices_dst,
+                        TensorView k_cache_src, TensorView v_cache_src, TensorView indices_src,
+                        int64_t element_dim, int64_t page_size, int64_t stream) {
+    one_layer_impl<2>({{k_cache_dst, v_cache_dst}, {"k_cache_dst", "v_cache_dst"}}, indices_dst,
+                      {{k_cache_src, v_cache_src}, {"k_cache_src", "v_cache_src"}}, indices_src,
+                      element_dim, page_size, stream);
+  }
+
+  static void one_layer_mla(TensorView cache_dst, TensorView indices_dst, TensorView cache_src,
+                            TensorView indices_src, int64_t element_dim, int64_t page_size,
+                            int64_t stream) {
+    one_layer_impl<1>({{cache_dst}, {"cache_dst"}}, indices_dst, {{cache_src}, {"cache_src"}},
+                      indices_src, element_dim, page_size, stream);
+  }
+
+  static void all_layer(TensorView k_ptr_dst, TensorView v_ptr_dst, TensorView indices_dst,
+                        TensorView k_ptr_src, TensorView v_ptr_src, TensorView indices_src,
+                        int64_t src_stride, int64_t dst_stride, int64_t element_size,
+                        int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
+                        int64_t src_slots, int64_t dst_slots, int64_t stream) {
+    all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
+                      {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src,
+                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, stream);
+  }
+
+  static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
+                            TensorView indices_src, int64_t src_stride, int64_t dst_stride,
+                            int64_t element_size, int64_t page_size, int64_t src_page_stride,
+                            int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                            int64_t stream) {
+    all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}},
+                      indices_src, src_stride, dst_stride, element_size, page_size,
+                      src_page_stride, dst_page_stride, src_slots, dst_slots, stream);
+  }
+
+  // The rules Python applies before it builds a kernel module; a test pins the two copies.
+  static int64_t vector_bytes() { return kVecBytes; }
+  static bool element_size_supported(int64_t bytes) { return element_bytes_supported(bytes); }
+  static bool unroll_supported(int64_t unroll) { return hicache::unroll_supported(unroll); }
+
+ private:
+  template <int kNumCaches>
+  static void one_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
+                             const host::Caches<kNumCaches>& src, const TensorView& indices_src,
+                             int64_t element_dim, int64_t page_size, int64_t stream) {
+    const DLDataType dtype = dst.tensors[0].dtype();
+    const int64_t element_bytes = element_dim * host::dtype_bytes(dtype, dst.names[0]);
+    RuntimeCheck(element_dim > 0 && element_bytes_supported(element_bytes), "element_dim ",
+                 element_dim, " of ", dtype, " is ", element_bytes, " bytes; rows must be a ",
+                 "positive multiple of 16 bytes, at most ", kMaxElementBytes);
+    const host::Indices indices(indices_dst, indices_src, page_size);
+    const host::OneLayerSide<kNumCaches> dst_side(dst, element_dim, page_size, dtype,
+                                                  dst.names[0], "dst tokens");
+    const host::OneLayerSide<kNumCaches> src_side(src, element_dim, page_size, dtype,
+                                                  dst.names[0], "src tokens");
+    host::check_host_readable(indices_dst, "indices_dst");
+    host::check_host_readable(indices_src, "indices_src");
+    DLDevice gpu{kDLCUDA, 0};
+    if (!dst_side.find_gpu(gpu)) src_side.find_gpu(gpu);
+    dst_side.check_reachable(gpu);
+    src_side.check_reachable(gpu);
+    if (indices.size == 0) return;
+
+    host::CopyList& copies = host::copy_list();
+    host::dispatch_index(indices, [&]<typename Index>(Index*) {
+      copies.collect_runs<Index, kNumCaches>(indices, page_size, src_side.layouts,
+                                             dst_side.layouts, src.names, dst.names);
+    });
+    for (int c = 0; c < kNumCaches; ++c) {
+      copies.add_runs(src_side.base(c), src_side.layouts[c], dst_side.base(c),
+                      dst_side.layouts[c], element_bytes);
+    }
+    copies.submit(reinterpret_cast<cudaStream_t>(stream));
+  }
+
+  template <int kNumCaches>
+  static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
+                             const host::Caches<kNumCaches>& src, const TensorView& indices_src,
+                             int64_t src_stride, int64_t dst_stride, int64_t element_size,
+                             int64_t page_size, int64_t src_page_stride,
+                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                             int64_t stream) {
+    RuntimeCheck(element_bytes_supported(element_size), "element_size is ", element_size,
+                 " bytes; rows must be a positive multiple of 16 bytes, at most ",
+                 kMaxElementBytes);
+    const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
+                                              dst_stride, element_size, page_size,
+                                              src_page_stride, dst_page_stride, src_slots,
+                                              dst_slots);
+    for (const host::Caches<kNumCaches>* side : {&dst, &src}) {
+      for (int c = 0; c < kNumCaches; ++c) {
+        host::check_host_readable(side->tensors[c], side->names[c]);
+      }
+    }
+    host::check_host_readable(indices_dst, "indices_dst");
+    host::check_host_readable(indices_src, "indices_src");
+    if (args.indices.size == 0 || args.layers == 0) return;
+
+    host::CopyList& copies = host::copy_list();
+    // Every layer and cache of a side shares one layout: check and merge pages once.
+    const SlotLayout src_layout[1] = {args.src_layout};
+    const SlotLayout dst_layout[1] = {args.dst_layout};
+    const char* const src_name[1] = {"(the source layers, num_tokens_src)"};
+    const char* const dst_name[1] = {"(the destination layers, num_tokens_dst)"};
+    host::dispatch_index(args.indices, [&]<typename Index>(Index*) {
+      copies.collect_runs<Index, 1>(args.indices, page_size, src_layout, dst_layout, src_name,
+                                    dst_name);
+    });
+    for (int64_t layer = 0; layer < args.layers; ++layer) {
+      for (int c = 0; c < kNumCaches; ++c) {
+        copies.add_runs(args.table(src.tensors[c])[layer], args.src_layout,
+                        args.table(dst.tensors[c])[layer], args.dst_layout, element_size);
+      }
+    }
+    copies.submit(reinterpret_cast<cudaStream_t>(stream));
+  }
+};
+
+}  // namespace jitk::hicache

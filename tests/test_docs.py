@@ -1,0 +1,154 @@
+"""The README and the developer guide cannot drift from the code: every link, path, Python
+name, C++ name, command, setting and quoted source line they mention is checked here."""
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "python" / "jitk"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# Files the guide invents to show a message's form; no such file exists anywhere.
+ILLUSTRATIVE_FILES = {"my.cuh", "file.cuh", "my_kernel.cuh"}
+# Where a quoted `name.cuh:line` may live.
+SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE / "include" / "jitk", ROOT / "tests" / "csrc",
+               ROOT / "docs" / "developer_guide" / "example"]
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def code_spans(page: Path) -> list[str]:
+    """Inline `code` spans, outside fenced blocks."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_links_resolve(page):
+    text = page.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path_part, _, anchor = target.partition("#")
+        linked = (page.parent / path_part).resolve() if path_part else page
+        assert linked.exists(), f"{page_id(page)} links to {target}, which does not exist"
+        if anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+            assert anchor in {slug(h) for h in headings}, \
+                f"{page_id(page)} links to #{anchor}, a heading {linked.name} does not have"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_repository_paths_exist(page):
+    for span in code_spans(page):
+        for path in re.findall(r"(?:^|\s)((?:tests|benchmarks|scripts|python|docs|\.ci)/[\w./-]+)",
+                               span):
+            assert (ROOT / path).exists(), f"{page_id(page)} names {path}, which does not exist"
+        for header in re.findall(r"<?(jitk/[\w.]+\.(?:h|cuh))>?", span):
+            assert (PACKAGE / "include" / header).exists(), \
+                f"{page_id(page)} names {header}, which is not a jitk header"
+
+
+def resolve_python_name(dotted: str) -> None:
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute)
+        return
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_python_names_exist(page):
+    for span in code_spans(page):
+        for dotted in re.findall(r"(?<![\w/.])(jitk(?:\.\w+)+)", span):
+            try:
+                resolve_python_name(dotted)
+            except (ImportError, AttributeError):
+                pytest.fail(f"{page_id(page)} names {dotted}, which does not exist")
+
+
+def cpp_identifiers() -> set[str]:
+    words: set[str] = set()
+    for directory in SOURCE_DIRS[:2]:
+        for source in directory.iterdir():
+            words.update(re.findall(r"\w+", source.read_text()))
+    return words
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_cpp_names_exist(page):
+    known = cpp_identifiers()
+    for span in code_spans(page):
+        for qualified in re.findall(r"jitk::[\w:]+", span):
+            for name in qualified.split("::")[1:]:
+                assert name in known, f"{page_id(page)} names {qualified}: no '{name}' in jitk"
+
+
+def cli_subcommands() -> str:
+    result = subprocess.run([sys.executable, "-m", "jitk", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    return result.stdout
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_commands_exist(page):
+    helps = cli_subcommands()
+    for span in code_spans(page):
+        for sub in re.findall(r"python -m jitk (\w[\w-]*)", span):
+            assert re.search(rf"\b{sub}\b", helps), \
+                f"{page_id(page)} shows `python -m jitk {sub}`, which the CLI does not have"
+
+
+def settings_read_by_the_package() -> set[str]:
+    names = set()
+    for source in PACKAGE.rglob("*.py"):
+        names.update(re.findall(r"\"(JITK_[A-Z_]+)\"", source.read_text()))
+    return names
+
+
+def test_settings_documented_and_real():
+    documented = set()
+    for page in PAGES:
+        documented.update(re.findall(r"\bJITK_[A-Z_]*[A-Z]\b", page.read_text()))
+    read = settings_read_by_the_package()
+    assert read - documented == set(), "settings the package reads but no page documents"
+    assert documented - read == set(), "settings the pages name but the package never reads"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_quoted_lines_hold_their_checks(page):
+    for file_name, line in re.findall(r"([\w.]+\.(?:cuh|h)):(\d+)", page.read_text()):
+        if file_name in ILLUSTRATIVE_FILES:
+            continue
+        found = [d / file_name for d in SOURCE_DIRS if (d / file_name).exists()]
+        assert found, f"{page_id(page)} quotes {file_name}:{line}, but there is no {file_name}"
+        text = found[0].read_text().splitlines()[int(line) - 1]
+        assert re.search(r"verify|RuntimeCheck|Panic|TensorMatcher|CUDA_CHECK", text), \
+            f"{page_id(page)} quotes {file_name}:{line}, which is now: {text.strip()}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_python_blocks_parse(page):
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+        try:
+            ast.parse(block)
+        except SyntaxError as error:
+            pytest.fail(f"{page_id(page)} shows Python that does not parse: {error}\n{block}")
