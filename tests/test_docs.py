@@ -6,6 +6,7 @@ import importlib
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,10 @@ def test_settings_documented_and_real():
     documented = set()
     for page in PAGES:
         documented.update(re.findall(r"\bJITK_[A-Z_]*[A-Z]\b", page.read_text()))
+    macros = set()
+    for header in (PACKAGE / "include" / "jitk").iterdir():
+        macros.update(re.findall(r"#define (JITK_\w+)", header.read_text()))
+    documented -= macros
     read = settings_read_by_the_package()
     assert read - documented == set(), "settings the package reads but no page documents"
     assert documented - read == set(), "settings the pages name but the package never reads"
@@ -141,7 +146,7 @@ def test_quoted_lines_hold_their_checks(page):
         found = [d / file_name for d in SOURCE_DIRS if (d / file_name).exists()]
         assert found, f"{page_id(page)} quotes {file_name}:{line}, but there is no {file_name}"
         text = found[0].read_text().splitlines()[int(line) - 1]
-        assert re.search(r"verify|RuntimeCheck|Panic|TensorMatcher|CUDA_CHECK", text), \
+        assert re.search(r"verify|[Cc]heck|Panic|TensorMatcher", text), \
             f"{page_id(page)} quotes {file_name}:{line}, which is now: {text.strip()}"
 
 
@@ -149,6 +154,22 @@ def test_quoted_lines_hold_their_checks(page):
 def test_python_blocks_parse(page):
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
         try:
-            ast.parse(block)
+            ast.parse(textwrap.dedent(block))
         except SyntaxError as error:
             pytest.fail(f"{page_id(page)} shows Python that does not parse: {error}\n{block}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_quoted_errors_are_what_the_call_raises(page):
+    """A page may mark an error it quotes with the call that raises it:
+    <!-- error: CALL --> right above a fenced block holding `Kind: message`."""
+    import torch
+
+    import jitk
+
+    for call, kind, message in re.findall(r"<!-- error: (.+?) -->\n```\n(\w+): (.+?)\n```",
+                                          page.read_text()):
+        with pytest.raises(Exception) as raised:
+            eval(call, {"jitk": jitk, "torch": torch})
+        assert type(raised.value).__name__ == kind
+        assert str(raised.value) == message, f"{page_id(page)} quotes a stale error"
