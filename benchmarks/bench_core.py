@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 from jitk.precompile import KERNEL_MODULES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # small test module, then each shipped module's first configuration. Imports and CUDA's own
 # start-up (a second or more when no other process holds the GPU) come before the clock, as
 # in a program whose tensors are already on the GPU.
-SMALL = "import sys; sys.path.insert(0, 'tests'); import probes; label, build = 'add_one', probes.launch_probe"
+SMALL = ("import sys; sys.path.insert(0, 'tests'); import probes; "
+         "label, build = 'add_one', probes.launch_probe")
 SHIPPED = "import importlib; label, build = importlib.import_module('{}').precompile_configs()[0]"
 TIMED = "\nimport time; t = time.perf_counter(); build(); print(label, time.perf_counter() - t)"
 
@@ -88,8 +88,10 @@ def main():
     y = torch.empty_like(x)
     rows = [
         *first_call_rows(repeats),
-        {"what": "host time per call, jitk add_one (us)", "value": host_us_per_call(lambda: add_one(x, y))},
-        {"what": "host time per call, torch add (us)", "value": host_us_per_call(lambda: torch.add(x, 1, out=y))},
+        {"what": "host time per call, jitk add_one (us)",
+         "value": host_us_per_call(lambda: add_one(x, y))},
+        {"what": "host time per call, torch add (us)",
+         "value": host_us_per_call(lambda: torch.add(x, 1, out=y))},
     ]
     common.print_table("core costs", rows, ["what", "value"])
     common.write_json(args.json, {"device": common.device_name(), "rows": rows})

@@ -26,9 +26,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
 import torch  # noqa: E402
 import wait_value_deadlock  # noqa: E402
 from common import (  # noqa: E402
-    device_name, parse_args, print_table, time_graph_us, time_us, write_json,
+    device_name,
+    parse_args,
+    print_table,
+    time_graph_us,
+    time_us,
+    write_json,
 )
-
 from jitk import wait_value  # noqa: E402
 from jitk.wait_value import Event, stream_wait_value, stream_write_value  # noqa: E402
 

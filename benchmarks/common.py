@@ -12,7 +12,6 @@ import statistics
 from collections.abc import Callable, Sequence
 
 import torch
-
 from jitk.timing import median_us
 
 

@@ -21,7 +21,8 @@ def main(folder: Path) -> None:
     hicache = load(folder, "bench_hicache")
     for row in hicache.get("rows", []):
         lines.append((f"hicache {row['direction']} {row['tokens']} tok x {row['bytes/token']} B",
-                      f"{fmt(row['jitk GB/s'])} GB/s = {row['ratio']:.0%} of {fmt(row['ceiling GB/s'])}, "
+                      f"{fmt(row['jitk GB/s'])} GB/s = {row['ratio']:.0%} of "
+                      f"{fmt(row['ceiling GB/s'])}, "
                       f"{row.get('vs same-size copy', 0):.0%} of same-size copy"))
     rmsnorm = load(folder, "bench_rmsnorm")
     for row in rmsnorm.get("rows", []):

@@ -16,9 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import jitk
+import pytest
 from jitk import cache, lock
 
 KERNEL = "#include <cstdint>\nint64_t twice(int64_t x) { return 2 * x; }\n"

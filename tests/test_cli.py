@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from jitk import clangd, precompile
 from jitk.__main__ import main as jitk_main
 

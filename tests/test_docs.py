@@ -163,9 +163,8 @@ def test_python_blocks_parse(page):
 def test_quoted_errors_are_what_the_call_raises(page):
     """A page may mark an error it quotes with the call that raises it:
     <!-- error: CALL --> right above a fenced block holding `Kind: message`."""
-    import torch
-
     import jitk
+    import torch
 
     for call, kind, message in re.findall(r"<!-- error: (.+?) -->\n```\n(\w+): (.+?)\n```",
                                           page.read_text()):

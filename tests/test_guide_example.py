@@ -6,13 +6,12 @@ import re
 import shutil
 from pathlib import Path
 
+import jitk
+import jitk.jit
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-
-import jitk
-import jitk.jit
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "developer_guide"
 EXAMPLE = GUIDE / "example"
@@ -33,14 +32,16 @@ def example():
 def test_guide_shows_the_tested_files_verbatim():
     guide = (GUIDE / "adding_a_kernel.md").read_text()
     for name in ("axpy.cuh", "axpy.py"):
-        match = re.search(rf"<!-- file: example/{re.escape(name)} -->\n```\w+\n(.*?)```", guide, re.S)
+        match = re.search(rf"<!-- file: example/{re.escape(name)} -->\n```\w+\n(.*?)```", guide,
+                          re.S)
         assert match, f"the guide does not show example/{name}"
         assert match.group(1) == (EXAMPLE / name).read_text(), f"the guide's {name} is stale"
 
 
 def test_from_a_users_repository_validates_on_cpu(example):
-    with pytest.raises(RuntimeError, match=r"Tensor match failed for 'x' Tensor<4>.* at axpy.cuh:\d+ "
-                                           r"- Root cause: Device mismatch: expected cuda but got cpu"):
+    with pytest.raises(RuntimeError, match=r"Tensor match failed for 'x' Tensor<4>.* at "
+                                           r"axpy.cuh:\d+ - Root cause: Device mismatch: "
+                                           r"expected cuda but got cpu"):
         example.axpy(2.0, torch.randn(4), torch.randn(4))
 
 

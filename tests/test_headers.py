@@ -5,11 +5,10 @@ import functools
 import re
 import subprocess
 
+import jitk
 import numpy as np
 import pytest
 import torch
-
-import jitk
 from errors import expect_error
 from probes import CSRC, HEADER_PROBE, LAUNCH_PROBE, header_probe, line_of
 

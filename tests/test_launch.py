@@ -6,8 +6,7 @@ import sys
 
 import pytest
 import torch
-
-from probes import LAUNCH_PROBE, launch_probe, line_of
+from probes import launch_probe
 
 
 def test_cuda_module_builds_and_refuses_cpu_tensors():

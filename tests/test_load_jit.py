@@ -8,15 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-import torch
-
 import jitk
 import jitk.jit
+import pytest
+import torch
+from errors import expect_error
 from jitk import toolchain
 from jitk.cache import META_FILE, list_entries
-
-from errors import expect_error
 
 KERNEL = textwrap.dedent("""\
     #include <jitk/utils.h>
@@ -46,7 +44,8 @@ LOAD_SNIPPET = textwrap.dedent("""\
 """)
 
 
-def run_loader(kernel: Path, cache: Path, x: int = 5, extra_env=None) -> subprocess.CompletedProcess:
+def run_loader(kernel: Path, cache: Path, x: int = 5,
+               extra_env=None) -> subprocess.CompletedProcess:
     """load_jit in a fresh process, with build logging on."""
     env = {**os.environ, "JITK_CACHE_DIR": str(cache), "JITK_VERBOSE": "1", **(extra_env or {})}
     return subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(kernel), str(x)],

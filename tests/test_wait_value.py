@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import wait_value_deadlock
 from errors import expect_error
 from jitk import wait_value

@@ -239,8 +239,7 @@ def transfer_hicache_one_layer_mla(
 def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
                block_quota: object, page_size: object, method: object) -> None:
     """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
-    dst, indices_dst, src, indices_src = tensors[0], tensors[caches], tensors[caches + 1], \
-        tensors[-1]
+    dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
     dst_name = "k_cache_dst" if caches == 2 else "cache_dst"
     element_dim = _element_dim(dst, element_dim, dst_name)
     element_size = _element_size(element_dim * dst.element_size(),

@@ -4,9 +4,8 @@ the PyTorch operator torch.ops.example.axpy."""
 import functools
 from pathlib import Path
 
-import torch
-
 import jitk
+import torch
 
 KERNEL = Path(__file__).resolve().parent / "axpy.cuh"  # or just "axpy.cuh" inside jitk/csrc
 

@@ -1,0 +1,35 @@
+"""The form of the code is the formatters' to keep: clang-format (.clang-format) for C++ and
+CUDA, ruff (pyproject.toml) for Python. Both are test dependencies, pinned, so every machine
+formats alike."""
+
+import subprocess
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tool(name: str) -> str:
+    path = Path(sysconfig.get_path("scripts")) / name
+    assert path.exists(), f"{name} is missing: pip install -e '.[test]'"
+    return str(path)
+
+
+def tracked(*patterns: str) -> list[str]:
+    listed = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True,
+                            text=True, check=True, timeout=60)
+    return listed.stdout.split()
+
+
+def test_cpp_is_clang_formatted():
+    files = tracked("*.h", "*.cuh", "*.cu", "*.cpp")
+    assert files
+    result = subprocess.run([tool("clang-format"), "--dry-run", "-Werror", *files], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, "run clang-format -i on:\n" + result.stderr[-3000:]
+
+
+def test_python_is_ruff_clean():
+    result = subprocess.run([tool("ruff"), "check", "--no-cache", "."], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
