@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
+
 from jitk.precompile import KERNEL_MODULES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

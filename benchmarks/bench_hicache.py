@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
+
 from jitk import hicache  # noqa: E402
 
 MIB = 1 << 20

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
 import jitk  # noqa: E402
 import jitk.norm  # noqa: E402
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
 from jitk.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 
 EPS = 1e-6

@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     time_us,
     write_json,
 )
+
 from jitk import wait_value  # noqa: E402
 from jitk.wait_value import Event, stream_wait_value, stream_write_value  # noqa: E402
 

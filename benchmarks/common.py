@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 import torch
+
 from jitk.timing import median_us
 
 

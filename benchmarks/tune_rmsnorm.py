@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_rmsnorm import buffer_count, qkv_heads, rotating  # noqa: E402
+
 from jitk import load_jit, make_cpp_args  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import probes  # noqa: E402
+
 from jitk import hicache, norm, wait_value  # noqa: E402
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import inspect
 
-import jitk
 import numpy as np
 import pytest
 import torch
+
+import jitk
 
 TENSOR, OPTIONAL_TENSOR, INT, OPTIONAL_INT, FLOAT, STR = (
     "tensor", "tensor or None", "int", "int or None", "float", "str")

@@ -16,8 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-import jitk
 import pytest
+
+import jitk
 from jitk import cache, lock
 
 KERNEL = "#include <cstdint>\nint64_t twice(int64_t x) { return 2 * x; }\n"

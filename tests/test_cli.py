@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from jitk import clangd, precompile
 from jitk.__main__ import main as jitk_main
 

@@ -163,8 +163,9 @@ def test_python_blocks_parse(page):
 def test_quoted_errors_are_what_the_call_raises(page):
     """A page may mark an error it quotes with the call that raises it:
     <!-- error: CALL --> right above a fenced block holding `Kind: message`."""
-    import jitk
     import torch
+
+    import jitk
 
     for call, kind, message in re.findall(r"<!-- error: (.+?) -->\n```\n(\w+): (.+?)\n```",
                                           page.read_text()):

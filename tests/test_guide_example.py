@@ -6,12 +6,13 @@ import re
 import shutil
 from pathlib import Path
 
-import jitk
-import jitk.jit
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+import jitk
+import jitk.jit
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "developer_guide"
 EXAMPLE = GUIDE / "example"

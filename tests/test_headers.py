@@ -5,12 +5,13 @@ import functools
 import re
 import subprocess
 
-import jitk
 import numpy as np
 import pytest
 import torch
 from errors import expect_error
 from probes import CSRC, HEADER_PROBE, LAUNCH_PROBE, header_probe, line_of
+
+import jitk
 
 
 @pytest.fixture(params=["cpp", "cuda"], scope="module")

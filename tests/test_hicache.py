@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from errors import expect_error
+
 from jitk import hicache
 
 POISON = 0x7F

@@ -8,11 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jitk
-import jitk.jit
 import pytest
 import torch
 from errors import expect_error
+
+import jitk
+import jitk.jit
 from jitk import toolchain
 from jitk.cache import META_FILE, list_entries
 

@@ -5,7 +5,6 @@ call skips the dispatcher; argument types are checked with the parameter's name.
 import functools
 from pathlib import Path
 
-import jitk
 import numpy as np
 import pytest
 import torch
@@ -13,6 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import jitk
 
 KERNEL = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"
 loads = []  # one entry per module load: loading happens at run time, never while tracing

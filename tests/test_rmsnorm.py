@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 import tvm_ffi
+
 from jitk import norm
 
 HAS_GPU = torch.cuda.is_available()

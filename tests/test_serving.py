@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import jitk
 import pytest
 import torch
+
+import jitk
 from jitk import cache
 
 PACKAGE = Path(jitk.__file__).resolve().parent

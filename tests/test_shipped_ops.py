@@ -11,15 +11,16 @@ import subprocess
 import sys
 import textwrap
 
-import jitk
-import jitk.hicache
-import jitk.norm
-import jitk.wait_value  # importing a kernel module registers its operators
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+import jitk
+import jitk.hicache
+import jitk.norm
+import jitk.wait_value  # importing a kernel module registers its operators
 
 HIDDEN = 256
 ROW = 128  # elements per KV row: 256 bytes in bfloat16

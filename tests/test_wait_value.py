@@ -26,6 +26,7 @@ import pytest
 import torch
 import wait_value_deadlock
 from errors import expect_error
+
 from jitk import wait_value
 from jitk.cache import list_entries
 from jitk.wait_value import Event, stream_wait_value, stream_write_value

@@ -4,8 +4,9 @@ the PyTorch operator torch.ops.example.axpy."""
 import functools
 from pathlib import Path
 
-import jitk
 import torch
+
+import jitk
 
 KERNEL = Path(__file__).resolve().parent / "axpy.cuh"  # or just "axpy.cuh" inside jitk/csrc
 
