@@ -107,7 +107,9 @@ def test_two_installations_share_one_cache(tmp_path):
     runs = []
     for name in ("first", "second"):
         install = copy_package(tmp_path / name)
-        env = {**os.environ, "PYTHONPATH": str(install), "JITK_CACHE_DIR": str(cache_dir),
+        # The copy comes first on the path; what else the path holds (tvm-ffi, say) stays.
+        path = os.pathsep.join(filter(None, [str(install), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "JITK_CACHE_DIR": str(cache_dir),
                "JITK_CUDA_ARCH": "9.0", "JITK_VERBOSE": "1", "CUDA_VISIBLE_DEVICES": ""}
         runs.append(subprocess.run([sys.executable, "-c", LOAD_SHIPPED], capture_output=True,
                                    text=True, timeout=300, env=env, cwd=tmp_path))

@@ -6,12 +6,17 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tool(name: str) -> str:
+    """The pinned formatter from the test dependencies; CI always has it, a GPU machine that
+    runs the tests without them skips."""
     path = Path(sysconfig.get_path("scripts")) / name
-    assert path.exists(), f"{name} is missing: pip install -e '.[test]'"
+    if not path.exists():
+        pytest.skip(f"{name} is not installed: pip install -e '.[test]'")
     return str(path)
 
 
