@@ -47,14 +47,16 @@ other work behind a wait in an order that deadlocks; enqueuing the write before 
 the order that never depends on it.
 
 Enqueue the writer before the waiter. In a process that has not run the writer's kernels
-yet, a wait that is in place before those kernels are launched can hang the launching thread:
-some first launch waits for the work already on the GPU, the wait included, which only the
-write behind that launch would release. Measured on an H100 (driver 580, torch 2.11) in fresh
-processes: waiter first, then a producer stream's first _sleep and fill_ and the write, hung
-in every run, on stream memory operations and on the spin kernel alike, and also with
-CUDA_MODULE_LOADING=EAGER or CUDA_DEVICE_MAX_CONNECTIONS=32; writer first, then the waiter with
-a kernel of its own that loads behind the wait, was released in every run (20 of 20). Once
-the writer's kernels had run in the process, waiter-first worked in every test.
+yet, a wait that is in place before those kernels are launched can hang: the first launch of
+a kernel waits for the work already on the GPU, the wait included, which only the write
+behind that launch would release. Measured on an H100 (driver 580, torch 2.11) in fresh
+processes, waiter first and then a producer stream's first _sleep, fill_ and write: the host
+thread blocked inside the first launch of each of those kernels (a lone write, which launches
+no kernel, was released), in every run, on stream memory operations and on the spin kernel
+alike; with CUDA_MODULE_LOADING=EAGER the launches returned but the wait was still never
+released. Writer first, then the waiter with a kernel of its own that loads behind the wait,
+was released in every run (20 of 20), and once the writer's kernels had run in the process,
+waiter-first worked in every test.
 
 Fallback. Where the driver has no stream memory operations, or the GPU lacks the 64-bit ones
 or the "nor" wait (its device attributes say so), the call enqueues a one-thread kernel that
