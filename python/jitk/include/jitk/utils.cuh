@@ -87,7 +87,7 @@ class RelaxedCaptureMode {
 // pin_memory, cudaHostRegister) or managed, and then through `device_address`. Each kernel
 // decides what it accepts and says why in its own words.
 struct HostMemory {
-  cudaError_t error = cudaSuccess;  // the query failed (already cleared); the rest is unset
+  cudaError_t error = cudaSuccess;  // else the query failed (error cleared), the rest unset
   bool pinned = false;
   bool managed = false;
   void* device_address = nullptr;  // where the GPU sees `ptr`; null where it cannot
