@@ -117,9 +117,8 @@ inline SlotLayout make_layout(int64_t slots, int64_t row_stride, int64_t page_ro
 inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const char* name,
                               DebugInfo where = {}) {
   const int64_t numel = t.numel();
-  RuntimeCheck(where, numel % element_dim == 0, "'", name, "' ", PrintTensor{t}, " has ",
-               numel, " elements, not a whole number of rows of element_dim ",
-               element_dim);
+  RuntimeCheck(where, numel % element_dim == 0, "'", name, "' ", PrintTensor{t}, " has ", numel,
+               " elements, not a whole number of rows of element_dim ", element_dim);
   if (numel == 0) return {};
 
   int dim = t.ndim() - 1;
@@ -146,8 +145,8 @@ inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const ch
     }
     RuntimeCheck(where, groups < 2, "'", name, "' ", PrintTensor{t}, " is not rows of ",
                  "element_dim ", element_dim, " under at most two strides (a row stride ",
-                 "and a page stride): dimension ", dim, " has stride ", t.stride(dim),
-                 " where ", next, " was needed");
+                 "and a page stride): dimension ", dim, " has stride ", t.stride(dim), " where ",
+                 next, " was needed");
     count[groups] = t.size(dim);
     stride[groups++] = t.stride(dim);
   }
@@ -159,8 +158,8 @@ inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const ch
   const bool disjoint =
       (count[small] == 1 || stride[small] >= element_dim) &&
       (groups < 2 || stride[large] >= count[small] * stride[small]);
-  RuntimeCheck(where, disjoint, "'", name, "' ", PrintTensor{t}, ": rows of ",
-               element_dim, " elements ", stride[small], " apart overlap");
+  RuntimeCheck(where, disjoint, "'", name, "' ", PrintTensor{t}, ": rows of ", element_dim,
+               " elements ", stride[small], " apart overlap");
   const SlotLayout layout = make_layout(slots, stride[0], groups == 2 ? count[0] : 0, stride[1]);
   RuntimeCheck(where, !layout.paged || slots <= kMaxPagedSlots, "'", name, "' is paged ",
                "and has ", slots, " slots; paged caches hold at most ", kMaxPagedSlots);
@@ -177,8 +176,8 @@ inline void verify_slots(const TensorMatcher& matcher, const TensorView& t, int6
 }
 
 inline int64_t dtype_bytes(DLDataType dtype, const char* name, DebugInfo where = {}) {
-  RuntimeCheck(where, dtype.bits % 8 == 0 && dtype.lanes == 1, "'", name, "' has dtype ",
-               dtype, ", which is not a whole number of bytes");
+  RuntimeCheck(where, dtype.bits % 8 == 0 && dtype.lanes == 1, "'", name, "' has dtype ", dtype,
+               ", which is not a whole number of bytes");
   return dtype.bits / 8;
 }
 
@@ -190,8 +189,8 @@ inline void check_aligned(uint64_t address, const SlotLayout& layout, const char
                           DebugInfo where = {}) {
   RuntimeCheck(where, address % kVecBytes == 0, "'", name, "' starts at ", hex(address),
                ", which is not 16-byte aligned (rows move as 16-byte vectors)");
-  RuntimeCheck(where, layout.row_stride % kVecBytes == 0, "'", name, "' has a row ",
-               "stride of ", layout.row_stride, " bytes, not a multiple of 16 (rows move ",
+  RuntimeCheck(where, layout.row_stride % kVecBytes == 0, "'", name, "' has a row ", "stride of ",
+               layout.row_stride, " bytes, not a multiple of 16 (rows move ",
                "as 16-byte vectors)");
   RuntimeCheck(where, !layout.paged || layout.page_stride % kVecBytes == 0, "'", name,
                "' has a page stride of ", layout.page_stride, " bytes, not a multiple of ",
@@ -242,8 +241,8 @@ struct Indices {
         .verify(dst, "indices_dst")
         .verify(src, "indices_src");
     size = length.unwrap();
-    RuntimeCheck(where, size % page_size == 0, "'indices_dst' and 'indices_src' hold ",
-                 size, " indices, not a whole number of pages of page_size ", page_size,
+    RuntimeCheck(where, size % page_size == 0, "'indices_dst' and 'indices_src' hold ", size,
+                 " indices, not a whole number of pages of page_size ", page_size,
                  " (a page is page_size consecutive slots, named by its first index)");
     RuntimeCheck(where, size <= kMaxPagedSlots, "at most ", kMaxPagedSlots,
                  " indices fit in one call, got ", size);
@@ -285,8 +284,8 @@ struct OneLayerSide {
     for (int c = 0; c < kNumCaches; ++c) {
       const TensorView& t = caches.tensors[c];
       const char* const name = caches.names[c];
-      RuntimeCheck(where, t.dtype() == dtype, "'", name, "' has dtype ", t.dtype(),
-                   " but '", dtype_owner, "' has ", dtype, "; all caches must share one");
+      RuntimeCheck(where, t.dtype() == dtype, "'", name, "' has dtype ", t.dtype(), " but '",
+                   dtype_owner, "' has ", dtype, "; all caches must share one");
       SlotLayout layout = slot_layout(t, element_dim, name);
       verify_slots(matcher, t, layout.slots, element_dim, name);
       layout.row_stride *= dtype_size;
@@ -374,12 +373,10 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
   check_stride_bytes(stride_bytes, element_bytes, stride_name, where);
   RuntimeCheck(where, slots >= kNotGiven, slots_name, " must not be negative, got ", slots);
   if (page_stride_bytes != kNotGiven) {
-    RuntimeCheck(where,
-                 page_stride_bytes % kVecBytes == 0 &&
-                     page_stride_bytes >= page_size * stride_bytes,
-                 page_stride_name, " must be a multiple of 16 and at least ", "page_size * ",
-                 stride_name, " (", page_size * stride_bytes, " bytes), got ",
-                 page_stride_bytes);
+    RuntimeCheck(
+        where, page_stride_bytes % kVecBytes == 0 && page_stride_bytes >= page_size * stride_bytes,
+        page_stride_name, " must be a multiple of 16 and at least ", "page_size * ", stride_name,
+        " (", page_size * stride_bytes, " bytes), got ", page_stride_bytes);
   }
   // Pages of one slot: the page stride is the row stride.
   if (page_size == 1 && page_stride_bytes != kNotGiven) stride_bytes = page_stride_bytes;

@@ -134,8 +134,8 @@ inline void* device_address_of_host_flag(void* host, DLDevice device) {
   const HostMemory memory = query_host_memory(host);
   if (memory.error != cudaSuccess) {
     Panic("flag must be a cuda tensor or pinned host memory, got ", device,
-          " memory, and CUDA could not tell whether it is pinned (",
-          cudaGetErrorName(memory.error), ": ", cudaGetErrorString(memory.error), ")");
+          " memory, and CUDA could not tell whether it is pinned (", cudaGetErrorName(memory.error),
+          ": ", cudaGetErrorString(memory.error), ")");
   }
   RuntimeCheck(memory.pinned && memory.device_address != nullptr,
                "flag must be a cuda tensor or pinned host memory, got ", device,
