@@ -162,10 +162,10 @@ namespace host {
 inline void check_kernel_reads(const Indices& indices, DebugInfo where = {}) {
   if (indices.on_gpu || indices.size == 0) return;
   for (const TensorView* t : {&indices.dst, &indices.src}) {
-    detail::check_at(gpu_reachable(address_of(*t)), where, "'",
-                     t == &indices.dst ? "indices_dst" : "indices_src", "' is in pageable ",
-                     "host memory, which the kernel cannot read; pass the indices on the GPU ",
-                     "or pinned, or use method='copy_engine'");
+    RuntimeCheck(where, gpu_reachable(address_of(*t)), "'",
+                 t == &indices.dst ? "indices_dst" : "indices_src", "' is in pageable ",
+                 "host memory, which the kernel cannot read; pass the indices on the GPU ",
+                 "or pinned, or use method='copy_engine'");
   }
 }
 
@@ -305,8 +305,8 @@ struct HiCache {
   }
 
   static void check_block_quota(int64_t block_quota, DebugInfo where = {}) {
-    detail::check_at(block_quota == kNotGiven || block_quota >= 1, where,
-                     "block_quota must be at least 1, got ", block_quota);
+    RuntimeCheck(where, block_quota == kNotGiven || block_quota >= 1,
+                 "block_quota must be at least 1, got ", block_quota);
   }
 
 

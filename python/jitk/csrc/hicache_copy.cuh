@@ -168,14 +168,13 @@ class CopyList {
                          const char* list, int64_t position, const char* cache,
                          DebugInfo where = {}) {
     const char* quote = cache[0] == '(' ? "" : "'";
-    detail::check_at(first >= 0 && first <= layout.slots - page_size, where, "'", list, "'[",
-                     position, "] = ", first, ": a page of ", page_size, " slots from there ",
-                     "is outside ", quote, cache, quote, " (", layout.slots, " slots); the ",
-                     "copy engine refuses indices it cannot move");
-    detail::check_at(layout.holds(first, page_size), where, "'", list, "'[", position, "] = ",
-                     first, ": a page of ", page_size, " slots from there straddles two ",
-                     "pages of ", quote, cache, quote, " (", layout.page_rows.divisor,
-                     " slots each)");
+    RuntimeCheck(where, first >= 0 && first <= layout.slots - page_size, "'", list, "'[", position,
+                 "] = ", first, ": a page of ", page_size, " slots from there ", "is outside ",
+                 quote, cache, quote, " (", layout.slots, " slots); the ",
+                 "copy engine refuses indices it cannot move");
+    RuntimeCheck(where, layout.holds(first, page_size), "'", list, "'[", position, "] = ", first,
+                 ": a page of ", page_size, " slots from there straddles two ", "pages of ", quote,
+                 cache, quote, " (", layout.page_rows.divisor, " slots each)");
   }
 
   static constexpr bool batch_supported() { return CUDART_VERSION >= 12080; }
@@ -238,9 +237,9 @@ inline CopyList& copy_list() {
 
 // The copy engine reads the indices (and pointer tables) on the host.
 inline void check_host_readable(const TensorView& t, const char* name, DebugInfo where = {}) {
-  detail::check_at(t.device().device_type != kDLCUDA, where, "'", name, "' is on ",
-                   t.device(), ", but the copy engine reads it on the host, during the call: ",
-                   "pass a CPU tensor, or use method='kernel'");
+  RuntimeCheck(where, t.device().device_type != kDLCUDA, "'", name, "' is on ", t.device(),
+               ", but the copy engine reads it on the host, during the call: ",
+               "pass a CPU tensor, or use method='kernel'");
 }
 
 }  // namespace host

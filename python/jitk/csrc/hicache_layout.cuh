@@ -117,19 +117,18 @@ inline SlotLayout make_layout(int64_t slots, int64_t row_stride, int64_t page_ro
 inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const char* name,
                               DebugInfo where = {}) {
   const int64_t numel = t.numel();
-  detail::check_at(numel % element_dim == 0, where, "'", name, "' ", PrintTensor{t}, " has ",
-                   numel, " elements, not a whole number of rows of element_dim ",
-                   element_dim);
+  RuntimeCheck(where, numel % element_dim == 0, "'", name, "' ", PrintTensor{t}, " has ", numel,
+               " elements, not a whole number of rows of element_dim ", element_dim);
   if (numel == 0) return {};
 
   int dim = t.ndim() - 1;
   int64_t covered = 1;  // elements spanned, contiguously, by the dimensions walked so far
   for (; covered % element_dim != 0; --dim) {
     if (t.size(dim) == 1) continue;
-    detail::check_at(t.stride(dim) == covered, where, "'", name, "' ", PrintTensor{t},
-                     ": a row of element_dim ", element_dim, " elements must be contiguous, ",
-                     "but dimension ", dim, " has stride ", t.stride(dim), " where ", covered,
-                     " was needed");
+    RuntimeCheck(where, t.stride(dim) == covered, "'", name, "' ", PrintTensor{t},
+                 ": a row of element_dim ", element_dim, " elements must be contiguous, ",
+                 "but dimension ", dim, " has stride ", t.stride(dim), " where ", covered,
+                 " was needed");
     covered *= t.size(dim);
   }
   // Groups of dimensions that step evenly over rows, innermost first: {count, stride}.
@@ -144,10 +143,10 @@ inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const ch
       count[groups - 1] *= t.size(dim);
       continue;
     }
-    detail::check_at(groups < 2, where, "'", name, "' ", PrintTensor{t}, " is not rows of ",
-                     "element_dim ", element_dim, " under at most two strides (a row stride ",
-                     "and a page stride): dimension ", dim, " has stride ", t.stride(dim),
-                     " where ", next, " was needed");
+    RuntimeCheck(where, groups < 2, "'", name, "' ", PrintTensor{t}, " is not rows of ",
+                 "element_dim ", element_dim, " under at most two strides (a row stride ",
+                 "and a page stride): dimension ", dim, " has stride ", t.stride(dim), " where ",
+                 next, " was needed");
     count[groups] = t.size(dim);
     stride[groups++] = t.stride(dim);
   }
@@ -159,11 +158,11 @@ inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const ch
   const bool disjoint =
       (count[small] == 1 || stride[small] >= element_dim) &&
       (groups < 2 || stride[large] >= count[small] * stride[small]);
-  detail::check_at(disjoint, where, "'", name, "' ", PrintTensor{t}, ": rows of ",
-                   element_dim, " elements ", stride[small], " apart overlap");
+  RuntimeCheck(where, disjoint, "'", name, "' ", PrintTensor{t}, ": rows of ", element_dim,
+               " elements ", stride[small], " apart overlap");
   const SlotLayout layout = make_layout(slots, stride[0], groups == 2 ? count[0] : 0, stride[1]);
-  detail::check_at(!layout.paged || slots <= kMaxPagedSlots, where, "'", name, "' is paged ",
-                   "and has ", slots, " slots; paged caches hold at most ", kMaxPagedSlots);
+  RuntimeCheck(where, !layout.paged || slots <= kMaxPagedSlots, "'", name, "' is paged ",
+               "and has ", slots, " slots; paged caches hold at most ", kMaxPagedSlots);
   return layout;
 }
 
@@ -177,8 +176,8 @@ inline void verify_slots(const TensorMatcher& matcher, const TensorView& t, int6
 }
 
 inline int64_t dtype_bytes(DLDataType dtype, const char* name, DebugInfo where = {}) {
-  detail::check_at(dtype.bits % 8 == 0 && dtype.lanes == 1, where, "'", name, "' has dtype ",
-                   dtype, ", which is not a whole number of bytes");
+  RuntimeCheck(where, dtype.bits % 8 == 0 && dtype.lanes == 1, "'", name, "' has dtype ", dtype,
+               ", which is not a whole number of bytes");
   return dtype.bits / 8;
 }
 
@@ -188,35 +187,25 @@ inline uint64_t address_of(const TensorView& t) {
 
 inline void check_aligned(uint64_t address, const SlotLayout& layout, const char* name,
                           DebugInfo where = {}) {
-  detail::check_at(address % kVecBytes == 0, where, "'", name, "' starts at ", hex(address),
-                   ", which is not 16-byte aligned (rows move as 16-byte vectors)");
-  detail::check_at(layout.row_stride % kVecBytes == 0, where, "'", name, "' has a row ",
-                   "stride of ", layout.row_stride, " bytes, not a multiple of 16 (rows move ",
-                   "as 16-byte vectors)");
-  detail::check_at(!layout.paged || layout.page_stride % kVecBytes == 0, where, "'", name,
-                   "' has a page stride of ", layout.page_stride, " bytes, not a multiple of ",
-                   "16 (rows move as 16-byte vectors)");
+  RuntimeCheck(where, address % kVecBytes == 0, "'", name, "' starts at ", hex(address),
+               ", which is not 16-byte aligned (rows move as 16-byte vectors)");
+  RuntimeCheck(where, layout.row_stride % kVecBytes == 0, "'", name, "' has a row ", "stride of ",
+               layout.row_stride, " bytes, not a multiple of 16 (rows move ",
+               "as 16-byte vectors)");
+  RuntimeCheck(where, !layout.paged || layout.page_stride % kVecBytes == 0, "'", name,
+               "' has a page stride of ", layout.page_stride, " bytes, not a multiple of ",
+               "16 (rows move as 16-byte vectors)");
 }
 
 // Host memory the GPU may touch: pinned (cudaHostAlloc, torch pin_memory), registered
 // (cudaHostRegister) or managed, mapped at the same address on the GPU. A kernel touching
 // pageable memory would fault, and a copy engine would stage it through a synchronous copy.
-// The query is no stream work, but a capture in global mode (PyTorch's default) may refuse it
-// and end the capture: for its span this thread captures in relaxed mode.
+// A failed query reads "not reachable".
 inline bool gpu_reachable(uint64_t address) {
   const void* ptr = reinterpret_cast<const void*>(address);
-  cudaPointerAttributes attributes{};
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
-  const cudaError_t error = cudaPointerGetAttributes(&attributes, ptr);
-  if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
-  if (error != cudaSuccess) {
-    cudaGetLastError();  // the query failed: clear it, the answer is "not reachable"
-    return false;
-  }
-  const bool host_visible = attributes.type == cudaMemoryTypeHost ||
-                            attributes.type == cudaMemoryTypeManaged;
-  return host_visible && attributes.devicePointer == ptr;
+  const HostMemory memory = query_host_memory(ptr);
+  return memory.error == cudaSuccess && (memory.pinned || memory.managed) &&
+         memory.device_address == ptr;
 }
 
 // Caches must be on `gpu` or in host memory the GPU can reach. Checks the first and the
@@ -226,16 +215,16 @@ inline void check_reachable(const TensorView& t, const SlotLayout& layout,
                             DebugInfo where = {}) {
   const DLDevice device = t.device();
   if (device.device_type == kDLCUDA) {
-    detail::check_at(device == gpu, where, "'", name, "' is on ", device, " but the transfer ",
-                     "runs on ", gpu, "; a GPU cache must be on the transfer's device");
+    RuntimeCheck(where, device == gpu, "'", name, "' is on ", device, " but the transfer ",
+                 "runs on ", gpu, "; a GPU cache must be on the transfer's device");
     return;
   }
   if (device.device_type == kDLCUDAHost || layout.slots == 0) return;
   const uint64_t first = address_of(t);
   const uint64_t last = first + layout.offset(layout.slots - 1, 0) + element_bytes - 1;
-  detail::check_at(gpu_reachable(first) && gpu_reachable(last), where, "'", name,
-                   "' is in pageable host memory, which the GPU cannot reach; allocate it "
-                   "pinned (torch: pin_memory=True or .pin_memory())");
+  RuntimeCheck(where, gpu_reachable(first) && gpu_reachable(last), "'", name,
+               "' is in pageable host memory, which the GPU cannot reach; allocate it "
+               "pinned (torch: pin_memory=True or .pin_memory())");
 }
 
 // Both index lists: 1-d, contiguous, int32 or int64 alike, of equal length, on one device,
@@ -244,7 +233,7 @@ struct Indices {
   Indices(const TensorView& dst, const TensorView& src, int64_t page_size,
           DebugInfo where = {})
       : dst(dst), src(src) {
-    detail::check_at(page_size >= 1, where, "page_size must be at least 1, got ", page_size);
+    RuntimeCheck(where, page_size >= 1, "page_size must be at least 1, got ", page_size);
     SymbolicSize length{"indices length"};
     TensorMatcher({length})
         .with_dtype<int32_t, int64_t>(dtype)
@@ -252,11 +241,11 @@ struct Indices {
         .verify(dst, "indices_dst")
         .verify(src, "indices_src");
     size = length.unwrap();
-    detail::check_at(size % page_size == 0, where, "'indices_dst' and 'indices_src' hold ",
-                     size, " indices, not a whole number of pages of page_size ", page_size,
-                     " (a page is page_size consecutive slots, named by its first index)");
-    detail::check_at(size <= kMaxPagedSlots, where, "at most ", kMaxPagedSlots,
-                     " indices fit in one call, got ", size);
+    RuntimeCheck(where, size % page_size == 0, "'indices_dst' and 'indices_src' hold ", size,
+                 " indices, not a whole number of pages of page_size ", page_size,
+                 " (a page is page_size consecutive slots, named by its first index)");
+    RuntimeCheck(where, size <= kMaxPagedSlots, "at most ", kMaxPagedSlots,
+                 " indices fit in one call, got ", size);
     pages = size / page_size;
     on_gpu = device.unwrap().device_type == kDLCUDA;
   }
@@ -295,18 +284,18 @@ struct OneLayerSide {
     for (int c = 0; c < kNumCaches; ++c) {
       const TensorView& t = caches.tensors[c];
       const char* const name = caches.names[c];
-      detail::check_at(t.dtype() == dtype, where, "'", name, "' has dtype ", t.dtype(),
-                       " but '", dtype_owner, "' has ", dtype, "; all caches must share one");
+      RuntimeCheck(where, t.dtype() == dtype, "'", name, "' has dtype ", t.dtype(), " but '",
+                   dtype_owner, "' has ", dtype, "; all caches must share one");
       SlotLayout layout = slot_layout(t, element_dim, name);
       verify_slots(matcher, t, layout.slots, element_dim, name);
       layout.row_stride *= dtype_size;
       layout.page_stride *= dtype_size;
       check_aligned(address_of(t), layout, name);
       if (layout.paged) {
-        detail::check_at(layout.page_rows.divisor % page_size == 0, where, "'", name, "' ",
-                         PrintTensor{t}, " has pages of ", layout.page_rows.divisor,
-                         " slots, which page_size ", page_size, " does not divide: a ",
-                         "transfer page must not straddle two pages of the cache");
+        RuntimeCheck(where, layout.page_rows.divisor % page_size == 0, "'", name, "' ",
+                     PrintTensor{t}, " has pages of ", layout.page_rows.divisor,
+                     " slots, which page_size ", page_size, " does not divide: a ",
+                     "transfer page must not straddle two pages of the cache");
       }
       layouts[c] = layout;
     }
@@ -369,9 +358,9 @@ struct StrideNames {
 
 inline void check_stride_bytes(int64_t stride_bytes, int64_t element_bytes, const char* name,
                                DebugInfo where = {}) {
-  detail::check_at(stride_bytes % kVecBytes == 0 && stride_bytes >= element_bytes, where, name,
-                   " must be a multiple of 16 and at least the element size (", element_bytes,
-                   " bytes), got ", stride_bytes);
+  RuntimeCheck(where, stride_bytes % kVecBytes == 0 && stride_bytes >= element_bytes, name,
+               " must be a multiple of 16 and at least the element size (", element_bytes,
+               " bytes), got ", stride_bytes);
 }
 
 // The layout of every layer of an all-layer side, from Python's byte strides: flat unless a
@@ -382,13 +371,12 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
                                    const char* stride_name, const char* page_stride_name,
                                    const char* slots_name, DebugInfo where = {}) {
   check_stride_bytes(stride_bytes, element_bytes, stride_name, where);
-  detail::check_at(slots >= kNotGiven, where, slots_name, " must not be negative, got ", slots);
+  RuntimeCheck(where, slots >= kNotGiven, slots_name, " must not be negative, got ", slots);
   if (page_stride_bytes != kNotGiven) {
-    detail::check_at(page_stride_bytes % kVecBytes == 0 &&
-                         page_stride_bytes >= page_size * stride_bytes,
-                     where, page_stride_name, " must be a multiple of 16 and at least ",
-                     "page_size * ", stride_name, " (", page_size * stride_bytes,
-                     " bytes), got ", page_stride_bytes);
+    RuntimeCheck(
+        where, page_stride_bytes % kVecBytes == 0 && page_stride_bytes >= page_size * stride_bytes,
+        page_stride_name, " must be a multiple of 16 and at least ", "page_size * ", stride_name,
+        " (", page_size * stride_bytes, " bytes), got ", page_stride_bytes);
   }
   // Pages of one slot: the page stride is the row stride.
   if (page_size == 1 && page_stride_bytes != kNotGiven) stride_bytes = page_stride_bytes;
@@ -396,8 +384,8 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
       page_stride_bytes != kNotGiven && page_stride_bytes != page_size * stride_bytes;
   const int64_t unbounded = paged ? kMaxPagedSlots : std::numeric_limits<int64_t>::max();
   const int64_t bound = slots == kNotGiven ? unbounded : slots;
-  detail::check_at(!paged || bound <= kMaxPagedSlots, where, slots_name, " is ", slots,
-                   "; paged caches hold at most ", kMaxPagedSlots, " slots");
+  RuntimeCheck(where, !paged || bound <= kMaxPagedSlots, slots_name, " is ", slots,
+               "; paged caches hold at most ", kMaxPagedSlots, " slots");
   return make_layout(bound, stride_bytes, paged ? page_size : 0,
                      paged ? page_stride_bytes : 0);
 }

@@ -128,60 +128,21 @@ decltype(auto) with_flag(const TensorView& flag, SymbolicDevice& device, Use&& u
   return use(aligned.template operator()<int32_t>());
 }
 
-// The queries below are no stream work, but a stream capture in global mode (PyTorch's
-// default) may refuse them and end; for its scope this thread captures in relaxed mode.
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode() : changed_(cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {}
-  ~RelaxedCaptureMode() {
-    if (changed_) cudaThreadExchangeStreamCaptureMode(&mode_);
-  }
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool changed_;
-};
-
 // The GPU may only touch host memory that is pinned (page-locked and mapped into its address
 // space); the driver wants the address the GPU sees, which this returns.
 inline void* device_address_of_host_flag(void* host, DLDevice device) {
-  cudaPointerAttributes attributes{};
-  const cudaError_t error = [&] {
-    const RelaxedCaptureMode relaxed;
-    return cudaPointerGetAttributes(&attributes, host);
-  }();
-  if (error != cudaSuccess) {
-    cudaGetLastError();  // the query's failure must not be blamed on a later launch
+  const HostMemory memory = query_host_memory(host);
+  if (memory.error != cudaSuccess) {
     Panic("flag must be a cuda tensor or pinned host memory, got ", device,
-          " memory, and CUDA could not tell whether it is pinned (", cudaGetErrorName(error),
-          ": ", cudaGetErrorString(error), ")");
+          " memory, and CUDA could not tell whether it is pinned (", cudaGetErrorName(memory.error),
+          ": ", cudaGetErrorString(memory.error), ")");
   }
-  RuntimeCheck(attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
+  RuntimeCheck(memory.pinned && memory.device_address != nullptr,
                "flag must be a cuda tensor or pinned host memory, got ", device,
                " memory that is not pinned (the GPU cannot reach pageable memory); "
                "allocate it with pin_memory=True");
-  return attributes.devicePointer;
+  return memory.device_address;
 }
-
-// Makes `device` current for the call and gives the caller its own device back afterwards.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) : device_(device) {
-    RuntimeDeviceCheck(cudaGetDevice(&previous_));
-    if (previous_ != device_) RuntimeDeviceCheck(cudaSetDevice(device_));
-  }
-  ~ScopedDevice() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-
- private:
-  int device_;
-  int previous_ = 0;
-};
 
 // ---------------------------------------------------------------------------------------
 // Host side: the driver, found once through the runtime.
@@ -238,8 +199,8 @@ inline void driver_check(CUresult result, const char* call, DebugInfo where = {}
   if (result == CUDA_SUCCESS) [[likely]] return;
   const char* name = nullptr;
   driver().error_name(result, &name);
-  detail::panic_at(where, call, " failed: ", name != nullptr ? name : "unknown CUresult", " (",
-                   static_cast<int>(result), ")");
+  Panic(where, call, " failed: ", name != nullptr ? name : "unknown CUresult", " (",
+        static_cast<int>(result), ")");
 }
 
 // What a device's front end can do, queried once per device. Host atomics are the compiler's
@@ -362,8 +323,8 @@ int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare,
 }
 
 inline int checked_compare(int32_t compare, DebugInfo where = {}) {
-  detail::check_at(compare >= 0 && compare <= kLastCompare, where,
-                   "op must be a comparison code from 0 to ", kLastCompare, ", got ", compare);
+  RuntimeCheck(where, compare >= 0 && compare <= kLastCompare,
+               "op must be a comparison code from 0 to ", kLastCompare, ", got ", compare);
   return compare;
 }
 
@@ -372,7 +333,7 @@ inline int32_t on_device_flag(const TensorView& flag, int64_t value, int compare
   return with_flag<kDLCUDA>(flag, device, [&](auto* address) {
     const auto target = flag_value<std::remove_pointer_t<decltype(address)>>(value);
     const int id = device.unwrap().device_id;
-    const ScopedDevice on(id);
+    const DeviceGuard on(id);
     return enqueue(id, current_stream(device.unwrap()), address, target, compare, spin);
   });
 }
@@ -390,7 +351,7 @@ inline int32_t on_host_flag(const TensorView& flag, int64_t value, int compare, 
                  "a host flag is waited on or written from a cuda stream, but there is no "
                  "current cuda device (got device ", device_id, ")");
     const int id = static_cast<int>(device_id);
-    const ScopedDevice on(id);
+    const DeviceGuard on(id);
     return enqueue(id, reinterpret_cast<cudaStream_t>(stream), address, target, compare, spin);
   });
 }

@@ -1,5 +1,6 @@
-// CUDA-side foundations: error checks that name the caller's line, and LaunchKernel, which
-// launches on the stream PyTorch was using when the call was made.
+// CUDA-side foundations: error checks that name the caller's line, the host-side guards and
+// queries every kernel shares (the current device, relaxed capture, pinned host memory), and
+// LaunchKernel, which launches on the stream PyTorch was using when the call was made.
 #pragma once
 
 #include <jitk/tensor.h>
@@ -40,6 +41,73 @@ inline cudaStream_t current_stream(DLDevice device, DebugInfo where = {}) {
   RuntimeCheck(where, device.device_type == kDLCUDA, "kernels launch on a cuda device, got ",
                device);
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device.device_id));
+}
+
+// Makes `device` current for its scope and gives the caller its own device back afterwards;
+// a negative `device` leaves the current one alone. A failure to switch names `where`.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device, DebugInfo where = {}) {
+    if (device < 0) return;
+    int current = 0;
+    RuntimeDeviceCheck(cudaGetDevice(&current), where);
+    if (current == device) return;
+    RuntimeDeviceCheck(cudaSetDevice(device), where);
+    previous_ = current;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // the device to restore, or -1 when nothing changed
+};
+
+// For its scope, this thread captures in relaxed mode. Queries that are no stream work
+// (pointer attributes, driver entry points, device attributes) may still be refused by a
+// capture in global mode (PyTorch's default), which then ends; relaxed mode allows them.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() : changed_(cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {}
+  ~RelaxedCaptureMode() {
+    if (changed_) cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool changed_;
+};
+
+// What CUDA knows of the host memory at `ptr`, asked in a way that is safe while a graph is
+// being captured. The GPU may touch host memory only if it is pinned (cudaHostAlloc, torch's
+// pin_memory, cudaHostRegister) or managed, and then through `device_address`. Each kernel
+// decides what it accepts and says why in its own words.
+struct HostMemory {
+  cudaError_t error = cudaSuccess;  // else the query failed (error cleared), the rest unset
+  bool pinned = false;
+  bool managed = false;
+  void* device_address = nullptr;  // where the GPU sees `ptr`; null where it cannot
+};
+
+inline HostMemory query_host_memory(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  HostMemory memory;
+  {
+    const RelaxedCaptureMode relaxed;
+    memory.error = cudaPointerGetAttributes(&attributes, ptr);
+  }
+  if (memory.error != cudaSuccess) {
+    cudaGetLastError();  // the query's failure must not be blamed on a later launch
+    return memory;
+  }
+  memory.pinned = attributes.type == cudaMemoryTypeHost;
+  memory.managed = attributes.type == cudaMemoryTypeManaged;
+  memory.device_address = attributes.devicePointer;
+  return memory;
 }
 
 // Whether every architecture this module is built for has programmatic dependent launch
@@ -96,24 +164,16 @@ class LaunchKernel {
 
   template <typename... Params, typename... Args>
   void operator()(void (*kernel)(Params...), Args&&... args) const {
-    const int previous = switch_device();
-    const cudaError_t error = cudaLaunchKernelEx(&config_, kernel, std::forward<Args>(args)...);
-    if (previous >= 0) cudaSetDevice(previous);
+    cudaError_t error;
+    {
+      // Launches must happen with the tensors' device current (-1: launched on a stream).
+      const DeviceGuard on(device_id_, where_);
+      error = cudaLaunchKernelEx(&config_, kernel, std::forward<Args>(args)...);
+    }
     RuntimeDeviceCheck(error, where_);
   }
 
  private:
-  // Launches must happen with the tensors' device current; returns the device to restore,
-  // or -1 when nothing changed.
-  int switch_device() const {
-    if (device_id_ < 0) return -1;
-    int current = 0;
-    RuntimeDeviceCheck(cudaGetDevice(&current), where_);
-    if (current == device_id_) return -1;
-    RuntimeDeviceCheck(cudaSetDevice(device_id_), where_);
-    return current;
-  }
-
   DebugInfo where_;
   cudaLaunchAttribute attributes_[1]{};
   cudaLaunchConfig_t config_{};
