@@ -101,8 +101,9 @@ void print_values(int64_t n, double x, bool flag) {
   const uint64_t big = 18446744073709551615ull;
   const DebugInfo here;  // at:values
   Panic(here, "n=", n, " x=", x, " flag=", flag, " c=", 'c', " small=", small, " big=", big,
-        " hex=", hex(255), " ", owned, " ", view, " dtype=", dtype_v<uint16_t>, " device=",
-        DLDevice{kDLCUDA, 3}, " mode=", Mode::kFast, " t=", Celsius{21.5}, " at=", here);
+        " hex=", hex(255), " ", owned, " ", view, " dtype=", dtype_v<uint16_t>,
+        " device=", DLDevice{kDLCUDA, 3}, " mode=", Mode::kFast, " t=", Celsius{21.5},
+        " at=", here);
 }
 
 int64_t read_unbound() {

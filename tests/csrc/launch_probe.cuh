@@ -20,8 +20,9 @@ void add_one(TensorView x, TensorView y) {
   const int64_t n = N.unwrap();
   if (n == 0) return;
   constexpr int kThreads = 256;
-  LaunchKernel(div_ceil(n, kThreads), kThreads, device.unwrap())(add_one_kernel,
-      static_cast<const float*>(x.data_ptr()), static_cast<float*>(y.data_ptr()), n);
+  LaunchKernel(div_ceil(n, kThreads), kThreads, device.unwrap())(
+      add_one_kernel, static_cast<const float*>(x.data_ptr()), static_cast<float*>(y.data_ptr()),
+      n);
 }
 
 }  // namespace launch_probe

@@ -103,8 +103,8 @@ __device__ __forceinline__ VectorMove locate(const TransferParams<Index, kNumCac
   const int offset = static_cast<int>(v - row * kVecsPerRow) * kVecBytes;
   const int64_t item = row / kNumCaches;
   // One index per page: the page's first; the token is `j` slots into it.
-  const int64_t first = int64_t{p.page_size.quotient(static_cast<uint32_t>(item))} *
-                        p.page_size.divisor;
+  const int64_t first =
+      int64_t{p.page_size.quotient(static_cast<uint32_t>(item))} * p.page_size.divisor;
   const int64_t j = item - first;
   const int64_t src_first = __ldg(p.src_indices + first);
   const int64_t dst_first = __ldg(p.dst_indices + first);
@@ -114,8 +114,8 @@ __device__ __forceinline__ VectorMove locate(const TransferParams<Index, kNumCac
   const SlotLayout& src_layout = last_cache ? p.src[kLast].layout : p.src[0].layout;
   const SlotLayout& dst_layout = last_cache ? p.dst[kLast].layout : p.dst[0].layout;
   const int64_t run = p.page_size.divisor;
-  const bool valid = in_layer && src_layout.holds(src_first, run) &&
-                     dst_layout.holds(dst_first, run);
+  const bool valid =
+      in_layer && src_layout.holds(src_first, run) && dst_layout.holds(dst_first, run);
   const char* src_base = last_cache ? bases.src[kLast] : bases.src[0];
   char* dst_base = last_cache ? bases.dst[kLast] : bases.dst[0];
   const char* src = src_base + src_layout.offset(valid ? src_first : 0, j) + offset;
@@ -199,9 +199,9 @@ struct HiCache {
                         int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
                         int64_t src_slots, int64_t dst_slots, int64_t block_quota) {
     all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
-                      {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src,
-                      src_stride, dst_stride, element_size, page_size, src_page_stride,
-                      dst_page_stride, src_slots, dst_slots, block_quota);
+                      {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src, src_stride,
+                      dst_stride, element_size, page_size, src_page_stride, dst_page_stride,
+                      src_slots, dst_slots, block_quota);
   }
 
   static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
@@ -209,9 +209,9 @@ struct HiCache {
                             int64_t element_size, int64_t page_size, int64_t src_page_stride,
                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
                             int64_t block_quota) {
-    all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}},
-                      indices_src, src_stride, dst_stride, element_size, page_size,
-                      src_page_stride, dst_page_stride, src_slots, dst_slots, block_quota);
+    all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}}, indices_src,
+                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, block_quota);
   }
 
  private:
@@ -222,14 +222,14 @@ struct HiCache {
     check_block_quota(block_quota);
     const DLDataType dtype = dst.tensors[0].dtype();
     const int64_t element_bytes = element_dim * host::dtype_bytes(dtype, dst.names[0]);
-    RuntimeCheck(element_dim > 0 && element_bytes == kElementBytes, "element_dim ",
-                 element_dim, " of ", dtype, " is ", element_bytes,
-                 " bytes, but this kernel moves ", kElementBytes);
+    RuntimeCheck(element_dim > 0 && element_bytes == kElementBytes, "element_dim ", element_dim,
+                 " of ", dtype, " is ", element_bytes, " bytes, but this kernel moves ",
+                 kElementBytes);
     const host::Indices indices(indices_dst, indices_src, page_size);
-    const host::OneLayerSide<kNumCaches> dst_side(dst, element_dim, page_size, dtype,
-                                                  dst.names[0], "dst tokens");
-    const host::OneLayerSide<kNumCaches> src_side(src, element_dim, page_size, dtype,
-                                                  dst.names[0], "src tokens");
+    const host::OneLayerSide<kNumCaches> dst_side(dst, element_dim, page_size, dtype, dst.names[0],
+                                                  "dst tokens");
+    const host::OneLayerSide<kNumCaches> src_side(src, element_dim, page_size, dtype, dst.names[0],
+                                                  "src tokens");
     host::check_kernel_reads(indices);
     DLDevice gpu = indices.device.unwrap();
     if (!indices.on_gpu) {
@@ -258,24 +258,21 @@ struct HiCache {
   static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
                              const host::Caches<kNumCaches>& src, const TensorView& indices_src,
                              int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                             int64_t page_size, int64_t src_page_stride,
-                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
-                             int64_t block_quota) {
+                             int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
+                             int64_t src_slots, int64_t dst_slots, int64_t block_quota) {
     check_block_quota(block_quota);
     RuntimeCheck(element_size == kElementBytes, "element_size is ", element_size,
                  " bytes, but this kernel moves ", kElementBytes);
     const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
-                                              dst_stride, element_size, page_size,
-                                              src_page_stride, dst_page_stride, src_slots,
-                                              dst_slots);
+                                              dst_stride, element_size, page_size, src_page_stride,
+                                              dst_page_stride, src_slots, dst_slots);
     const DLDevice tables = args.tables_device.unwrap();
     RuntimeCheck(tables.device_type == kDLCUDA || args.indices.on_gpu,
                  "the pointer tables and the indices are in host memory: the kernel needs ",
                  "one of them on the GPU to know its GPU; use method='copy_engine'");
     const DLDevice gpu = tables.device_type == kDLCUDA ? tables : args.indices.device.unwrap();
-    RuntimeCheck(!args.indices.on_gpu || args.indices.device.unwrap() == gpu,
-                 "the indices are on ", args.indices.device.unwrap(),
-                 " but the pointer tables on ", gpu);
+    RuntimeCheck(!args.indices.on_gpu || args.indices.device.unwrap() == gpu, "the indices are on ",
+                 args.indices.device.unwrap(), " but the pointer tables on ", gpu);
     host::check_kernel_reads(args.indices);
     if (tables.device_type != kDLCUDA) check_tables_reachable(dst, src);
     if (args.indices.size == 0 || args.layers == 0) return;
@@ -296,8 +293,8 @@ struct HiCache {
                                      const host::Caches<kNumCaches>& src) {
     for (const host::Caches<kNumCaches>* side : {&dst, &src}) {
       for (int c = 0; c < kNumCaches; ++c) {
-        RuntimeCheck(host::gpu_reachable(host::address_of(side->tensors[c])), "'",
-                     side->names[c], "' is in pageable host memory, which the kernel cannot ",
+        RuntimeCheck(host::gpu_reachable(host::address_of(side->tensors[c])), "'", side->names[c],
+                     "' is in pageable host memory, which the kernel cannot ",
                      "read; pass the pointer tables on the GPU or pinned, or use ",
                      "method='copy_engine'");
       }
@@ -308,7 +305,6 @@ struct HiCache {
     RuntimeCheck(where, block_quota == kNotGiven || block_quota >= 1,
                  "block_quota must be at least 1, got ", block_quota);
   }
-
 
   template <typename Index, int kNumCaches>
   static void fill_common(TransferParams<Index, kNumCaches>& params, const host::Indices& indices,

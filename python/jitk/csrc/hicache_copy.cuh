@@ -85,9 +85,8 @@ class CopyList {
   // Reads one index per page, checks that every page fits every cache of its side, and
   // merges pages that continue each other on both sides into runs.
   template <typename Index, int kNumCaches>
-  void collect_runs(const Indices& indices, int64_t page_size,
-                    const SlotLayout (&src)[kNumCaches], const SlotLayout (&dst)[kNumCaches],
-                    const char* const (&src_names)[kNumCaches],
+  void collect_runs(const Indices& indices, int64_t page_size, const SlotLayout (&src)[kNumCaches],
+                    const SlotLayout (&dst)[kNumCaches], const char* const (&src_names)[kNumCaches],
                     const char* const (&dst_names)[kNumCaches]) {
     const Index* src_indices = reinterpret_cast<const Index*>(address_of(indices.src));
     const Index* dst_indices = reinterpret_cast<const Index*>(address_of(indices.dst));
@@ -111,8 +110,8 @@ class CopyList {
 
   // Every run between the caches at these bases: packed runs as contiguous copies, others
   // as 2-d copies of one row per slot.
-  void add_runs(uint64_t src_base, const SlotLayout& src, uint64_t dst_base,
-                const SlotLayout& dst, int64_t element_bytes) {
+  void add_runs(uint64_t src_base, const SlotLayout& src, uint64_t dst_base, const SlotLayout& dst,
+                int64_t element_bytes) {
     const bool packed = src.row_stride == element_bytes && dst.row_stride == element_bytes;
     for (size_t r = 0; r < runs_.size(); ++r) {
       const Run& run = runs_.data()[r];
@@ -130,8 +129,8 @@ class CopyList {
         op.dst.type = cudaMemcpyOperandTypePointer;
         op.dst.op.ptr.ptr = to;
         op.dst.op.ptr.rowLength = static_cast<size_t>(dst.row_stride);
-        op.extent = make_cudaExtent(static_cast<size_t>(element_bytes),
-                                    static_cast<size_t>(run.slots), 1);
+        op.extent =
+            make_cudaExtent(static_cast<size_t>(element_bytes), static_cast<size_t>(run.slots), 1);
         op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
         ops_.push(op);
@@ -154,11 +153,11 @@ class CopyList {
     }
     for (size_t i = 0; i < ops_.size(); ++i) {
       const cudaMemcpy3DBatchOp& op = ops_.data()[i];
-      RuntimeDeviceCheck(cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength,
-                                           op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
-                                           op.extent.width, op.extent.height,
-                                           cudaMemcpyDefault, stream),
-                         where);
+      RuntimeDeviceCheck(
+          cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.src.op.ptr.ptr,
+                            op.src.op.ptr.rowLength, op.extent.width, op.extent.height,
+                            cudaMemcpyDefault, stream),
+          where);
     }
   }
 
@@ -192,17 +191,16 @@ class CopyList {
       attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       size_t first = 0;
 #if CUDART_VERSION >= 13000
-      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at, srcs_.data() + at,
-                                              sizes_.data() + at, count, &attributes, &first,
-                                              1, stream),
-                         where);
+      RuntimeDeviceCheck(
+          cudaMemcpyBatchAsync(dsts_.data() + at, srcs_.data() + at, sizes_.data() + at, count,
+                               &attributes, &first, 1, stream),
+          where);
 #else
       size_t failed = 0;
-      RuntimeDeviceCheck(cudaMemcpyBatchAsync(dsts_.data() + at,
-                                              const_cast<void**>(srcs_.data() + at),
-                                              sizes_.data() + at, count, &attributes, &first,
-                                              1, &failed, stream),
-                         where);
+      RuntimeDeviceCheck(
+          cudaMemcpyBatchAsync(dsts_.data() + at, const_cast<void**>(srcs_.data() + at),
+                               sizes_.data() + at, count, &attributes, &first, 1, &failed, stream),
+          where);
 #endif
     }
     for (size_t at = 0; at < ops_.size(); at += kBatchCopies) {
@@ -268,9 +266,9 @@ struct CopyEngine {
                         int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
                         int64_t src_slots, int64_t dst_slots, int64_t stream) {
     all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
-                      {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src,
-                      src_stride, dst_stride, element_size, page_size, src_page_stride,
-                      dst_page_stride, src_slots, dst_slots, stream);
+                      {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src, src_stride,
+                      dst_stride, element_size, page_size, src_page_stride, dst_page_stride,
+                      src_slots, dst_slots, stream);
   }
 
   static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
@@ -278,9 +276,9 @@ struct CopyEngine {
                             int64_t element_size, int64_t page_size, int64_t src_page_stride,
                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
                             int64_t stream) {
-    all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}},
-                      indices_src, src_stride, dst_stride, element_size, page_size,
-                      src_page_stride, dst_page_stride, src_slots, dst_slots, stream);
+    all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}}, indices_src,
+                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, stream);
   }
 
   // The rules Python applies before it builds a kernel module; a test pins the two copies.
@@ -299,10 +297,10 @@ struct CopyEngine {
                  element_dim, " of ", dtype, " is ", element_bytes, " bytes; rows must be a ",
                  "positive multiple of 16 bytes, at most ", kMaxElementBytes);
     const host::Indices indices(indices_dst, indices_src, page_size);
-    const host::OneLayerSide<kNumCaches> dst_side(dst, element_dim, page_size, dtype,
-                                                  dst.names[0], "dst tokens");
-    const host::OneLayerSide<kNumCaches> src_side(src, element_dim, page_size, dtype,
-                                                  dst.names[0], "src tokens");
+    const host::OneLayerSide<kNumCaches> dst_side(dst, element_dim, page_size, dtype, dst.names[0],
+                                                  "dst tokens");
+    const host::OneLayerSide<kNumCaches> src_side(src, element_dim, page_size, dtype, dst.names[0],
+                                                  "src tokens");
     host::check_host_readable(indices_dst, "indices_dst");
     host::check_host_readable(indices_src, "indices_src");
     DLDevice gpu{kDLCUDA, 0};
@@ -313,12 +311,12 @@ struct CopyEngine {
 
     host::CopyList& copies = host::copy_list();
     host::dispatch_index(indices, [&]<typename Index>(Index*) {
-      copies.collect_runs<Index, kNumCaches>(indices, page_size, src_side.layouts,
-                                             dst_side.layouts, src.names, dst.names);
+      copies.collect_runs<Index, kNumCaches>(indices, page_size, src_side.layouts, dst_side.layouts,
+                                             src.names, dst.names);
     });
     for (int c = 0; c < kNumCaches; ++c) {
-      copies.add_runs(src_side.base(c), src_side.layouts[c], dst_side.base(c),
-                      dst_side.layouts[c], element_bytes);
+      copies.add_runs(src_side.base(c), src_side.layouts[c], dst_side.base(c), dst_side.layouts[c],
+                      element_bytes);
     }
     copies.submit(reinterpret_cast<cudaStream_t>(stream));
   }
@@ -327,16 +325,14 @@ struct CopyEngine {
   static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
                              const host::Caches<kNumCaches>& src, const TensorView& indices_src,
                              int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                             int64_t page_size, int64_t src_page_stride,
-                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
-                             int64_t stream) {
+                             int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
+                             int64_t src_slots, int64_t dst_slots, int64_t stream) {
     RuntimeCheck(element_bytes_supported(element_size), "element_size is ", element_size,
                  " bytes; rows must be a positive multiple of 16 bytes, at most ",
                  kMaxElementBytes);
     const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
-                                              dst_stride, element_size, page_size,
-                                              src_page_stride, dst_page_stride, src_slots,
-                                              dst_slots);
+                                              dst_stride, element_size, page_size, src_page_stride,
+                                              dst_page_stride, src_slots, dst_slots);
     for (const host::Caches<kNumCaches>* side : {&dst, &src}) {
       for (int c = 0; c < kNumCaches; ++c) {
         host::check_host_readable(side->tensors[c], side->names[c]);

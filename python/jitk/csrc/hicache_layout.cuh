@@ -48,8 +48,7 @@ struct FastDiv {
   constexpr FastDiv() = default;
   explicit constexpr FastDiv(uint32_t d) : divisor(d) {
     while ((uint64_t{1} << shift) < d) ++shift;
-    multiplier =
-        static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
+    multiplier = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
   }
   __host__ __device__ constexpr uint32_t quotient(uint32_t n) const {
     return (static_cast<uint32_t>((uint64_t{n} * multiplier) >> 32) + n) >> shift;
@@ -155,9 +154,8 @@ inline SlotLayout slot_layout(const TensorView& t, int64_t element_dim, const ch
   // everything the smaller one spans.
   const int small = groups == 2 && stride[1] < stride[0] ? 1 : 0;
   const int large = 1 - small;
-  const bool disjoint =
-      (count[small] == 1 || stride[small] >= element_dim) &&
-      (groups < 2 || stride[large] >= count[small] * stride[small]);
+  const bool disjoint = (count[small] == 1 || stride[small] >= element_dim) &&
+                        (groups < 2 || stride[large] >= count[small] * stride[small]);
   RuntimeCheck(where, disjoint, "'", name, "' ", PrintTensor{t}, ": rows of ", element_dim,
                " elements ", stride[small], " apart overlap");
   const SlotLayout layout = make_layout(slots, stride[0], groups == 2 ? count[0] : 0, stride[1]);
@@ -210,9 +208,8 @@ inline bool gpu_reachable(uint64_t address) {
 
 // Caches must be on `gpu` or in host memory the GPU can reach. Checks the first and the
 // last byte a transfer may touch.
-inline void check_reachable(const TensorView& t, const SlotLayout& layout,
-                            int64_t element_bytes, const char* name, DLDevice gpu,
-                            DebugInfo where = {}) {
+inline void check_reachable(const TensorView& t, const SlotLayout& layout, int64_t element_bytes,
+                            const char* name, DLDevice gpu, DebugInfo where = {}) {
   const DLDevice device = t.device();
   if (device.device_type == kDLCUDA) {
     RuntimeCheck(where, device == gpu, "'", name, "' is on ", device, " but the transfer ",
@@ -230,8 +227,7 @@ inline void check_reachable(const TensorView& t, const SlotLayout& layout,
 // Both index lists: 1-d, contiguous, int32 or int64 alike, of equal length, on one device,
 // a whole number of pages.
 struct Indices {
-  Indices(const TensorView& dst, const TensorView& src, int64_t page_size,
-          DebugInfo where = {})
+  Indices(const TensorView& dst, const TensorView& src, int64_t page_size, DebugInfo where = {})
       : dst(dst), src(src) {
     RuntimeCheck(where, page_size >= 1, "page_size must be at least 1, got ", page_size);
     SymbolicSize length{"indices length"};
@@ -303,8 +299,7 @@ struct OneLayerSide {
 
   void check_reachable(DLDevice gpu) const {
     for (int c = 0; c < kNumCaches; ++c) {
-      host::check_reachable(caches_.tensors[c], layouts[c], element_bytes_, caches_.names[c],
-                            gpu);
+      host::check_reachable(caches_.tensors[c], layouts[c], element_bytes_, caches_.names[c], gpu);
     }
   }
   uint64_t base(int c) const { return address_of(caches_.tensors[c]); }
@@ -346,14 +341,14 @@ int64_t verify_pointer_tables(const Caches<kNumCaches>& dst, const Caches<kNumCa
 // Python's names for the all-layer strides, which differ between K/V and MLA.
 template <int kNumCaches>
 struct StrideNames {
-  static constexpr const char* src = kNumCaches == 2 ? "kv_cache_src_stride_bytes"
-                                                     : "cache_src_stride_bytes";
-  static constexpr const char* dst = kNumCaches == 2 ? "kv_cache_dst_stride_bytes"
-                                                     : "cache_dst_stride_bytes";
-  static constexpr const char* src_page = kNumCaches == 2 ? "kv_cache_src_page_stride_bytes"
-                                                          : "cache_src_page_stride_bytes";
-  static constexpr const char* dst_page = kNumCaches == 2 ? "kv_cache_dst_page_stride_bytes"
-                                                          : "cache_dst_page_stride_bytes";
+  static constexpr const char* src =
+      kNumCaches == 2 ? "kv_cache_src_stride_bytes" : "cache_src_stride_bytes";
+  static constexpr const char* dst =
+      kNumCaches == 2 ? "kv_cache_dst_stride_bytes" : "cache_dst_stride_bytes";
+  static constexpr const char* src_page =
+      kNumCaches == 2 ? "kv_cache_src_page_stride_bytes" : "cache_src_page_stride_bytes";
+  static constexpr const char* dst_page =
+      kNumCaches == 2 ? "kv_cache_dst_page_stride_bytes" : "cache_dst_page_stride_bytes";
 };
 
 inline void check_stride_bytes(int64_t stride_bytes, int64_t element_bytes, const char* name,
@@ -386,8 +381,7 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
   const int64_t bound = slots == kNotGiven ? unbounded : slots;
   RuntimeCheck(where, !paged || bound <= kMaxPagedSlots, slots_name, " is ", slots,
                "; paged caches hold at most ", kMaxPagedSlots, " slots");
-  return make_layout(bound, stride_bytes, paged ? page_size : 0,
-                     paged ? page_stride_bytes : 0);
+  return make_layout(bound, stride_bytes, paged ? page_size : 0, paged ? page_stride_bytes : 0);
 }
 
 // The checked arguments of an all-layer transfer: pointer tables, indices and the layout
@@ -395,16 +389,15 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
 template <int kNumCaches>
 struct AllLayerArgs {
   AllLayerArgs(const Caches<kNumCaches>& dst, const TensorView& indices_dst,
-               const Caches<kNumCaches>& src, const TensorView& indices_src,
-               int64_t src_stride, int64_t dst_stride, int64_t element_size, int64_t page_size,
-               int64_t src_page_stride, int64_t dst_page_stride, int64_t src_slots,
-               int64_t dst_slots)
+               const Caches<kNumCaches>& src, const TensorView& indices_src, int64_t src_stride,
+               int64_t dst_stride, int64_t element_size, int64_t page_size, int64_t src_page_stride,
+               int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots)
       : indices(indices_dst, indices_src, page_size) {
     using Names = StrideNames<kNumCaches>;
-    src_layout = all_layer_layout(src_stride, src_page_stride, page_size, src_slots,
-                                  element_size, Names::src, Names::src_page, "num_tokens_src");
-    dst_layout = all_layer_layout(dst_stride, dst_page_stride, page_size, dst_slots,
-                                  element_size, Names::dst, Names::dst_page, "num_tokens_dst");
+    src_layout = all_layer_layout(src_stride, src_page_stride, page_size, src_slots, element_size,
+                                  Names::src, Names::src_page, "num_tokens_src");
+    dst_layout = all_layer_layout(dst_stride, dst_page_stride, page_size, dst_slots, element_size,
+                                  Names::dst, Names::dst_page, "num_tokens_dst");
     layers = verify_pointer_tables(dst, src, tables_device);
   }
   const uint64_t* table(const TensorView& t) const {

@@ -9,9 +9,8 @@
 // dimensions may take two strides, so q/k-norm runs on heads cut from a fused QKV buffer.
 // A row is read once and kept in registers while its sum of squares is reduced (only rows
 // longer than 1024 threads x 16 registers are read twice). Short rows get a power-of-two
-// group of lanes of a warp, several rows to a block; long rows a block each. Rows move in
-// the widest vectors (up to 16 bytes) that the hidden size divides into when every pointer
-// and stride is aligned to them, else element by element.
+// group of lanes of a warp, several rows to a block; long rows a block each. Rows move in the
+// widest vectors (up to 16 bytes) the hidden size and every pointer and stride allow.
 #pragma once
 
 #include <jitk/device.cuh>
@@ -81,8 +80,7 @@ struct Tiling {
   static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
       kSubWarp ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(kWantedThreads)))
-               : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads,
-                        kMaxBlockThreads);
+               : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
@@ -130,8 +128,8 @@ __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
 // Loads slots first .. first + kCount - 1, all issued before any is used. Dead slots read
 // as zeros, which add nothing to a sum of squares.
 template <typename Tiling, int kCount, typename Pack>
-__device__ __forceinline__ void load_slots(Pack (&v)[kCount], const Pack* row, int first,
-                                           int lane, bool row_valid) {
+__device__ __forceinline__ void load_slots(Pack (&v)[kCount], const Pack* row, int first, int lane,
+                                           bool row_valid) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
@@ -140,8 +138,8 @@ __device__ __forceinline__ void load_slots(Pack (&v)[kCount], const Pack* row, i
 }
 
 template <typename Tiling, int kCount, typename Pack>
-__device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], int first,
-                                            int lane, bool row_valid) {
+__device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], int first, int lane,
+                                            bool row_valid) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
@@ -230,12 +228,12 @@ struct Row {
   __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
     const RowIndex at = p.split.index(valid ? row : 0);
     using T = typename Tiling::T;
-    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) +
-                                          p.input_rows.offset(at));
+    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + p.input_rows.offset(at));
     output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + p.output_rows.offset(at));
-    residual = kFusedAdd ? reinterpret_cast<Pack*>(static_cast<T*>(p.residual) +
-                                                   p.residual_rows.offset(at))
-                         : nullptr;
+    residual =
+        kFusedAdd
+            ? reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + p.residual_rows.offset(at))
+            : nullptr;
   }
 };
 
@@ -243,8 +241,8 @@ struct Row {
 // thread's slots of the weight.
 template <typename Tiling, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
-    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread],
-    int lane, float eps, float* scratch) {
+    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane,
+    float eps, float* scratch) {
   constexpr int kSlots = Tiling::kVecsPerThread;
   typename Tiling::Pack x[kSlots], r[kFusedAdd ? kSlots : 1];
   load_slots<Tiling>(x, row.input, 0, lane, row.valid);
@@ -324,8 +322,7 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Pa
     }
   } else {
     for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
-      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps,
-                              scratch[turn]);
+      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps, scratch[turn]);
     }
   }
 }
@@ -338,8 +335,8 @@ struct RowStridesOf {
   const RowView& v;
 };
 inline void append_to(Text& out, const RowStridesOf& s) {
-  if (!s.v.two_runs()) return append(out, "row stride ", s.v.inner_stride(), " < hidden size ",
-                                     s.v.row_size());
+  if (!s.v.two_runs())
+    return append(out, "row stride ", s.v.inner_stride(), " < hidden size ", s.v.row_size());
   append(out, "rows of ", s.v.row_size(), " at strides ", s.v.outer_stride(), " and ",
          s.v.inner_stride(), ", in runs of ", s.v.inner_rows());
 }
@@ -354,18 +351,16 @@ RowView check_rows(const TensorView& t, const char* name, bool written, Symbolic
       .with_dtype<T>()
       .template with_device<kDLCUDA>(device)
       .verify(view.matrix(), name, where);
-  RuntimeCheck(where, !written || view.rows_disjoint(), "rows of '", name,
-               "' overlap in memory (", RowStridesOf{view}, "), so writing them would race");
+  RuntimeCheck(where, !written || view.rows_disjoint(), "rows of '", name, "' overlap in memory (",
+               RowStridesOf{view}, "), so writing them would race");
   return view;
 }
 
 template <typename T>
 const void* check_weight(const TensorView& weight, SymbolicSize& hidden, SymbolicDevice& device,
                          DebugInfo where = {}) {
-  TensorMatcher({hidden})
-      .with_dtype<T>()
-      .template with_device<kDLCUDA>(device)
-      .verify(weight, "weight", where);
+  TensorMatcher({hidden}).with_dtype<T>().template with_device<kDLCUDA>(device).verify(
+      weight, "weight", where);
   return pointer::offset(weight.data_ptr(), weight.byte_offset());
 }
 
@@ -377,8 +372,7 @@ inline float check_eps(double eps, DebugInfo where = {}) {
 
 template <int kHidden, typename T, typename Tune = DefaultTuning<kHidden, T>>
 struct RMSNorm {
-  static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> ||
-                    std::is_same_v<T, bf16_t>,
+  static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>,
                 "rmsnorm supports float32, float16 and bfloat16");
   static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
   static constexpr int kVecSize = widest_vec_size<T>(kHidden);
@@ -391,14 +385,21 @@ struct RMSNorm {
     const RowView y = check_rows<T>(out, "out", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
     const RowSplit split = shared_split({&x, &y});
-    const Params params{x.data(), nullptr, y.data(), w, split, x.strides_in(split), {},
-                        y.strides_in(split), rows.unwrap(), check_eps(eps)};
+    const Params params{x.data(),
+                        nullptr,
+                        y.data(),
+                        w,
+                        split,
+                        x.strides_in(split),
+                        {},
+                        y.strides_in(split),
+                        rows.unwrap(),
+                        check_eps(eps)};
     launch<false>(params, device.unwrap());
   }
 
   // residual += input; input = rmsnorm(residual) * weight, normalising the sum as stored.
-  static void run_fused_add(TensorView input, TensorView residual, TensorView weight,
-                            double eps) {
+  static void run_fused_add(TensorView input, TensorView residual, TensorView weight, double eps) {
     SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
     SymbolicDevice device;
     const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
@@ -406,8 +407,9 @@ struct RMSNorm {
     const void* w = check_weight<T>(weight, hidden, device);
     const RowSplit split = shared_split({&x, &r});
     const RowStrides x_rows = x.strides_in(split);
-    const Params params{x.data(), r.data(), x.data(), w, split, x_rows, r.strides_in(split),
-                        x_rows, rows.unwrap(), check_eps(eps)};
+    const Params params{
+        x.data(), r.data(),      x.data(),      w, split, x_rows, r.strides_in(split),
+        x_rows,   rows.unwrap(), check_eps(eps)};
     launch<true>(params, device.unwrap());
   }
 
@@ -427,8 +429,7 @@ struct RMSNorm {
     if (p.rows == 0) return;
     if constexpr (kVecSize > 1) {
       if (vectors_aligned(p)) {
-        return launch_with<Tiling<kHidden, T, kVecSize, Tune::kRowRegisters>, kFusedAdd>(
-            p, device);
+        return launch_with<Tiling<kHidden, T, kVecSize, Tune::kRowRegisters>, kFusedAdd>(p, device);
       }
     }
     launch_with<Tiling<kHidden, T, 1, Tune::kRowRegisters>, kFusedAdd>(p, device);

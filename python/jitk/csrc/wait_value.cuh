@@ -196,7 +196,8 @@ inline const Driver& driver() {
 }
 
 inline void driver_check(CUresult result, const char* call, DebugInfo where = {}) {
-  if (result == CUDA_SUCCESS) [[likely]] return;
+  if (result == CUDA_SUCCESS) [[likely]]
+    return;
   const char* name = nullptr;
   driver().error_name(result, &name);
   Panic(where, call, " failed: ", name != nullptr ? name : "unknown CUresult", " (",
@@ -345,11 +346,11 @@ inline int32_t on_host_flag(const TensorView& flag, int64_t value, int compare, 
   SymbolicDevice device;
   return with_flag<kDLCPU, kDLCUDAHost>(flag, device, [&](auto* host) {
     const auto target = flag_value<std::remove_pointer_t<decltype(host)>>(value);
-    auto* address =
-        static_cast<decltype(host)>(device_address_of_host_flag(host, device.unwrap()));
+    auto* address = static_cast<decltype(host)>(device_address_of_host_flag(host, device.unwrap()));
     RuntimeCheck(device_id >= 0 && device_id <= std::numeric_limits<int>::max(),
                  "a host flag is waited on or written from a cuda stream, but there is no "
-                 "current cuda device (got device ", device_id, ")");
+                 "current cuda device (got device ",
+                 device_id, ")");
     const int id = static_cast<int>(device_id);
     const DeviceGuard on(id);
     return enqueue(id, reinterpret_cast<cudaStream_t>(stream), address, target, compare, spin);

@@ -46,9 +46,9 @@ inline void append_to(Text& out, const DLDataType& dtype) {
 template <typename T>
 struct dtype_trait;
 
-#define JITK_DEFINE_DTYPE(T, CODE, BITS) \
-  template <>                            \
-  struct dtype_trait<T> {                \
+#define JITK_DEFINE_DTYPE(T, CODE, BITS)                                    \
+  template <>                                                               \
+  struct dtype_trait<T> {                                                   \
     static constexpr DLDataType value{static_cast<uint8_t>(CODE), BITS, 1}; \
   }
 
@@ -74,12 +74,12 @@ inline constexpr DLDataType dtype_v = dtype_trait<T>::value;
 template <DLDeviceType D>
 struct device_trait {
   static constexpr DLDeviceType value = D;
-  static constexpr const char* name = D == kDLCPU        ? "cpu"
-                                      : D == kDLCUDA     ? "cuda"
-                                      : D == kDLCUDAHost ? "cuda_host"
+  static constexpr const char* name = D == kDLCPU           ? "cpu"
+                                      : D == kDLCUDA        ? "cuda"
+                                      : D == kDLCUDAHost    ? "cuda_host"
                                       : D == kDLCUDAManaged ? "cuda_managed"
-                                      : D == kDLROCM     ? "rocm"
-                                                         : "device";
+                                      : D == kDLROCM        ? "rocm"
+                                                            : "device";
 };
 
 inline const char* device_type_name(DLDeviceType type) {

@@ -133,11 +133,11 @@ void invoke(R (*entry)(Params...), const TVMFFIAny* args, TVMFFIAny* result,
 }
 
 template <typename R, typename... Params>
-void call_entry(const char* name, R (*entry)(Params...), const TVMFFIAny* args,
-                int32_t num_args, TVMFFIAny* result) {
+void call_entry(const char* name, R (*entry)(Params...), const TVMFFIAny* args, int32_t num_args,
+                TVMFFIAny* result) {
   if (num_args != static_cast<int32_t>(sizeof...(Params))) {
-    raise("TypeError", concat(name, "() takes ", sizeof...(Params), " arguments but ", num_args,
-                              " were given"));
+    raise("TypeError",
+          concat(name, "() takes ", sizeof...(Params), " arguments but ", num_args, " were given"));
   }
   invoke(entry, args, result, std::index_sequence_for<Params...>{});
 }
@@ -158,20 +158,20 @@ inline int set_raised(const char* kind, const char* message) noexcept {
 
 // Nothing escapes to Python but an error it can raise: a jitk::Error as the exception it
 // names, anything else as a RuntimeError.
-#define JITK_EXPORT(NAME, ENTRY)                                                          \
-  extern "C" __attribute__((visibility("default"))) int __tvm_ffi_##NAME(                 \
-      void*, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result) {                 \
-    try {                                                                                 \
-      ::jitk::detail::call_entry(#NAME, &ENTRY, args, num_args, result);                  \
-      return 0;                                                                           \
-    } catch (const ::jitk::Error& error) {                                                \
-      return ::jitk::detail::set_raised(error.kind(), error.what());                      \
-    }                                                                                     \
-    JITK_EXPORT_CATCH_LIBRARY_ERRORS                                                      \
-    catch (const std::exception& error) {                                                 \
-      return ::jitk::detail::set_raised("RuntimeError", error.what());                    \
-    }                                                                                     \
-    catch (...) {                                                                         \
+#define JITK_EXPORT(NAME, ENTRY)                                                            \
+  extern "C" __attribute__((visibility("default"))) int __tvm_ffi_##NAME(                   \
+      void*, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result) {                  \
+    try {                                                                                   \
+      ::jitk::detail::call_entry(#NAME, &ENTRY, args, num_args, result);                    \
+      return 0;                                                                             \
+    } catch (const ::jitk::Error& error) {                                                  \
+      return ::jitk::detail::set_raised(error.kind(), error.what());                        \
+    }                                                                                       \
+    JITK_EXPORT_CATCH_LIBRARY_ERRORS                                                        \
+    catch (const std::exception& error) {                                                   \
+      return ::jitk::detail::set_raised("RuntimeError", error.what());                      \
+    }                                                                                       \
+    catch (...) {                                                                           \
       return ::jitk::detail::set_raised("RuntimeError", "a C++ exception of unknown type"); \
-    }                                                                                     \
+    }                                                                                       \
   }

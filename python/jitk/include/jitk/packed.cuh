@@ -25,8 +25,8 @@ namespace jitk::device {
 
 template <typename T, int N>
   requires(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>)
-using Packed = std::conditional_t<(N * sizeof(T) >= 4), Vec<uint32_t, N * sizeof(T) / 4>,
-                                  Vec<uint16_t, 1>>;
+using Packed =
+    std::conditional_t<(N * sizeof(T) >= 4), Vec<uint32_t, N * sizeof(T) / 4>, Vec<uint16_t, 1>>;
 
 namespace detail {
 

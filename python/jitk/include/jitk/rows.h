@@ -76,9 +76,9 @@ class RowView {
     const int last = t.ndim() - 1;
     matrix_shape_[1] = t.size(last);
     matrix_strides_[1] = t.stride(last);
-    int runs = 0;           // runs found so far, innermost first
+    int runs = 0;            // runs found so far, innermost first
     int64_t continuing = 0;  // the stride at which the next dimension would continue the run
-    int broken = -1;        // the dimension that would start a third run
+    int broken = -1;         // the dimension that would start a third run
     for (int i = last - 1; i >= 0; --i) {
       rows_ *= t.size(i);
       if (t.size(i) == 1) continue;  // never stepped over

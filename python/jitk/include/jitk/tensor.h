@@ -94,7 +94,8 @@ class TensorView {
   // stride(i) always answers.
   void use_compact_strides() {
     if (tensor_.ndim > kMaxCompactDims) {
-      detail::raise("ValueError", detail::concat("a tensor of ", tensor_.ndim, " dimensions "
+      detail::raise("ValueError", detail::concat("a tensor of ", tensor_.ndim,
+                                                 " dimensions "
                                                  "must carry strides (at most ",
                                                  kMaxCompactDims, " without)"));
     }
@@ -109,8 +110,12 @@ class TensorView {
   explicit TensorView(const DLTensor& tensor) : TensorView(&tensor) {}
   template <typename View>
   static DLTensor as_dl_tensor(const View& v) {
-    return {v.data_ptr(), v.device(), static_cast<int32_t>(v.shape().size()), v.dtype(),
-            const_cast<int64_t*>(v.shape().data()), const_cast<int64_t*>(v.strides().data()),
+    return {v.data_ptr(),
+            v.device(),
+            static_cast<int32_t>(v.shape().size()),
+            v.dtype(),
+            const_cast<int64_t*>(v.shape().data()),
+            const_cast<int64_t*>(v.strides().data()),
             v.byte_offset()};
   }
 
@@ -136,9 +141,8 @@ struct PrintTensor {
   const TensorView& t;
 };
 inline void append_to(Text& out, const PrintTensor& p) {
-  append(out, "Tensor", PrintDims{p.t.shape()}, "[strides=",
-                       PrintDims{p.t.strides()}, ", dtype=", p.t.dtype(), ", device=",
-                       p.t.device(), ']');
+  append(out, "Tensor", PrintDims{p.t.shape()}, "[strides=", PrintDims{p.t.strides()},
+         ", dtype=", p.t.dtype(), ", device=", p.t.device(), ']');
 }
 
 // ---------------------------------------------------------------------------------------
@@ -186,7 +190,7 @@ class SizeSpec {
   static constexpr int64_t kAny = -1;
   template <std::integral T>
   SizeSpec(T fixed) : fixed_(static_cast<int64_t>(fixed)) {}  // NOLINT: literals are common
-  SizeSpec(SymbolicSize& symbol) : symbol_(&symbol) {}  // NOLINT
+  SizeSpec(SymbolicSize& symbol) : symbol_(&symbol) {}        // NOLINT
   SizeSpec() = default;
 
   SymbolicSize* symbol() const { return symbol_; }
@@ -260,8 +264,8 @@ class TensorMatcher {
 
  private:
   [[noreturn, gnu::cold, gnu::noinline]] static void fail(const TensorView& t, const char* name,
-                                                        const Text& cause,
-                                const DebugInfo& where) {
+                                                          const Text& cause,
+                                                          const DebugInfo& where) {
     Text message;
     append(message, "Tensor match failed for ");
     if (name[0] != '\0') append(message, '\'', name, "' ");
@@ -276,8 +280,8 @@ class TensorMatcher {
   }
 
   // Checks one size or stride entry; says why in `cause` when it does not fit.
-  static bool entry_matches(const SizeSpec& spec, int64_t got, const char* kind,
-                            const char* what, int index, Text& cause) {
+  static bool entry_matches(const SizeSpec& spec, int64_t got, const char* kind, const char* what,
+                            int index, Text& cause) {
     SymbolicSize* symbol = spec.symbol();
     if (symbol != nullptr ? symbol->bind_or_match(got)
                           : spec.fixed() == SizeSpec::kAny || spec.fixed() == got) {
@@ -285,8 +289,8 @@ class TensorMatcher {
     }
     append(cause, kind, " mismatch for ");
     describe(cause, what, index, symbol);
-    append(cause, ": expected ", symbol != nullptr ? symbol->unwrap() : spec.fixed(),
-           " but got ", got);
+    append(cause, ": expected ", symbol != nullptr ? symbol->unwrap() : spec.fixed(), " but got ",
+           got);
     return false;
   }
 
@@ -324,8 +328,7 @@ class TensorMatcher {
   }
 
   bool dtype_matches(DLDataType got, Text& cause) const {
-    return kind_matches("DType", allowed_dtypes_, allowed_dtypes_count_, got, *dtype_, got,
-                        cause);
+    return kind_matches("DType", allowed_dtypes_, allowed_dtypes_count_, got, *dtype_, got, cause);
   }
 
   bool device_matches(DLDevice got, Text& cause) const {

@@ -49,9 +49,9 @@ struct ToAny<R> {
 
 #ifdef TVM_FFI_ERROR_H_
 #undef JITK_EXPORT_CATCH_LIBRARY_ERRORS
-#define JITK_EXPORT_CATCH_LIBRARY_ERRORS                  \
-  catch (const ::tvm::ffi::Error& error) {                \
-    ::tvm::ffi::detail::SetSafeCallRaised(error);          \
-    return -1;                                             \
+#define JITK_EXPORT_CATCH_LIBRARY_ERRORS          \
+  catch (const ::tvm::ffi::Error& error) {        \
+    ::tvm::ffi::detail::SetSafeCallRaised(error); \
+    return -1;                                    \
   }
 #endif  // TVM_FFI_ERROR_H_

@@ -172,9 +172,7 @@ void append_to(Text& out, T value) {
   append_to(out, static_cast<long long>(value));
 }
 
-inline void append_to(Text& out, const void* pointer) {
-  detail::append_printf(out, "%p", pointer);
-}
+inline void append_to(Text& out, const void* pointer) { detail::append_printf(out, "%p", pointer); }
 
 // hex(address) reads "0x7f00c0000010".
 struct Hex {
