@@ -208,13 +208,18 @@ def check_buildable(archs: tuple[str, ...]) -> None:
 
 @functools.cache
 def host_system_include_dirs() -> tuple[Path, ...]:
-    """The host compiler's own include directories (its headers change with its version,
-    which is part of every cache key)."""
-    out = _run([host_compiler(), "-x", "c++", "-E", "-v", os.devnull])
-    lines = out.stderr.splitlines()
-    try:
-        first = lines.index("#include <...> search starts here:") + 1
-        last = lines.index("End of search list.", first)
-    except ValueError:
-        return ()
-    return tuple(Path(line.strip()).resolve() for line in lines[first:last])
+    """The host compilers' own include directories (their headers change with their
+    versions, which are part of every cache key): jitk's host compiler, and the g++ that
+    nvcc runs for its host pass, which may be another version."""
+    dirs: list[Path] = []
+    for compiler in dict.fromkeys([host_compiler(), shutil.which("g++")]):
+        if compiler is None:
+            continue
+        lines = _run([compiler, "-x", "c++", "-E", "-v", os.devnull]).stderr.splitlines()
+        try:
+            first = lines.index("#include <...> search starts here:") + 1
+            last = lines.index("End of search list.", first)
+        except ValueError:
+            continue
+        dirs += [Path(line.strip()).resolve() for line in lines[first:last]]
+    return tuple(dict.fromkeys(dirs))
