@@ -10,7 +10,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -58,18 +57,6 @@ def first_call_rows(repeats: int) -> list[dict]:
     return rows
 
 
-def host_us_per_call(fn, calls=2000, rounds=5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
 def main():
     args = common.parse_args(__doc__)
     repeats = 1 if args.quick else 3
@@ -90,9 +77,9 @@ def main():
     rows = [
         *first_call_rows(repeats),
         {"what": "host time per call, jitk add_one (us)",
-         "value": host_us_per_call(lambda: add_one(x, y))},
+         "value": common.host_us_per_call(lambda: add_one(x, y))},
         {"what": "host time per call, torch add (us)",
-         "value": host_us_per_call(lambda: torch.add(x, 1, out=y))},
+         "value": common.host_us_per_call(lambda: torch.add(x, 1, out=y))},
     ]
     common.print_table("core costs", rows, ["what", "value"])
     common.write_json(args.json, {"device": common.device_name(), "rows": rows})

@@ -15,7 +15,6 @@ skips column counts the graphs Inductor declined to capture (the reason is logge
 import functools
 import os
 import sys
-import time
 
 import torch
 
@@ -29,19 +28,6 @@ EPS = 1e-6
 HIDDEN = 4096
 KV_ROW = 1024  # 8 KV heads of 128 bf16: 2 KiB per token and layer
 HOST_TOKENS, DEVICE_TOKENS = 4096, 1024
-
-
-def host_us_per_call(fn, calls=2000, rounds=5) -> float:
-    """Host time per call: launches only, the GPU drained before each round."""
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
 
 
 def entry_point_before(input, weight, out=None, eps=EPS):
@@ -79,7 +65,7 @@ def host_time_rows() -> list[dict]:
     us = {name: float("inf") for name in calls}
     for _ in range(3):
         for name, call in calls.items():
-            us[name] = min(us[name], host_us_per_call(call))
+            us[name] = min(us[name], common.host_us_per_call(call))
     before = us["entry point before jitk.op"]
     return [{"call": name, "us": value, "vs before us": value - before}
             for name, value in us.items()]

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import wait_value_deadlock  # noqa: E402
 from common import (  # noqa: E402
     device_name,
+    host_us_per_call,
     parse_args,
     print_table,
     time_graph_us,
@@ -206,18 +207,6 @@ def round_trip_rows(iterations: int) -> list[dict]:
     return rows
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 500) -> float:
-    """Python-side cost of enqueuing: few enough calls that the launch queue never fills."""
-    fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - started
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def unblocked_rows(quick: bool) -> list[dict]:
     device_flag = torch.ones(1, dtype=torch.int32, device="cuda")
     host_flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
@@ -241,7 +230,7 @@ def unblocked_rows(quick: bool) -> list[dict]:
         with spin_kernel(spin):
             rows.append({
                 "table": "unblocked", "op": name,
-                "host_us": host_us_per_call(fn),
+                "host_us": host_us_per_call(fn, calls=500, rounds=3),
                 "eager_us": time_us(fn, warmup_ms=10, rep_ms=rep_ms),
                 # An event recorded outside a capture cannot be waited on inside it.
                 "graph_us": time_graph_us(fn) if capturable else "n/a",

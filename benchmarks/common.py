@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -102,3 +103,16 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000, rounds: int = 5) -> float:
+    """Host time per call, best of `rounds`: launches only, the GPU drained before each."""
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
