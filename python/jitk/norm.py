@@ -65,28 +65,24 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
 
 
-def _refuse_eps(function: str, eps: float) -> None:
-    raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
-                     f"{_FLOAT32_MAX:.7g}), got {eps!r}")
-
-
-def _refuse_0d_input(function: str) -> None:
-    raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
-                     "(the hidden size)")
-
-
-# Argument types are checked by the operator layer (jitk.op) before these bodies run; the
-# values the kernel cannot take are refused here, before any module is built. The checks
-# are written inline: this is every eager call's path, and a call costs about 50 ns.
-@op("jitk::rmsnorm", mutates_args=("out",))
-def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+# Argument types are checked by the operator layer (jitk.op) before the bodies below run;
+# the values the kernel cannot take are refused here, before any module is built. This is
+# every eager call's path: one Python call, the checks inline.
+def _kernels_for(function: str, input: torch.Tensor, eps: float) -> _Kernels:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
-        _refuse_eps("rmsnorm", eps)
+        raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
+                         f"{_FLOAT32_MAX:.7g}), got {eps!r}")
     try:
         hidden = input.shape[-1]
     except IndexError:
-        _refuse_0d_input("rmsnorm")
-    _kernels(hidden, input.dtype).rmsnorm(input, weight, out, eps)
+        raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
+                         "(the hidden size)") from None
+    return _kernels(hidden, input.dtype)
+
+
+@op("jitk::rmsnorm", mutates_args=("out",))
+def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    _kernels_for("rmsnorm", input, eps).rmsnorm(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -103,13 +99,8 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    if not 0.0 <= eps <= _FLOAT32_MAX:
-        _refuse_eps("fused_add_rmsnorm", eps)
-    try:
-        hidden = input.shape[-1]
-    except IndexError:
-        _refuse_0d_input("fused_add_rmsnorm")
-    _kernels(hidden, input.dtype).fused_add_rmsnorm(input, residual, weight, eps)
+    _kernels_for("fused_add_rmsnorm", input, eps).fused_add_rmsnorm(input, residual, weight,
+                                                                    eps)
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
