@@ -52,6 +52,7 @@ import torch
 from .cpp_args import make_cpp_args
 from .custom_op import op
 from .jit import load_jit
+from .streams import current_stream
 
 __all__ = [
     "precompile_configs",
@@ -186,13 +187,10 @@ def _packed(cache: torch.Tensor, element_dim: int) -> bool:
 
 def _stream(*tensors: torch.Tensor) -> int:
     """The handle of PyTorch's current stream on the GPU of the first GPU tensor (the
-    current GPU if none): the copy engines' calls may have no GPU tensor to tell."""
-    if not torch.cuda.is_available():
-        return 0  # nothing can be copied then: the C++ checks refuse the call first
-    for t in tensors:
-        if t.is_cuda:
-            return torch.cuda.current_stream(t.device).cuda_stream
-    return torch.cuda.current_stream().cuda_stream
+    current GPU if none): the copy engines' calls may have no GPU tensor to tell. Without a
+    GPU it is 0, and the C++ checks refuse the call first."""
+    devices = [t.device.index for t in tensors if t.is_cuda]
+    return current_stream(devices[0] if devices else None)[1]
 
 
 # ---------------------------------------------------------------------------- one layer

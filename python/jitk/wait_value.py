@@ -77,6 +77,7 @@ import torch
 
 from .custom_op import op
 from .jit import load_jit
+from .streams import current_stream
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
 
@@ -126,18 +127,6 @@ def _kernels() -> _Kernels:
     return _Kernels(*(getattr(module, name) for name in _Kernels._fields))
 
 
-def _current_stream() -> tuple[int, int]:
-    """(device index, cudaStream_t) of PyTorch's current stream. tvm-ffi hands a kernel that
-    stream only when a cuda tensor is an argument, which a host flag is not. The raw handle,
-    as torch._dynamo reads it: building a torch.cuda.Stream cost 5.2 us a call (H100 host)."""
-    try:
-        device = torch.cuda.current_device()
-    except (AssertionError, RuntimeError):
-        # PyTorch without CUDA: the kernel's own checks then say what is wrong with the flag.
-        return -1, 0
-    return device, torch._C._cuda_getCurrentRawStream(device)
-
-
 def _check_value(flag: torch.Tensor, value: int) -> None:
     """What cannot reach the C++ checks: a value that is no int or wider than int64."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -173,7 +162,7 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> Non
     if flag.is_cuda:
         path = _kernels().wait_device_flag(flag, value, compare, _force_spin)
     else:
-        path = _kernels().wait_host_flag(flag, value, compare, *_current_stream(), _force_spin)
+        path = _kernels().wait_host_flag(flag, value, compare, *current_stream(), _force_spin)
     if path:
         _note(path)
 
@@ -186,7 +175,7 @@ def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     if flag.is_cuda:
         path = _kernels().write_device_flag(flag, value, _force_spin)
     else:
-        path = _kernels().write_host_flag(flag, value, *_current_stream(), _force_spin)
+        path = _kernels().write_host_flag(flag, value, *current_stream(), _force_spin)
     if path:
         _note(path)
 
