@@ -33,16 +33,15 @@ TIMING = {"warmup_ms": 10, "rep_ms": 40}
 
 # label -> (C++ entry, blocks)
 EXP = {
-    "reg L2::256B": ("Reg<1024, 4, 1>", (6, 16)),
+    "reg L2::256B": ("Reg<1024, 4, 1>", (6, 16, 132)),
     "reg nc L2::256B": ("Reg<1024, 4, 2>", (6,)),
-    "reg + bulk L2 prefetch": ("Reg<1024, 4, 3>", (6, 16)),
-    "bulk d2 l0 w1": ("Bulk<1024, 2, 0, 1>", (6, 16, 32, 132)),
-    "bulk d4 l1 w1": ("Bulk<1024, 4, 1, 1>", (6, 16)),
-    "bulk d2 l0 w2": ("Bulk<1024, 2, 0, 2>", (6, 16)),
+    "reg + bulk L2 prefetch": ("Reg<1024, 4, 3>", (16,)),
+    "bulk d2 l0 w1": ("Bulk<1024, 2, 0, 1>", (6, 16, 132)),
+    "bulk d4 l1 w1": ("Bulk<1024, 4, 1, 1>", (16,)),
+    "bulk d2 l0 w2": ("Bulk<1024, 2, 0, 2>", (16,)),
 }
 PRODUCT = [  # (label, unroll, block quota)
-    ("product u4", 4, 6), ("product u4", 4, 16), ("product u4", 4, 132),
-    ("product u8", 8, 6), ("product u8", 8, 16),
+    ("product u4", 4, 6), ("product u4", 4, 16), ("product u4", 4, 132), ("product u8", 8, 16),
 ]
 
 
@@ -93,9 +92,9 @@ def check_exact(call, dst, src, idx) -> None:
         d.view(torch.uint8).fill_(POISON)
     call(*idx)
     torch.cuda.synchronize()
-    i_dst, i_src = idx[0], idx[1].cpu()
     for d, s in zip(dst, src):
-        if not torch.equal(d[i_dst].cpu().view(torch.uint8), s[i_src].view(torch.uint8)):
+        got, want = d[idx[0].to(d.device)].cpu(), s[idx[1].to(s.device)].cpu()
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             raise AssertionError("rows differ")
 
 
@@ -126,6 +125,8 @@ def main() -> None:
     gpu = [random_rows(GPU_POOL, "cuda") for _ in range(2)]
     rows = []
     torch.cuda.set_stream(torch.cuda.Stream())
+    h2d, d2h = common.pinned_copy_gbps()
+    print(f"pinned copy_ 256 MiB: h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s", flush=True)
     for tokens in (4096, 32768):
         moved = 2 * tokens * ROW
         copy_src = torch.empty(moved, dtype=torch.uint8, pin_memory=True).random_()
@@ -143,19 +144,22 @@ def main() -> None:
             for blocks in block_counts:
                 todo.append((label, blocks, "random", "h2d",
                              functools.partial(exp_call, entries[label], gpu, host, blocks)))
-        todo.append(("bulk d2 l0 w1", 16, "contiguous", "h2d",
-                     functools.partial(exp_call, entries["bulk d2 l0 w1"], gpu, host, 16)))
+        todo.append(("bulk d2 l0 w1", 132, "contiguous", "h2d",
+                     functools.partial(exp_call, entries["bulk d2 l0 w1"], gpu, host, 132)))
         todo.append(("product u4 (write-back)", 6, "random", "d2h",
                      functools.partial(product_call, host, gpu, 4, 6)))
         for label, blocks, kind, direction, call in todo:
             sets = random_sets if kind == "random" else contiguous_sets
             if direction == "d2h":
                 sets = [(s, d) for d, s in sets]
-                check_exact(call, host, gpu, sets[0])
-            else:
-                check_exact(call, gpu, host, sets[0])
-            us, copy_us = measure(rotating(call, sets),
-                                  h2d_copy if direction == "h2d" else d2h_copy, args.rounds)
+            try:
+                check_exact(call, *((host, gpu) if direction == "d2h" else (gpu, host)),
+                            sets[0])
+                us, copy_us = measure(rotating(call, sets),
+                                      h2d_copy if direction == "h2d" else d2h_copy, args.rounds)
+            except (AssertionError, RuntimeError) as error:  # one failure must not end the run
+                print(f"   {label} ({blocks} blocks): {error}", flush=True)
+                continue
             rows.append({"tokens": tokens, "dir": direction, "variant": label,
                          "blocks": blocks, "indices": kind, "us": us,
                          "GB/s": moved / us / 1e3, "copy_ GB/s": moved / copy_us / 1e3,
