@@ -638,6 +638,33 @@ def test_copy_engine_refuses_indices_it_cannot_move_and_gpu_indices():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("all_layer", [False, True])
+def test_copy_engine_copies_join_the_current_stream(all_layer):
+    # On a side stream: a long sleep, then new source rows, then the copies. Copies issued on
+    # any other stream would run at once and move the old rows.
+    old, new = (torch.randn(64, 128).half() for _ in range(2))
+    src, new_gpu = old.cuda(), new.cuda()
+    dst = torch.full((64 * 256,), POISON, dtype=torch.uint8).view(torch.float16)
+    dst = dst.view(64, 128).pin_memory()
+    idx_dst, idx_src = torch.randperm(64)[:32], torch.randperm(64)[:32]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds
+        src.copy_(new_gpu)
+        if all_layer:
+            hicache.transfer_hicache_all_layer_mla(
+                torch.tensor([dst.data_ptr()]), idx_dst, torch.tensor([src.data_ptr()]),
+                idx_src, cache_src_stride_bytes=256, cache_dst_stride_bytes=256,
+                method="copy_engine")
+        else:
+            hicache.transfer_hicache_one_layer_mla(dst, idx_dst, src, idx_src,
+                                                   method="copy_engine")
+    torch.cuda.synchronize()
+    assert torch.equal(dst[idx_dst], new[idx_src])
+
+
+@pytest.mark.gpu
 def test_element_dim_splits_rows():
     # [rows, 2, 128] seen as rows of 128: twice the slots, half the width.
     src = make_cache((50, 256), torch.float16, "gpu", lambda b: b.view(50, 2, 128), 128)
