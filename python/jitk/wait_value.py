@@ -42,12 +42,13 @@ wait adds where the GPU offers it (CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES; 
 measured do not, so there such stores need the device's own ordering).
 
 Speed, measured on an H100 (driver 580, torch 2.11). Wake-up, from the end of the writer's
-kernel to the end of a one-element kernel behind the wait on another stream: 5.9 us, against
-3.7-3.9 us for torch.cuda.Event record/wait and 6.9 us for the spin kernel. A flag stored by
-a kernel rather than by stream_write_value wakes a waiting stream later (11.6 us): the front
-end notices a store from an SM only when it reads the flag again. In a CUDA graph a released
-wait costs about a kernel node (1.27 us against 1.21 us), but behind a kernel it adds 2.2 us,
-the spin kernel 1.1 us: the front end lets the kernel finish before it reads the flag.
+kernel to the end of a one-element kernel behind the wait on another stream: 5.9-6.0 us,
+against 3.7-3.9 us for torch.cuda.Event record/wait and 6.9-7.0 us for the spin kernel. A
+flag stored by a kernel rather than by stream_write_value wakes a waiting stream later (11.6
+us): the front end notices a store from an SM only when it reads the flag again. In a CUDA
+graph, a chain of released waits took 1.23-1.88 us a wait from run to run (a one-element
+kernel 1.21-1.24 us, the spin kernel 1.14-1.17 us); behind a kernel a wait adds 2.2 us, the
+spin kernel 1.1 us: the front end lets the kernel finish before it reads the flag.
 
 A flag holds a value, it does not count: a wait passes once it *reads* a value that passes.
 So a wait enqueued after the flag got its value passes at once (the value stays until
@@ -72,12 +73,12 @@ stream memory operations and on the spin kernel:
   nor did one kernel of jitk's or an unrelated torch kernel run before the wait. A kernel
   whose module was loaded but not the kernel itself: the launch returns, yet none of the
   process's work runs on the GPU any more, not even a copy on a third stream.
-- CUDA_MODULE_LOADING=EAGER: released in every run (2 of 2 on each path). There the first
-  kernel launch of the process readies all the code, so jitk's first memory operation on a
-  device launches an empty kernel before its wait can be pending (without that, memory
-  operations hung). EAGER costs every process start-up time and GPU memory (CUDA start-up
-  4.2 s against 0.2 s, first matmul 3.4 s against 0.3 s, +1 GiB after it), so jitk does not
-  set it.
+- CUDA_MODULE_LOADING=EAGER: released in every run (6 of 6 on memory operations, 6 of 6 on
+  the spin kernel). There the first kernel launch of the process readies all the code, so
+  jitk's first memory operation on a device launches an empty kernel before its wait can be
+  pending (without it, memory operations hung: 0 of 1, no work of the process ran). EAGER
+  costs every process start-up time and GPU memory (CUDA start-up 4.2 s against 0.2 s, first
+  matmul 3.4 s against 0.3 s, +1 GiB after it), so jitk does not set it.
 Writer first, then the waiter with a kernel of its own that loads behind the wait, was
 released in every run (20 of 20), and once the writer's kernels had run in the process,
 waiter-first worked in every test.
