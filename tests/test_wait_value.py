@@ -303,14 +303,27 @@ def test_writer_enqueued_first_never_deadlocks_with_cold_kernels():
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 10's order hangs in a fresh process on an H100 (driver 580): a first launch waits "
-    "for the GPU, the pending wait included; also with the spin kernel and "
-    "CUDA_MODULE_LOADING=EAGER. Should it ever pass, the module docstring is stale."))
+    "issue 10's order hangs in a fresh process under CUDA's default lazy module loading (H100, "
+    "driver 580): the first launch of a kernel not loaded yet waits for the GPU, the pending "
+    "wait included, on memory operations and the spin kernel alike, also with "
+    "CUDA_MODULE_DATA_LOADING=EAGER. Should it ever pass, the module docstring is stale."))
 def test_waiter_enqueued_first_with_cold_writer_kernels_issue_10():
     wait_value._kernels()
     # One run: a hang costs the whole timeout, and every run so far has hung.
     outcomes = wait_value_deadlock.run_fresh(1, "waiter-first", timeout_s=20.0)
     assert outcomes == [wait_value_deadlock.RELEASED], outcomes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spin", ["0", "1"], ids=["memory-op", "spin-kernel"])
+def test_waiter_enqueued_first_is_released_when_cuda_loads_every_kernel_at_start(spin):
+    # With CUDA_MODULE_LOADING=EAGER no kernel loads behind the wait; the code loaded at start
+    # is readied by jitk's first call, before its wait is pending. Start-up takes seconds.
+    wait_value._kernels()
+    outcomes = wait_value_deadlock.run_fresh(
+        2, "waiter-first", timeout_s=60.0,
+        env={"CUDA_MODULE_LOADING": "EAGER", "JITK_WAIT_VALUE_SPIN": spin})
+    assert outcomes == [wait_value_deadlock.RELEASED] * 2, outcomes
 
 
 @pytest.mark.gpu

@@ -155,6 +155,7 @@ struct Driver {
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
+  CUresult (*loading_mode)(CUmoduleLoadingMode*) = nullptr;  // optional: see settle_once
   bool complete = false;
 };
 
@@ -188,6 +189,7 @@ inline const Driver& driver() {
     find_driver_symbol("cuDeviceGet", d.device_get);
     find_driver_symbol("cuDeviceGetAttribute", d.device_attribute);
     find_driver_symbol("cuGetErrorName", d.error_name);
+    find_driver_symbol("cuModuleGetLoadingMode", d.loading_mode);
     d.complete = d.wait32 && d.wait64 && d.write32 && d.write64 && d.device_get &&
                  d.device_attribute && d.error_name;
     return d;
@@ -268,6 +270,36 @@ inline void load_spin_kernels_once(int device) {
   __atomic_fetch_or(&loaded_devices, bit, __ATOMIC_RELAXED);
 }
 
+// Under CUDA_MODULE_LOADING=EAGER, code loaded at start is readied by the first kernel launch,
+// which waits for the GPU's work: behind a pending wait it never ran (H100, driver 580). So
+// there, a device's first memory operation, before any wait of jitk's is pending, launches a
+// kernel that does nothing (a spin kernel is such a launch itself); a captured call leaves it
+// to a later one. Under lazy loading nothing is launched, so nothing needs loading.
+__global__ void settle_kernel() {}
+
+inline bool modules_load_eagerly() {
+  static const bool eager = [] {
+    const RelaxedCaptureMode relaxed;
+    CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
+    const auto query = driver().loading_mode;
+    return query != nullptr && query(&mode) == CUDA_SUCCESS && mode == CU_MODULE_EAGER_LOADING;
+  }();
+  return eager;
+}
+
+inline void settle_once(int device, cudaStream_t stream) {
+  static uint64_t settled_devices = 0;  // bit d: settled on device d
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if ((__atomic_load_n(&settled_devices, __ATOMIC_RELAXED) & bit) || !modules_load_eagerly()) {
+    return;
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RuntimeDeviceCheck(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  LaunchKernel(1, 1, stream)(settle_kernel);
+  __atomic_fetch_or(&settled_devices, bit, __ATOMIC_RELAXED);
+}
+
 // Which way a wait (compare >= 0) or a write (kWrite) of a T flag goes on `device`.
 template <typename T>
 Path choose_path(int device, int compare, bool spin) {
@@ -281,8 +313,10 @@ Path choose_path(int device, int compare, bool spin) {
 }
 
 // A wait adds the flush where the GPU offers it: it orders the writes that other devices (an
-// RDMA NIC, say) put in this GPU's memory before the flag, for the work after the wait. A
-// write with the default flags has a system-scope memory barrier before it: it is a release.
+// RDMA NIC, say) put in this GPU's memory before the flag, for the work after the wait. A write
+// has a system-scope memory barrier before it: a release. It cannot be narrowed to the GPU: the
+// v2 API refuses CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (CUDA_ERROR_INVALID_VALUE), and a
+// GPU-scope barrier operation batched before the write only adds to it (H100, driver 580).
 template <typename T>
 CUresult enqueue_memory_operation(cudaStream_t stream, T* flag, T value, int compare,
                                   uint32_t can) {
@@ -305,6 +339,7 @@ template <typename T>
 int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare, bool spin) {
   Path path = choose_path<T>(device, compare, spin);
   if (path == kMemoryOperation) {
+    settle_once(device, stream);
     const CUresult result =
         enqueue_memory_operation(stream, flag, target, compare, capabilities(device));
     if (result != CUDA_ERROR_NOT_SUPPORTED) {
