@@ -51,7 +51,7 @@ QUICK_SHAPES = {"1x4096 hot", "16x4096 hot", "256x4096 hot", "1024x4096 hot", "1
                 "q 4096x32x128", "4096*32x128"}
 # (registers for x, weight prefetch, rows at once)
 TUNINGS = list(itertools.product((4, 8, 16), (False, True), (1, 2)))
-QUICK_TUNINGS = [(16, True, 1), (16, True, 2), (8, True, 1), (8, True, 2), (8, True, 4),
+QUICK_TUNINGS = [(16, True, 1), (16, True, 2), (8, True, 1), (8, True, 2),
                  (4, True, 1), (4, True, 2)]
 BASELINE = "base"  # the kernel of JITK_TUNE_BASELINE, if set
 ROUNDS, QUICK_ROUNDS = 7, 5

@@ -1,16 +1,14 @@
-// RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * weight, accumulated in
-// float32 and rounded to the input dtype; and its fused residual form,
-// residual += input; input = rmsnorm(residual) * weight.
+// RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * weight (float32 inside,
+// rounded to the dtype), and the fused form residual += input; input = rmsnorm(residual) * weight.
 //
 //   RMSNorm<kHidden, T>::run(input, weight, out, eps)
 //   RMSNorm<kHidden, T>::run_fused_add(input, residual, weight, eps)
 //
-// Inputs of any rank are read as rows of the hidden size (jitk/rows.h), whose leading
-// dimensions may take two strides: q/k-norm runs on heads cut from a fused QKV buffer. A row
-// is read once, kept in registers while its sum of squares is reduced (rows past 1024 threads
-// x 16 registers are read twice). Short rows get a power-of-two group of a warp's lanes, long
-// ones a block; a thread may take several rows at once. Rows move in the widest vectors (up
-// to 16 bytes) the hidden size and every pointer and stride allow.
+// Inputs of any rank are rows of the hidden size (jitk/rows.h) whose leading dimensions may
+// take two strides: q/k-norm runs on heads cut from a fused QKV buffer. A row is read once and
+// kept in registers while its sum of squares is reduced (past 1024 threads x 16 registers,
+// twice). Short rows get a power-of-two group of a warp's lanes, long ones a block, a thread
+// maybe several rows; rows move in the widest vectors (<= 16 bytes) all pointers and strides allow.
 #pragma once
 
 #include <jitk/device.cuh>
@@ -38,25 +36,24 @@ inline constexpr int kShortRowsBlockThreads = 128;
 // row is read twice: room to spare in the 64 a 1024-thread block leaves each.
 inline constexpr int kMaxRowRegisters = 16;
 
-// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them).
+// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them): the registers a thread would
+// rather give to x (fewer spread a row over more threads); block 0 prefetching the weight into
+// L2 before the wait; the rows a thread normalises at once, sharing its weight registers.
 template <int kRowRegisters_, bool kPrefetchWeight_, int kRowsAtOnce_ = 1>
 struct Tuning {
-  // Registers a thread would rather give to x: fewer spread a row over more threads.
   static constexpr int kRowRegisters = kRowRegisters_;
-  // Block 0 brings the weight into L2 before waiting for the previous kernel.
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
-  // Rows a thread normalises together with one copy of the weight in registers, when rows
-  // fit in registers: fewer blocks, each reading the weight once for them all.
   static constexpr int kRowsAtOnce = kRowsAtOnce_;
 };
 
-// From an H100 sweep (debugging_and_performance.md). Rows under 512 bytes get a lane per
-// 16-byte vector: a warp's loads cover whole 128-byte lines. Longer rows: four vectors a
-// thread (5% ahead of two at 8192 wide). The prefetch saves 0.1-0.3 us when the weight is
-// out of L2 (each layer has its own) and is lost in the noise when it is in.
-template <int kHidden, typename T>
-using DefaultTuning =
-    Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true, (kHidden * sizeof(T) < 512 ? 1 : 2)>;
+// From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
+// vector (a warp's loads cover whole 128-byte lines), a row a thread. Longer: four vectors a
+// thread (5% ahead of two at 8192 wide) and two rows, which share the weight's registers: at
+// 5120 wide a wave then holds 1056 rows, not 924 (1024 rows in L2: 4.7 us against 5.1), at
+// 4096 it costs 2-5% in L2, from DRAM it ties. The prefetch saves 0.1-0.3 us when the weight
+// is out of L2 (each layer has its own).
+template <int kHidden, typename T, bool kShortRows = (kHidden * sizeof(T) < 512)>
+using DefaultTuning = Tuning<kShortRows ? 4 : 16, true, kShortRows ? 1 : 2>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -92,7 +89,7 @@ struct Tiling {
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
   static constexpr int kRowsAtOnce = kInRegisters ? Tune::kRowsAtOnce : 1;
-  // Rows a block takes per turn: row group g's rows are g + j * kRowsPerBlock, j < kRowsAtOnce.
+  // Rows a block takes per turn: row group g's are g + j * kRowsPerBlock, j < kRowsAtOnce.
   static constexpr int kRowsPerTurn = kRowsPerBlock * kRowsAtOnce;
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
@@ -149,17 +146,6 @@ __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], 
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
     if (slot_live<Tiling>(lane, k, row_valid)) row[slot_index<Tiling>(lane, k)] = v[i];
-  }
-}
-
-// One prefetch per 128-byte line of this thread's slots of the weight.
-template <typename Tiling, typename Pack>
-__device__ __forceinline__ void prefetch_slots(const Pack* row, int lane) {
-#pragma unroll
-  for (int k = 0; k < Tiling::kVecsPerThread; ++k) {
-    const int index = slot_index<Tiling>(lane, k);
-    const bool line_start = index * Tiling::kVecBytes % 128 == 0;
-    if (slot_live<Tiling>(lane, k, true) && line_start) device::prefetch_l2(row + index);
   }
 }
 
@@ -239,19 +225,25 @@ struct Row {
   }
 };
 
+// A turn's rows for a row group whose first is `first`: first + j * kRowsPerBlock.
+template <typename Tiling, bool kFusedAdd>
+__device__ __forceinline__ void find_rows(Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
+                                          const Params& p, int64_t first) {
+#pragma unroll
+  for (int j = 0; j < Tiling::kRowsAtOnce; ++j) rows[j] = {p, first + j * Tiling::kRowsPerBlock};
+}
+
 // The rows stay in registers: read once, reduce, scale, write. `w` holds this thread's
 // slots of the weight, for every row alike; the loads of all the rows go out together.
 template <typename Tiling, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
-    const Params& p, int64_t first_row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread],
-    int lane, float* scratch) {
+    const Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
+    typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane, float eps, float* scratch) {
   constexpr int kRows = Tiling::kRowsAtOnce, kSlots = Tiling::kVecsPerThread;
-  Row<Tiling, kFusedAdd> rows[kRows];
   typename Tiling::Pack x[kRows][kSlots], r[kRows][kFusedAdd ? kSlots : 1];
   float sums[kRows];
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
-    rows[j] = Row<Tiling, kFusedAdd>(p, first_row + j * Tiling::kRowsPerBlock);
     load_slots<Tiling>(x[j], rows[j].input, 0, lane, rows[j].valid);
     if constexpr (kFusedAdd) load_slots<Tiling>(r[j], rows[j].residual, 0, lane, rows[j].valid);
   }
@@ -268,7 +260,7 @@ __device__ __forceinline__ void normalize_in_registers(
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
     device::keep_packed(x[j]);
-    combine<Tiling>(x[j], w, scale_by(rsqrtf(sums[j] / Tiling::kHidden + p.eps)));
+    combine<Tiling>(x[j], w, scale_by(rsqrtf(sums[j] / Tiling::kHidden + eps)));
     store_slots<Tiling>(rows[j].output, x[j], 0, lane, rows[j].valid);
   }
 }
@@ -276,11 +268,10 @@ __device__ __forceinline__ void normalize_in_registers(
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
 // one that reads the row again, mostly from L2, to scale it; a chunk's loads fly together.
 template <typename Tiling, bool kFusedAdd>
-__device__ __forceinline__ void normalize_in_two_passes(const Params& p, int64_t row_index,
+__device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFusedAdd>& row,
                                                         const typename Tiling::Pack* weight,
-                                                        int lane, float* scratch) {
+                                                        int lane, float eps, float* scratch) {
   constexpr int kChunk = Tiling::kMaxVecsInRegisters;
-  const Row<Tiling, kFusedAdd> row(p, row_index);
   float sum_sq[1] = {0.0f};
 #pragma unroll 1
   for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
@@ -295,7 +286,7 @@ __device__ __forceinline__ void normalize_in_two_passes(const Params& p, int64_t
     sum_sq[0] += sum_of_squares<Tiling>(x);
   }
   row_sums<Tiling>(sum_sq, scratch);
-  const float inv_rms = rsqrtf(sum_sq[0] / Tiling::kHidden + p.eps);
+  const float inv_rms = rsqrtf(sum_sq[0] / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
@@ -310,31 +301,40 @@ __device__ __forceinline__ void normalize_in_two_passes(const Params& p, int64_t
 
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Params p) {
-  using Pack = typename Tiling::Pack;
   __shared__ float scratch[2][Tiling::kRowsAtOnce * Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
   const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerTurn;
-  const auto* weight = static_cast<const Pack*>(p.weight);
-
-  // A prefetch changes no value a load returns: it may precede the wait. One block's serves all.
-  if (Tuning::kPrefetchWeight && blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
+  const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
+  int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerTurn};  // below p.rows: the grid fits
+  // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
+  // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
+  Row<Tiling, kFusedAdd> rows[Tiling::kRowsAtOnce];
+  find_rows(rows, p, first + group);
+  if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
+      const int index = slot_index<Tiling>(lane, k);
+      const bool line_start = index * Tiling::kVecBytes % 128 == 0;
+      if (slot_live<Tiling>(lane, k, true) && line_start) device::prefetch_l2(weight + index);
+    }
+  }
   // Launched with PDL, this kernel may start before the previous one is done: wait for it
   // before reading or writing anything. The next may launch now; it waits in turn for this.
   device::pdl_wait();
   device::pdl_launch_dependents();
 
   // Every thread of a block takes as many turns (on its first row): shuffles, barriers match.
-  Pack w[Tiling::kInRegisters ? Tiling::kVecsPerThread : 1];
+  typename Tiling::Pack w[Tiling::kInRegisters ? Tiling::kVecsPerThread : 1];
   if constexpr (Tiling::kInRegisters) load_slots<Tiling>(w, weight, 0, lane, true);
-  int turn = 0;
-  for (int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerTurn}; first < p.rows;
-       first += step, turn ^= 1) {
+  for (int turn = 0;; turn ^= 1) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers<Tiling, kFusedAdd>(p, first + group, w, lane, scratch[turn]);
+      normalize_in_registers(rows, w, lane, p.eps, scratch[turn]);
     } else {
-      normalize_in_two_passes<Tiling, kFusedAdd>(p, first + group, weight, lane, scratch[turn]);
+      normalize_in_two_passes(rows[0], weight, lane, p.eps, scratch[turn]);
     }
+    if ((first += step) >= p.rows) break;
+    find_rows(rows, p, first + group);
   }
 }
 
