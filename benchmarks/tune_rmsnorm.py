@@ -12,8 +12,9 @@ normalises the same x in place, call after call, so that rows stay in L2; "clone
 "cold w" times two norms, as consecutive layers, each with a weight of its own that an L2
 flush has evicted and an input just written (us for the two, beyond the flush and the
 write). "copy" is a copy of the same bytes (the clone alone in "clone" mode). Prints us per
-call per setting, and the best per shape. JITK_TUNE_BASELINE=path/to/rmsnorm.cuh adds that
-file's kernel (another revision's, with its own default knobs) as one more setting, "base".
+call per setting, and the best per shape. TUNE_RMSNORM_BASELINE=path/to/rmsnorm.cuh adds that
+file's kernel (another revision's, with its own default knobs) as one more setting, "base";
+it includes this checkout's jitk headers, so give it copies of its own where they differ.
     python benchmarks/tune_rmsnorm.py [--quick] [--json PATH]"""
 
 import itertools
@@ -53,7 +54,7 @@ QUICK_SHAPES = {"1x4096 hot", "16x4096 hot", "256x4096 hot", "1024x4096 hot", "1
 TUNINGS = list(itertools.product((4, 8, 16), (False, True), (1, 2)))
 QUICK_TUNINGS = [(16, True, 1), (16, True, 2), (8, True, 1), (8, True, 2),
                  (4, True, 1), (4, True, 2)]
-BASELINE = "base"  # the kernel of JITK_TUNE_BASELINE, if set
+BASELINE = "base"  # the kernel of TUNE_RMSNORM_BASELINE, if set
 ROUNDS, QUICK_ROUNDS = 7, 5
 EPS = 1e-6
 
@@ -72,7 +73,7 @@ def load(hidden, dtype, tuning):
 
 
 def baseline_source():
-    return os.path.abspath(os.environ["JITK_TUNE_BASELINE"])
+    return os.path.abspath(os.environ["TUNE_RMSNORM_BASELINE"])
 
 
 def build(config):
@@ -157,7 +158,7 @@ def setup(op, dtype, rows, hidden, mode):
 def main():
     args = common.parse_args(__doc__)
     tunings = QUICK_TUNINGS if args.quick else TUNINGS
-    if os.environ.get("JITK_TUNE_BASELINE"):
+    if os.environ.get("TUNE_RMSNORM_BASELINE"):
         tunings = [*tunings, BASELINE]
     shapes = [s for s in SHAPES if s[0] in QUICK_SHAPES] if args.quick else SHAPES
     rounds = QUICK_ROUNDS if args.quick else ROUNDS

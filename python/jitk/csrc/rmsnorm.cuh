@@ -48,9 +48,9 @@ struct Tuning {
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
 // vector (a warp's loads cover whole 128-byte lines), a row a thread. Longer: four vectors a
-// thread (5% ahead of two at 8192 wide) and two rows, which share the weight's registers: at
-// 5120 wide a wave then holds 1056 rows, not 924 (1024 rows in L2: 4.7 us against 5.1), at
-// 4096 it costs 2-5% in L2, from DRAM it ties. The prefetch saves 0.1-0.3 us when the weight
+// thread (5% ahead of two at 8192 wide) and two rows, which share the weight's registers, so a
+// wave holds more rows: 1024 rows in L2 take 4.01 us against 4.25 at 4096 wide, 4.85 against
+// 4.91 at 5120; from DRAM within 2% either way. The prefetch saves 0.1-0.3 us when the weight
 // is out of L2 (each layer has its own).
 template <int kHidden, typename T, bool kShortRows = (kHidden * sizeof(T) < 512)>
 using DefaultTuning = Tuning<kShortRows ? 4 : 16, true, kShortRows ? 1 : 2>;
