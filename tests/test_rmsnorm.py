@@ -8,11 +8,13 @@ NaN before each run."""
 
 import ctypes
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import tvm_ffi
 
+import jitk
 from jitk import norm
 
 HAS_GPU = torch.cuda.is_available()
@@ -189,6 +191,28 @@ def test_strided_heads_must_agree_on_their_rows():
     assert "'out' and 'input' group their rows differently (runs of 5 and of 4 rows)" in message
     message = failure(k.rmsnorm, q, w, fake_cuda((5, 3, 128), strides=(12 * 128, 128, 1)), 1e-6)
     assert "'out'" in message and "('rows'): expected 20 but got 15" in message
+
+
+ROW_SPLIT_PROBE = Path(__file__).resolve().parent / "csrc" / "row_split_probe.cpp"
+
+
+def test_row_split_divides_exactly():
+    """The kernel finds a strided row's run and place in it by a multiply-high and a shift
+    (rows.h RowSplit) when rows fit in 32 bits, by a 64-bit division beyond: checked on the
+    host against plain division next to every multiple of the run length (where a wrong
+    magic number shows first), over the first and the last million rows."""
+    probe = jitk.load_jit("row_split_probe", cpp_files=[ROW_SPLIT_PROBE],
+                          cpp_wrappers=[("first_wrong_row", "row_split_probe::first_wrong_row")])
+    narrow = 2**32 - 1  # the most rows that take the multiply-high
+    divisors = [1, 2, 3, 5, 6, 7, 24, 32, 48, 641, 65537, 6700417, 2**31 - 1, 2**31, 2**31 + 1,
+                narrow - 1, narrow]
+    for rows, divisor in [(narrow, d) for d in divisors] + [(2**40, 3), (2**33 + 5, 2**32 + 1)]:
+        for first in (divisor - 1, divisor, divisor + 1):
+            wrong = probe.first_wrong_row(divisor, rows, first, 2_000_000, divisor)
+            assert wrong == -1, (divisor, rows, wrong)
+        for first in (0, rows - 2**20):
+            wrong = probe.first_wrong_row(divisor, rows, first, 2**20, 1)
+            assert wrong == -1, (divisor, rows, wrong)
 
 
 def test_written_heads_must_not_overlap():

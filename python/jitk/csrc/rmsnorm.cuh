@@ -1,16 +1,14 @@
-// RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * weight, accumulated in
-// float32 and rounded to the input dtype; and its fused residual form,
-// residual += input; input = rmsnorm(residual) * weight.
+// RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * weight (float32 inside,
+// rounded to the dtype), and the fused form residual += input; input = rmsnorm(residual) * weight.
 //
 //   RMSNorm<kHidden, T>::run(input, weight, out, eps)
 //   RMSNorm<kHidden, T>::run_fused_add(input, residual, weight, eps)
 //
-// Inputs of any rank are read as rows of the hidden size (jitk/rows.h): the leading
-// dimensions may take two strides, so q/k-norm runs on heads cut from a fused QKV buffer.
-// A row is read once and kept in registers while its sum of squares is reduced (only rows
-// longer than 1024 threads x 16 registers are read twice). Short rows get a power-of-two
-// group of lanes of a warp, several rows to a block; long rows a block each. Rows move in the
-// widest vectors (up to 16 bytes) the hidden size and every pointer and stride allow.
+// Inputs of any rank are rows of the hidden size (jitk/rows.h) whose leading dimensions may
+// take two strides: q/k-norm runs on heads cut from a fused QKV buffer. A row is read once and
+// kept in registers while its sum of squares is reduced (past 1024 threads x 16 registers,
+// twice). Short rows get a power-of-two group of a warp's lanes, long ones a block, a thread
+// maybe several rows; rows move in the widest vectors (<= 16 bytes) all pointers and strides allow.
 #pragma once
 
 #include <jitk/device.cuh>
@@ -38,21 +36,24 @@ inline constexpr int kShortRowsBlockThreads = 128;
 // row is read twice: room to spare in the 64 a 1024-thread block leaves each.
 inline constexpr int kMaxRowRegisters = 16;
 
-// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them).
-template <int kRowRegisters_, bool kPrefetchWeight_>
+// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them): the registers a thread would
+// rather give to x (fewer spread a row over more threads); block 0 prefetching the weight into
+// L2 before the wait; the rows a thread normalises at once, sharing its weight registers.
+template <int kRowRegisters_, bool kPrefetchWeight_, int kRowsAtOnce_ = 1>
 struct Tuning {
-  // Registers a thread would rather give to x: fewer spread a row over more threads.
   static constexpr int kRowRegisters = kRowRegisters_;
-  // Block 0 brings the weight into L2 before waiting for the previous kernel.
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
+  static constexpr int kRowsAtOnce = kRowsAtOnce_;
 };
 
-// From an H100 sweep (debugging_and_performance.md). Rows under 512 bytes get a lane per
-// 16-byte vector: a warp's loads cover whole 128-byte lines. Longer rows: four vectors a
-// thread (5% ahead of two at 8192 wide). The prefetch saves 0.1-0.3 us when the weight is
-// out of L2 (each layer has its own) and is lost in the noise when it is in.
-template <int kHidden, typename T>
-using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
+// From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
+// vector (a warp's loads cover whole 128-byte lines), a row a thread. Longer: four vectors a
+// thread (5% ahead of two at 8192 wide) and two rows, which share the weight's registers, so a
+// wave holds more rows: 1024 rows in L2 take 4.01 us against 4.25 at 4096 wide, 4.85 against
+// 4.91 at 5120; from DRAM within 2% either way. The prefetch saves 0.1-0.3 us when the weight
+// is out of L2 (each layer has its own).
+template <int kHidden, typename T, bool kShortRows = (kHidden * sizeof(T) < 512)>
+using DefaultTuning = Tuning<kShortRows ? 4 : 16, true, kShortRows ? 1 : 2>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -62,7 +63,7 @@ constexpr int widest_vec_size(int hidden) {
   return size;
 }
 
-template <int kHidden_, typename T_, int kVecSize_, int kRowRegisters>
+template <int kHidden_, typename T_, int kVecSize_, typename Tune>
 struct Tiling {
   static constexpr int kHidden = kHidden_;
   using T = T_;
@@ -75,7 +76,7 @@ struct Tiling {
   static constexpr int kVecRegisters = max_of(1, kVecBytes / 4);
   static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
   static constexpr int kWantedThreads =
-      div_ceil(kVecsPerRow, max_of(1, kRowRegisters / kVecRegisters));
+      div_ceil(kVecsPerRow, max_of(1, Tune::kRowRegisters / kVecRegisters));
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
@@ -83,18 +84,20 @@ struct Tiling {
                : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
+  static constexpr int kRowWarps = kSubWarp ? 1 : kThreadsPerRow / kWarpThreads;
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
+  static constexpr int kRowsAtOnce = kInRegisters ? Tune::kRowsAtOnce : 1;
+  // Rows a block takes per turn: row group g's are g + j * kRowsPerBlock, j < kRowsAtOnce.
+  static constexpr int kRowsPerTurn = kRowsPerBlock * kRowsAtOnce;
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
 
   // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh).
   using Pack = device::Packed<T, kVecSize>;
   __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
-  __device__ static Pack pack(const device::Vec<float, kVecSize>& f) {
-    return device::pack<T, kVecSize>(f);
-  }
+  __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -119,10 +122,9 @@ __device__ __forceinline__ int slot_index(int lane, int k) {
 }
 template <typename Tiling>
 __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
-  if (k >= Tiling::kVecsPerThread) return false;
-  const bool in_row = k + 1 < Tiling::kVecsPerThread || !Tiling::kRagged ||
-                      slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow;
-  return row_valid && in_row;
+  return row_valid && k < Tiling::kVecsPerThread &&
+         (k + 1 < Tiling::kVecsPerThread || !Tiling::kRagged ||
+          slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow);
 }
 
 // Loads slots first .. first + kCount - 1, all issued before any is used. Dead slots read
@@ -144,18 +146,6 @@ __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], 
   for (int i = 0; i < kCount; ++i) {
     const int k = first + i;
     if (slot_live<Tiling>(lane, k, row_valid)) row[slot_index<Tiling>(lane, k)] = v[i];
-  }
-}
-
-// One prefetch per 128-byte line of this thread's slots of the weight.
-template <typename Tiling, typename Pack>
-__device__ __forceinline__ void prefetch_slots(const Pack* row, int lane) {
-#pragma unroll
-  for (int k = 0; k < Tiling::kVecsPerThread; ++k) {
-    const int index = slot_index<Tiling>(lane, k);
-    if (slot_live<Tiling>(lane, k, true) && index * Tiling::kVecBytes % 128 == 0) {
-      device::prefetch_l2(row + index);
-    }
   }
 }
 
@@ -185,88 +175,104 @@ __device__ __forceinline__ void combine(typename Tiling::Pack (&x)[kCount],
   }
 }
 
-// x + r: the residual stream holds the sum in its own dtype.
-struct Add {
-  __device__ float operator()(float x, float r) const { return x + r; }
-};
-struct Scale {
-  float inv_rms;
-  __device__ float operator()(float x, float w) const { return x * inv_rms * w; }
-};
+// The scaling step, element by element (the residual sum is a plain add, in its own dtype).
+__device__ __forceinline__ auto scale_by(float inv_rms) {
+  return [inv_rms](float x, float w) { return x * inv_rms * w; };
+}
 
-// The sum over the threads of one row; every one of them gets it. Consecutive calls must
-// alternate between two scratch buffers.
-template <typename Tiling>
-__device__ __forceinline__ float row_sum(float v, float* scratch) {
-  if constexpr (Tiling::kSubWarp) {
-    // Groups are aligned runs of kThreadsPerRow lanes, and xor stays inside its run.
+// The sums over the threads of kRows rows at once, in place; every thread of a row gets its
+// row's. Consecutive calls must alternate between two scratch buffers.
+template <typename Tiling, int kRows>
+__device__ __forceinline__ void row_sums(float (&sums)[kRows], float* scratch) {
+  constexpr int kLanes = Tiling::kSubWarp ? Tiling::kThreadsPerRow : kWarpThreads;
+  constexpr int kWarps = Tiling::kRowWarps;
+  const int lane = threadIdx.x % kWarpThreads, warp = threadIdx.x / kWarpThreads;
 #pragma unroll
-    for (int offset = Tiling::kThreadsPerRow / 2; offset > 0; offset /= 2) {
-      v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int j = 0; j < kRows; ++j) {
+    // A row's lanes are an aligned run of kLanes, and xor stays inside its run.
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+      sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
     }
-    return v;
-  } else {
-    return device::block_sum<Tiling::kThreadsPerRow, false>(v, scratch);
+    if (kWarps > 1 && lane == 0) scratch[j * kWarps + warp] = sums[j];
+  }
+  if constexpr (kWarps > 1) {  // one barrier for all the rows; the next call's orders reuse
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      sums[j] = device::warp_sum(lane < kWarps ? scratch[j * kWarps + lane] : 0.0f);
+    }
   }
 }
 
-template <typename Tiling>
-__device__ __forceinline__ float inverse_rms(float sum_sq, float eps, float* scratch) {
-  return rsqrtf(row_sum<Tiling>(sum_sq, scratch) / Tiling::kHidden + eps);
-}
-
-// One row's place in each tensor; `valid` is false for the rows past the last that the
-// threads of a block's last rows stand in for.
+// One row's place in each tensor; `valid` is false past the last row (a block's last turn).
 template <typename Tiling, bool kFusedAdd>
 struct Row {
   using Pack = typename Tiling::Pack;
   const Pack* input;
-  Pack* residual;
+  Pack* residual = nullptr;
   Pack* output;
   bool valid;
 
+  Row() = default;
   __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
     const RowIndex at = p.split.index(valid ? row : 0);
     using T = typename Tiling::T;
     input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + p.input_rows.offset(at));
     output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + p.output_rows.offset(at));
-    residual =
-        kFusedAdd
-            ? reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + p.residual_rows.offset(at))
-            : nullptr;
+    if (kFusedAdd)
+      residual = reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + p.residual_rows.offset(at));
   }
 };
 
-// The whole row stays in registers: read once, reduce, scale, write. `w` holds this
-// thread's slots of the weight.
+// A turn's rows for a row group whose first is `first`: first + j * kRowsPerBlock.
 template <typename Tiling, bool kFusedAdd>
-__device__ __forceinline__ void normalize_in_registers(
-    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane,
-    float eps, float* scratch) {
-  constexpr int kSlots = Tiling::kVecsPerThread;
-  typename Tiling::Pack x[kSlots], r[kFusedAdd ? kSlots : 1];
-  load_slots<Tiling>(x, row.input, 0, lane, row.valid);
-  if constexpr (kFusedAdd) {
-    load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
-    combine<Tiling>(x, r, Add{});
-    store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
-  }
-  const float inv_rms = inverse_rms<Tiling>(sum_of_squares<Tiling>(x), eps, scratch);
-  device::keep_packed(x);
-  device::keep_packed(w);
-  combine<Tiling>(x, w, Scale{inv_rms});
-  store_slots<Tiling>(row.output, x, 0, lane, row.valid);
+__device__ __forceinline__ void find_rows(Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
+                                          const Params& p, int64_t first) {
+#pragma unroll
+  for (int j = 0; j < Tiling::kRowsAtOnce; ++j) rows[j] = {p, first + j * Tiling::kRowsPerBlock};
 }
 
-// Rows too long for registers: a pass for the sum of squares (storing the residual sum),
-// then a pass that reads the row again, mostly from L2, to scale it. Both go a chunk of
-// slots at a time so that a chunk's loads are in flight together.
+// The rows stay in registers: read once, reduce, scale, write. `w` holds this thread's
+// slots of the weight, for every row alike; the loads of all the rows go out together.
+template <typename Tiling, bool kFusedAdd>
+__device__ __forceinline__ void normalize_in_registers(
+    const Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
+    typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane, float eps, float* scratch) {
+  constexpr int kRows = Tiling::kRowsAtOnce, kSlots = Tiling::kVecsPerThread;
+  typename Tiling::Pack x[kRows][kSlots], r[kRows][kFusedAdd ? kSlots : 1];
+  float sums[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    load_slots<Tiling>(x[j], rows[j].input, 0, lane, rows[j].valid);
+    if constexpr (kFusedAdd) load_slots<Tiling>(r[j], rows[j].residual, 0, lane, rows[j].valid);
+  }
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    if constexpr (kFusedAdd) {
+      combine<Tiling>(x[j], r[j], [](float a, float b) { return a + b; });
+      store_slots<Tiling>(rows[j].residual, x[j], 0, lane, rows[j].valid);
+    }
+    sums[j] = sum_of_squares<Tiling>(x[j]);
+  }
+  row_sums<Tiling>(sums, scratch);
+  device::keep_packed(w);
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    device::keep_packed(x[j]);
+    combine<Tiling>(x[j], w, scale_by(rsqrtf(sums[j] / Tiling::kHidden + eps)));
+    store_slots<Tiling>(rows[j].output, x[j], 0, lane, rows[j].valid);
+  }
+}
+
+// Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
+// one that reads the row again, mostly from L2, to scale it; a chunk's loads fly together.
 template <typename Tiling, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFusedAdd>& row,
                                                         const typename Tiling::Pack* weight,
                                                         int lane, float eps, float* scratch) {
   constexpr int kChunk = Tiling::kMaxVecsInRegisters;
-  float sum_sq = 0.0f;
+  float sum_sq[1] = {0.0f};
 #pragma unroll 1
   for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
     typename Tiling::Pack x[kChunk];
@@ -274,12 +280,13 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
     if constexpr (kFusedAdd) {
       typename Tiling::Pack r[kChunk];
       load_slots<Tiling>(r, row.residual, first, lane, row.valid);
-      combine<Tiling>(x, r, Add{});
+      combine<Tiling>(x, r, [](float a, float b) { return a + b; });
       store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
-    sum_sq += sum_of_squares<Tiling>(x);
+    sum_sq[0] += sum_of_squares<Tiling>(x);
   }
-  const float inv_rms = inverse_rms<Tiling>(sum_sq, eps, scratch);
+  row_sums<Tiling>(sum_sq, scratch);
+  const float inv_rms = rsqrtf(sum_sq[0] / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
@@ -287,43 +294,47 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
     typename Tiling::Pack x[kChunk], w[kChunk];
     load_slots<Tiling>(x, source, first, lane, row.valid);
     load_slots<Tiling>(w, weight, first, lane, row.valid);
-    combine<Tiling>(x, w, Scale{inv_rms});
+    combine<Tiling>(x, w, scale_by(inv_rms));
     store_slots<Tiling>(row.output, x, first, lane, row.valid);
   }
 }
 
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Params p) {
-  using Pack = typename Tiling::Pack;
-  constexpr int kWarps = Tiling::kSubWarp ? 1 : Tiling::kThreadsPerRow / kWarpThreads;
-  __shared__ float scratch[2][kWarps];  // alternate rows use alternate halves
+  __shared__ float scratch[2][Tiling::kRowsAtOnce * Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
-  const int64_t row_in_block = threadIdx.x / Tiling::kThreadsPerRow;
-  const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
-  const auto* weight = static_cast<const Pack*>(p.weight);
-
-  // A prefetch changes no value a load returns, so it may come before the wait; one block's
-  // serves all.
-  if (Tuning::kPrefetchWeight && blockIdx.x == 0) prefetch_slots<Tiling>(weight, lane);
-  // Launched with PDL, this kernel may start before the previous one on the stream is done:
-  // wait for it before reading or writing anything. The next kernel may launch now: it
-  // waits in turn for this one to finish.
+  const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
+  const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerTurn;
+  const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
+  int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerTurn};  // below p.rows: the grid fits
+  // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
+  // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
+  Row<Tiling, kFusedAdd> rows[Tiling::kRowsAtOnce];
+  find_rows(rows, p, first + group);
+  if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
+      const int index = slot_index<Tiling>(lane, k);
+      const bool line_start = index * Tiling::kVecBytes % 128 == 0;
+      if (slot_live<Tiling>(lane, k, true) && line_start) device::prefetch_l2(weight + index);
+    }
+  }
+  // Launched with PDL, this kernel may start before the previous one is done: wait for it
+  // before reading or writing anything. The next may launch now; it waits in turn for this.
   device::pdl_wait();
   device::pdl_launch_dependents();
 
-  // Every thread of a block takes the same number of turns, so shuffles and barriers match.
-  int64_t row = int64_t{blockIdx.x} * Tiling::kRowsPerBlock + row_in_block;
-  int turn = 0;
-  if constexpr (Tiling::kInRegisters) {
-    Pack w[Tiling::kVecsPerThread];
-    load_slots<Tiling>(w, weight, 0, lane, true);
-    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
-      normalize_in_registers(Row<Tiling, kFusedAdd>(p, row), w, lane, p.eps, scratch[turn]);
+  // Every thread of a block takes as many turns (on its first row): shuffles, barriers match.
+  typename Tiling::Pack w[Tiling::kInRegisters ? Tiling::kVecsPerThread : 1];
+  if constexpr (Tiling::kInRegisters) load_slots<Tiling>(w, weight, 0, lane, true);
+  for (int turn = 0;; turn ^= 1) {
+    if constexpr (Tiling::kInRegisters) {
+      normalize_in_registers(rows, w, lane, p.eps, scratch[turn]);
+    } else {
+      normalize_in_two_passes(rows[0], weight, lane, p.eps, scratch[turn]);
     }
-  } else {
-    for (; row - row_in_block < p.rows; row += step, turn ^= 1) {
-      normalize_in_two_passes(Row<Tiling, kFusedAdd>(p, row), weight, lane, p.eps, scratch[turn]);
-    }
+    if ((first += step) >= p.rows) break;
+    find_rows(rows, p, first + group);
   }
 }
 
@@ -385,16 +396,9 @@ struct RMSNorm {
     const RowView y = check_rows<T>(out, "out", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
     const RowSplit split = shared_split({&x, &y});
-    const Params params{x.data(),
-                        nullptr,
-                        y.data(),
-                        w,
-                        split,
-                        x.strides_in(split),
-                        {},
-                        y.strides_in(split),
-                        rows.unwrap(),
-                        check_eps(eps)};
+    const RowStrides x_rows = x.strides_in(split), y_rows = y.strides_in(split);
+    const Params params{x.data(), nullptr,       y.data(),      w, split, x_rows, RowStrides(),
+                        y_rows,   rows.unwrap(), check_eps(eps)};
     launch<false>(params, device.unwrap());
   }
 
@@ -406,10 +410,9 @@ struct RMSNorm {
     const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
     const RowSplit split = shared_split({&x, &r});
-    const RowStrides x_rows = x.strides_in(split);
-    const Params params{
-        x.data(), r.data(),      x.data(),      w, split, x_rows, r.strides_in(split),
-        x_rows,   rows.unwrap(), check_eps(eps)};
+    const RowStrides x_rows = x.strides_in(split), r_rows = r.strides_in(split);
+    const Params params{x.data(), r.data(),      x.data(),      w, split, x_rows, r_rows,
+                        x_rows,   rows.unwrap(), check_eps(eps)};
     launch<true>(params, device.unwrap());
   }
 
@@ -427,20 +430,17 @@ struct RMSNorm {
   template <bool kFusedAdd>
   static void launch(const Params& p, DLDevice device) {
     if (p.rows == 0) return;
-    if constexpr (kVecSize > 1) {
-      if (vectors_aligned(p)) {
-        return launch_with<Tiling<kHidden, T, kVecSize, Tune::kRowRegisters>, kFusedAdd>(p, device);
-      }
+    if (kVecSize > 1 && vectors_aligned(p)) {
+      return launch_with<Tiling<kHidden, T, kVecSize, Tune>, kFusedAdd>(p, device);
     }
-    launch_with<Tiling<kHidden, T, 1, Tune::kRowRegisters>, kFusedAdd>(p, device);
+    launch_with<Tiling<kHidden, T, 1, Tune>, kFusedAdd>(p, device);
   }
 
   template <typename Tiles, bool kFusedAdd>
   static void launch_with(const Params& p, DLDevice device) {
-    // A block per group of rows. Blocks loop over rows, so a grid capped at the launch limit
-    // still covers them all. (A grid of what the GPU holds at once, looping, measured 3-7%
-    // slower: the block scheduler balances better.)
-    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
+    // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
+    // every row. (A grid of what the GPU holds at once measured 3-7% slower.)
+    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerTurn}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
         .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);
