@@ -168,7 +168,9 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
         holder.wait()
     assert re.search(f"waited 0.5 s for the build lock .*held by pid {holder.pid} on .* "
                      "\\(this machine\\)", waiter.stdout), waiter.stdout + waiter.stderr
-    assert float(waiter.stdout.split("seconds")[-1]) < 5
+    # Far under the 300 s default; the rest is the call's start (compiler version queries),
+    # which took 5.5 s on the GPU machine while six test workers were building.
+    assert float(waiter.stdout.split("seconds")[-1]) < 30
     # The holder was killed: its lock died with it, and the build goes ahead.
     module = jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
                            build_directory=entry)
