@@ -5,10 +5,9 @@
 //   RMSNorm<kHidden, T>::run_fused_add(input, residual, weight, eps)
 //
 // Inputs of any rank are rows of the hidden size (jitk/rows.h) whose leading dimensions may
-// take two strides: q/k-norm runs on heads cut from a fused QKV buffer. A row is read once and
-// kept in registers while its sum of squares is reduced (past 1024 threads x 16 registers,
-// twice). Short rows get a power-of-two group of a warp's lanes, long ones a block, a thread
-// maybe several rows; rows move in the widest vectors (<= 16 bytes) all pointers and strides allow.
+// take two strides (q/k-norm on heads cut from a fused QKV buffer). A row is read once, held in
+// registers while its sum of squares is reduced (read twice past 1024 threads x 16 registers),
+// by some lanes of a warp or a block, in the widest vectors (<= 16 B) pointers and strides allow.
 #pragma once
 
 #include <jitk/device.cuh>
@@ -36,9 +35,8 @@ inline constexpr int kShortRowsBlockThreads = 128;
 // row is read twice: room to spare in the 64 a 1024-thread block leaves each.
 inline constexpr int kMaxRowRegisters = 16;
 
-// The kernel's knobs (benchmarks/tune_rmsnorm.py sweeps them): the registers a thread would
-// rather give to x (fewer spread a row over more threads); block 0 prefetching the weight into
-// L2 before the wait; the rows a thread normalises at once, sharing its weight registers.
+// The knobs benchmarks/tune_rmsnorm.py sweeps: registers a thread would rather give x (fewer
+// spread a row wider); block 0 prefetching the weight; rows a thread takes at once (one weight).
 template <int kRowRegisters_, bool kPrefetchWeight_, int kRowsAtOnce_ = 1>
 struct Tuning {
   static constexpr int kRowRegisters = kRowRegisters_;
@@ -47,13 +45,11 @@ struct Tuning {
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
-// vector (a warp's loads cover whole 128-byte lines), a row a thread. Longer: four vectors a
-// thread (5% ahead of two at 8192 wide) and two rows, which share the weight's registers, so a
-// wave holds more rows: 1024 rows in L2 take 4.01 us against 4.25 at 4096 wide, 4.85 against
-// 4.91 at 5120; from DRAM within 2% either way. The prefetch saves 0.1-0.3 us when the weight
-// is out of L2 (each layer has its own).
-template <int kHidden, typename T, bool kShortRows = (kHidden * sizeof(T) < 512)>
-using DefaultTuning = Tuning<kShortRows ? 4 : 16, true, kShortRows ? 1 : 2>;
+// vector (a warp's loads cover whole lines); longer: four vectors a thread (5% ahead of two at
+// 8192). A row a thread: with kMinBlocks, ahead of two at once (1024 x 5120 in L2: 4.69 / 4.81
+// us). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
+template <int kHidden, typename T>
+using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true, 1>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -102,7 +98,6 @@ struct Tiling {
 
 // ---------------------------------------------------------------------------------------
 // Device side.
-
 struct Params {
   const void* input;
   void* residual;  // fused add only
@@ -127,8 +122,7 @@ __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
           slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow);
 }
 
-// Loads slots first .. first + kCount - 1, all issued before any is used. Dead slots read
-// as zeros, which add nothing to a sum of squares.
+// Loads slots first .. first + kCount - 1, all issued before any is used; dead ones read 0.
 template <typename Tiling, int kCount, typename Pack>
 __device__ __forceinline__ void load_slots(Pack (&v)[kCount], const Pack* row, int first, int lane,
                                            bool row_valid) {
@@ -180,8 +174,7 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
   return [inv_rms](float x, float w) { return x * inv_rms * w; };
 }
 
-// The sums over the threads of kRows rows at once, in place; every thread of a row gets its
-// row's. Consecutive calls must alternate between two scratch buffers.
+// kRows rows' sums over their threads, in place, for each; calls alternate two scratch buffers.
 template <typename Tiling, int kRows>
 __device__ __forceinline__ void row_sums(float (&sums)[kRows], float* scratch) {
   constexpr int kLanes = Tiling::kSubWarp ? Tiling::kThreadsPerRow : kWarpThreads;
@@ -233,8 +226,7 @@ __device__ __forceinline__ void find_rows(Row<Tiling, kFusedAdd> (&rows)[Tiling:
   for (int j = 0; j < Tiling::kRowsAtOnce; ++j) rows[j] = {p, first + j * Tiling::kRowsPerBlock};
 }
 
-// The rows stay in registers: read once, reduce, scale, write. `w` holds this thread's
-// slots of the weight, for every row alike; the loads of all the rows go out together.
+// Rows in registers: read (all rows' loads at once), reduce, scale by `w` (this thread's slots).
 template <typename Tiling, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
     const Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
@@ -299,8 +291,16 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
   }
 }
 
+// A row a thread: 8 blocks an SM (the register cap that sets) where that leaves a thread what
+// it plans (x, the weight, the fused form's residual: kMaxRowRegisters each, and 16), so 1056
+// rows fill a wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90.
+template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
+inline constexpr int kMinBlocks =
+    Tiling::kRowsAtOnce == 1 && 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
+
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-__global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Params p) {
+__global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocks<Tiling, kFusedAdd>))
+    rmsnorm_kernel(const Params p) {
   __shared__ float scratch[2][Tiling::kRowsAtOnce * Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
   const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
@@ -340,7 +340,6 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads) rmsnorm_kernel(const Pa
 
 // ---------------------------------------------------------------------------------------
 // Host side.
-
 // "row stride 64 < hidden size 128", or the strides of rows in two runs.
 struct RowStridesOf {
   const RowView& v;
