@@ -116,28 +116,11 @@ def calls(op, hidden, weight, layout, xs, others):
             [lambda x=x: F.rms_norm(x, (hidden,), weight, EPS) for x in xs], copies)
 
 
-def captured(fn, calls_per_graph=100):
-    """A CUDA graph of calls_per_graph calls of fn, warmed up and replayed once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def paired_us(fns, rounds=ROUNDS, calls_per_graph=100):
     """Median us per call of each of fns under graph replay, their replays taking turns
     (in reversed order every other round), so that a drift of clock or temperature over
     the run weighs on each alike."""
-    graphs = [captured(fn, calls_per_graph) for fn in fns]
+    graphs = [common.captured_graph(fn, calls_per_graph) for fn in fns]
     samples = [[] for _ in fns]
     for round_ in range(rounds):
         order = list(range(len(fns)))[::-1 if round_ % 2 else 1]

@@ -40,9 +40,8 @@ def time_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100
     return median_us(fn, repeats=50, warmup=10)
 
 
-def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 100, replays: int = 20) -> float:
-    """Median microseconds per call under CUDA graph replay: launch gaps shrink to what the
-    GPU itself needs, which is what a serving engine's decode step sees."""
+def captured_graph(fn: Callable[[], object], calls_per_graph: int = 100) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of calls_per_graph calls of fn, warmed up on a side stream, replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,6 +54,13 @@ def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 100, replays:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 100, replays: int = 20) -> float:
+    """Median microseconds per call under CUDA graph replay: launch gaps shrink to what the
+    GPU itself needs, which is what a serving engine's decode step sees."""
+    graph = captured_graph(fn, calls_per_graph)
     samples = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
