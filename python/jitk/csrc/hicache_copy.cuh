@@ -139,10 +139,8 @@ class CopyList {
   }
 
   void submit(cudaStream_t stream, DebugInfo where = {}) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    RuntimeDeviceCheck(cudaStreamIsCapturing(stream, &capture), where);
     const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
-    if (capture == cudaStreamCaptureStatusNone && !legacy && batch_supported()) {
+    if (!is_capturing(stream, where) && !legacy && batch_supported()) {
       submit_batches(stream, where);
       return;
     }

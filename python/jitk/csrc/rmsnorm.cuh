@@ -36,20 +36,18 @@ inline constexpr int kShortRowsBlockThreads = 128;
 inline constexpr int kMaxRowRegisters = 16;
 
 // The knobs benchmarks/tune_rmsnorm.py sweeps: registers a thread would rather give x (fewer
-// spread a row wider); block 0 prefetching the weight; rows a thread takes at once (one weight).
-template <int kRowRegisters_, bool kPrefetchWeight_, int kRowsAtOnce_ = 1>
+// spread a row wider); block 0 prefetching the weight.
+template <int kRowRegisters_, bool kPrefetchWeight_>
 struct Tuning {
   static constexpr int kRowRegisters = kRowRegisters_;
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
-  static constexpr int kRowsAtOnce = kRowsAtOnce_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
 // vector (a warp's loads cover whole lines); longer: four vectors a thread (5% ahead of two at
-// 8192). A row a thread: with kMinBlocks, ahead of two at once (1024 x 5120 in L2: 4.69 / 4.81
-// us). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
+// 8192). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
 template <int kHidden, typename T>
-using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true, 1>;
+using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
 
 // The widest access (at most 16 bytes) whose element count divides the hidden size.
 template <typename T>
@@ -84,9 +82,6 @@ struct Tiling {
   static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
-  static constexpr int kRowsAtOnce = kInRegisters ? Tune::kRowsAtOnce : 1;
-  // Rows a block takes per turn: row group g's are g + j * kRowsPerBlock, j < kRowsAtOnce.
-  static constexpr int kRowsPerTurn = kRowsPerBlock * kRowsAtOnce;
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
 
@@ -174,28 +169,24 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
   return [inv_rms](float x, float w) { return x * inv_rms * w; };
 }
 
-// kRows rows' sums over their threads, in place, for each; calls alternate two scratch buffers.
-template <typename Tiling, int kRows>
-__device__ __forceinline__ void row_sums(float (&sums)[kRows], float* scratch) {
+// A row's sum over its threads, which every one of them gets. Consecutive calls must alternate
+// between two scratch buffers (the next call's barrier orders the reuse).
+template <typename Tiling>
+__device__ __forceinline__ float row_sum(float sum, float* scratch) {
   constexpr int kLanes = Tiling::kSubWarp ? Tiling::kThreadsPerRow : kWarpThreads;
   constexpr int kWarps = Tiling::kRowWarps;
   const int lane = threadIdx.x % kWarpThreads, warp = threadIdx.x / kWarpThreads;
+  // A row's lanes are an aligned run of kLanes, and xor stays inside its run.
 #pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    // A row's lanes are an aligned run of kLanes, and xor stays inside its run.
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-      sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
-    }
-    if (kWarps > 1 && lane == 0) scratch[j * kWarps + warp] = sums[j];
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   }
-  if constexpr (kWarps > 1) {  // one barrier for all the rows; the next call's orders reuse
+  if constexpr (kWarps > 1) {
+    if (lane == 0) scratch[warp] = sum;
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      sums[j] = device::warp_sum(lane < kWarps ? scratch[j * kWarps + lane] : 0.0f);
-    }
+    sum = device::warp_sum(lane < kWarps ? scratch[lane] : 0.0f);
   }
+  return sum;
 }
 
 // One row's place in each tensor; `valid` is false past the last row (a block's last turn).
@@ -207,7 +198,6 @@ struct Row {
   Pack* output;
   bool valid;
 
-  Row() = default;
   __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
     const RowIndex at = p.split.index(valid ? row : 0);
     using T = typename Tiling::T;
@@ -218,43 +208,23 @@ struct Row {
   }
 };
 
-// A turn's rows for a row group whose first is `first`: first + j * kRowsPerBlock.
-template <typename Tiling, bool kFusedAdd>
-__device__ __forceinline__ void find_rows(Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
-                                          const Params& p, int64_t first) {
-#pragma unroll
-  for (int j = 0; j < Tiling::kRowsAtOnce; ++j) rows[j] = {p, first + j * Tiling::kRowsPerBlock};
-}
-
-// Rows in registers: read (all rows' loads at once), reduce, scale by `w` (this thread's slots).
+// The row stays in registers: read once, reduce, scale by `w` (this thread's slots), write.
 template <typename Tiling, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
-    const Row<Tiling, kFusedAdd> (&rows)[Tiling::kRowsAtOnce],
-    typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane, float eps, float* scratch) {
-  constexpr int kRows = Tiling::kRowsAtOnce, kSlots = Tiling::kVecsPerThread;
-  typename Tiling::Pack x[kRows][kSlots], r[kRows][kFusedAdd ? kSlots : 1];
-  float sums[kRows];
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    load_slots<Tiling>(x[j], rows[j].input, 0, lane, rows[j].valid);
-    if constexpr (kFusedAdd) load_slots<Tiling>(r[j], rows[j].residual, 0, lane, rows[j].valid);
+    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane,
+    float eps, float* scratch) {
+  typename Tiling::Pack x[Tiling::kVecsPerThread], r[kFusedAdd ? Tiling::kVecsPerThread : 1];
+  load_slots<Tiling>(x, row.input, 0, lane, row.valid);
+  if constexpr (kFusedAdd) {
+    load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
+    combine<Tiling>(x, r, [](float a, float b) { return a + b; });
+    store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    if constexpr (kFusedAdd) {
-      combine<Tiling>(x[j], r[j], [](float a, float b) { return a + b; });
-      store_slots<Tiling>(rows[j].residual, x[j], 0, lane, rows[j].valid);
-    }
-    sums[j] = sum_of_squares<Tiling>(x[j]);
-  }
-  row_sums<Tiling>(sums, scratch);
+  const float sum = row_sum<Tiling>(sum_of_squares<Tiling>(x), scratch);
   device::keep_packed(w);
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    device::keep_packed(x[j]);
-    combine<Tiling>(x[j], w, scale_by(rsqrtf(sums[j] / Tiling::kHidden + eps)));
-    store_slots<Tiling>(rows[j].output, x[j], 0, lane, rows[j].valid);
-  }
+  device::keep_packed(x);
+  combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
+  store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }
 
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
@@ -264,7 +234,7 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
                                                         const typename Tiling::Pack* weight,
                                                         int lane, float eps, float* scratch) {
   constexpr int kChunk = Tiling::kMaxVecsInRegisters;
-  float sum_sq[1] = {0.0f};
+  float sum_sq = 0.0f;
 #pragma unroll 1
   for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
     typename Tiling::Pack x[kChunk];
@@ -275,10 +245,9 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
       combine<Tiling>(x, r, [](float a, float b) { return a + b; });
       store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
-    sum_sq[0] += sum_of_squares<Tiling>(x);
+    sum_sq += sum_of_squares<Tiling>(x);
   }
-  row_sums<Tiling>(sum_sq, scratch);
-  const float inv_rms = rsqrtf(sum_sq[0] / Tiling::kHidden + eps);
+  const float inv_rms = rsqrtf(row_sum<Tiling>(sum_sq, scratch) / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
@@ -291,26 +260,24 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
   }
 }
 
-// A row a thread: 8 blocks an SM (the register cap that sets) where that leaves a thread what
-// it plans (x, the weight, the fused form's residual: kMaxRowRegisters each, and 16), so 1056
-// rows fill a wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90.
+// 8 blocks an SM (the register cap that sets) where that leaves a thread what it plans (x,
+// the weight, the fused form's residual: kMaxRowRegisters each, and 16), so 1056 rows fill a
+// wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90 uncapped.
 template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
-inline constexpr int kMinBlocks =
-    Tiling::kRowsAtOnce == 1 && 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
+inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
 
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocks<Tiling, kFusedAdd>))
     rmsnorm_kernel(const Params p) {
-  __shared__ float scratch[2][Tiling::kRowsAtOnce * Tiling::kRowWarps];  // turns alternate
+  __shared__ float scratch[2][Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
-  const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
-  const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerTurn;
+  const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
-  int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerTurn};  // below p.rows: the grid fits
+  const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
+  int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
-  Row<Tiling, kFusedAdd> rows[Tiling::kRowsAtOnce];
-  find_rows(rows, p, first + group);
+  Row<Tiling, kFusedAdd> row(p, first + group);
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
@@ -329,12 +296,12 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocks<Tiling, kFu
   if constexpr (Tiling::kInRegisters) load_slots<Tiling>(w, weight, 0, lane, true);
   for (int turn = 0;; turn ^= 1) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers(rows, w, lane, p.eps, scratch[turn]);
+      normalize_in_registers(row, w, lane, p.eps, scratch[turn]);
     } else {
-      normalize_in_two_passes(rows[0], weight, lane, p.eps, scratch[turn]);
+      normalize_in_two_passes(row, weight, lane, p.eps, scratch[turn]);
     }
     if ((first += step) >= p.rows) break;
-    find_rows(rows, p, first + group);
+    row = Row<Tiling, kFusedAdd>(p, first + group);
   }
 }
 
@@ -439,7 +406,7 @@ struct RMSNorm {
   static void launch_with(const Params& p, DLDevice device) {
     // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
     // every row. (A grid of what the GPU holds at once measured 3-7% slower.)
-    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerTurn}),
+    const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
         .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);

@@ -255,19 +255,29 @@ inline void note_refusal(int device) {
 // ---------------------------------------------------------------------------------------
 // Host side: enqueueing a wait or a write.
 
+// Work done once a process for each device (past device 63 it is done every time).
+class OncePerDevice {
+ public:
+  bool done(int device) { return __atomic_load_n(&done_, __ATOMIC_RELAXED) & bit(device); }
+  void mark(int device) { __atomic_fetch_or(&done_, bit(device), __ATOMIC_RELAXED); }
+
+ private:
+  static uint64_t bit(int device) { return device >= 0 && device < 64 ? 1ull << device : 0; }
+  uint64_t done_ = 0;
+};
+
 // CUDA loads a kernel at its first launch (lazily), which may wait for the GPU to go idle, which
 // a spinning wait never lets it: the first spin launch on a device loads all four kernels.
 inline void load_spin_kernels_once(int device) {
-  static uint64_t loaded_devices = 0;  // bit d: loaded on device d
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (__atomic_load_n(&loaded_devices, __ATOMIC_RELAXED) & bit) return;
+  static OncePerDevice loaded;
+  if (loaded.done(device)) return;
   const RelaxedCaptureMode relaxed;
   cudaFuncAttributes attributes;
   RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int32_t>));
   RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int64_t>));
   RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int32_t>));
   RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int64_t>));
-  __atomic_fetch_or(&loaded_devices, bit, __ATOMIC_RELAXED);
+  loaded.mark(device);
 }
 
 // Under CUDA_MODULE_LOADING=EAGER, code loaded at start is readied by the first kernel launch,
@@ -288,16 +298,10 @@ inline bool modules_load_eagerly() {
 }
 
 inline void settle_once(int device, cudaStream_t stream) {
-  static uint64_t settled_devices = 0;  // bit d: settled on device d
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if ((__atomic_load_n(&settled_devices, __ATOMIC_RELAXED) & bit) || !modules_load_eagerly()) {
-    return;
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  RuntimeDeviceCheck(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;
+  static OncePerDevice settled;
+  if (settled.done(device) || !modules_load_eagerly() || is_capturing(stream)) return;
   LaunchKernel(1, 1, stream)(settle_kernel);
-  __atomic_fetch_or(&settled_devices, bit, __ATOMIC_RELAXED);
+  settled.mark(device);
 }
 
 // Which way a wait (compare >= 0) or a write (kWrite) of a T flag goes on `device`.

@@ -82,6 +82,13 @@ class RelaxedCaptureMode {
   bool changed_;
 };
 
+// Whether `stream` is being captured into a CUDA graph.
+inline bool is_capturing(cudaStream_t stream, DebugInfo where = {}) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  RuntimeDeviceCheck(cudaStreamIsCapturing(stream, &status), where);
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // What CUDA knows of the host memory at `ptr`, asked in a way that is safe while a graph is
 // being captured. The GPU may touch host memory only if it is pinned (cudaHostAlloc, torch's
 // pin_memory, cudaHostRegister) or managed, and then through `device_address`. Each kernel
