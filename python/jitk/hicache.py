@@ -161,15 +161,16 @@ def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
     return last
 
 
-def _method(method: object, indices: torch.Tensor, copy_bytes: int) -> str:
-    """The method to run; `copy_bytes` is what one copy-engine copy would move."""
+def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int]) -> str:
+    """The method to run; `copy_bytes()` is what one copy-engine copy would move, asked only
+    where the choice needs it (not on a kernel call's path)."""
     if method not in METHODS:
         raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     if indices.is_cuda:
         return "kernel"
-    if copy_bytes >= COPY_ENGINE_MIN_PAGE_BYTES or not indices.is_pinned():
+    if not indices.is_pinned() or copy_bytes() >= COPY_ENGINE_MIN_PAGE_BYTES:
         return "copy_engine"
     return "kernel"
 
@@ -244,8 +245,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
                                  f"element_dim {element_dim} of {dst.dtype}")
     pages = _int(1 if page_size is None else page_size, "page_size", 1)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
-    packed = _packed(dst, element_dim) and _packed(src, element_dim)
-    chosen = _method(method, indices_dst, element_size * (pages if packed else 1))
+    chosen = _method(method, indices_dst, lambda: element_size * (
+        pages if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -343,8 +344,8 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
-    packed = strides[0] == size == strides[1]
-    chosen = _method(method, tensors[caches], size * (pages if packed else 1))
+    chosen = _method(method, tensors[caches],
+                     lambda: size * (pages if strides[0] == size == strides[1] else 1))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
