@@ -157,29 +157,48 @@ def print_configs(labels: dict[str, list[str]]) -> None:
 def print_summary(outcomes: list[precompile.Outcome], wall: float, jobs: int) -> None:
     for module in dict.fromkeys(o.task.module for o in outcomes):
         mine = [o for o in outcomes if o.task.module == module]
-        built = sum(o.built for o in mine)
+        failed = sum(o.error is not None for o in mine)
+        built = sum(o.built and o.error is None for o in mine)
         print(f"{precompile.short_name(module)}: {sum(o.seconds for o in mine):.1f} s over "
-              f"{len(mine)} configuration(s) ({built} built, {len(mine) - built} cached)")
+              f"{len(mine)} configuration(s) ({built} built, {len(mine) - built - failed} "
+              f"cached" + (f", {failed} failed)" if failed else ")"))
     print(f"{len(outcomes)} configuration(s) in {wall:.1f} s with {jobs} job(s); "
           f"cache: {cache.cache_root()}")
 
 
-def run_precompile(args: argparse.Namespace) -> int:
+def precompile_tasks(args: argparse.Namespace) -> list[precompile.Task]:
+    """The recorded calls (--call), else every configuration of the selected modules."""
+    if args.call:
+        if args.module or args.list:
+            raise UsageError("--call builds the calls given, so --module and --list do not "
+                             "apply")
+        cuda = any(precompile.is_cuda_call(call) for call in args.call)
+        archs = checked_archs(args.arch or (default_precompile_archs() if cuda else []))
+        return precompile.call_tasks(args.call, archs)
     labels, missing = precompile.config_labels(selected_modules(args.module))
     for name in missing:
         print(f"{name} is not installed; skipped", file=sys.stderr)
     if args.list:
         print_configs(labels)
-        return EXIT_OK
+        return []
     if not any(labels.values()):
         raise CommandError("no kernel configurations to precompile")
-    archs = args.arch or default_precompile_archs()
+    return precompile.make_tasks(labels, checked_archs(args.arch or default_precompile_archs()))
+
+
+def checked_archs(archs: list[str]) -> list[str]:
     for arch in archs:
         try:
             toolchain.check_buildable(toolchain.parse_archs(arch))
         except toolchain.ToolchainError as error:
             raise UsageError(str(error)) from None
-    tasks = precompile.make_tasks(labels, archs)
+    return archs
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    tasks = precompile_tasks(args)
+    if not tasks:  # --list printed them
+        return EXIT_OK
     jobs = args.jobs or os.cpu_count() or 1
     finished = itertools.count(1)
 
@@ -205,6 +224,14 @@ def valid_arch(text: str) -> str:
     try:
         toolchain.parse_archs(text)
     except toolchain.ToolchainError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def recorded_call(text: str) -> str:
+    try:
+        precompile.read_call(text)
+    except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
@@ -298,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only this kernel module; repeat for more (default: all)")
     build.add_argument("--list", action="store_true",
                        help="print the configurations and build nothing")
+    build.add_argument("--call", action="append", type=recorded_call, metavar="JSON",
+                       help="build exactly the entry of this load_jit call, as a cache miss's "
+                            "message records it; repeat for more")
     build.set_defaults(handler=run_precompile)
     return parser
 
