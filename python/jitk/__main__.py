@@ -109,7 +109,8 @@ def prune_cache(args: argparse.Namespace) -> int:
     if args.older_than is None and args.keep is None and args.max_size is None:
         raise UsageError("cache prune needs --older-than, --keep or --max-size")
     entries = cache.list_entries()
-    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size)
+    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
+                                      args.arch)
     left = sum(e.size_bytes for e in entries if e not in doomed)
     if doomed:
         print(f"{'would remove' if args.dry_run else 'removing'} {entries_word(len(doomed))} "
@@ -236,6 +237,11 @@ def recorded_call(text: str) -> str:
     return text
 
 
+def prune_target(text: str) -> tuple[str, ...]:
+    """An --arch of prune: architectures as JITK_CUDA_ARCH writes them, or 'host'."""
+    return () if text == "host" else toolchain.parse_archs(valid_arch(text))
+
+
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -299,11 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     prune = cache_actions.add_parser(
         "prune", help="remove old or surplus cached modules",
         description="Remove the entries that any of the options selects (age counts from "
-                    "the build). Safe beside running programs, as clear is.")
+                    "the build). Without --arch, the newest entry of each module "
+                    "configuration and architecture stays, so a cache filled for several GPUs "
+                    "keeps serving each. Safe beside running programs, as clear is.")
     prune.add_argument("--older-than", type=non_negative_number, metavar="DAYS",
                        help="entries built more than DAYS days ago")
     prune.add_argument("--keep", type=non_negative_int, metavar="N",
-                       help="all but the newest N entries of each module")
+                       help="all but the newest N entries of each module configuration "
+                            "(name and template arguments) and architecture")
+    prune.add_argument("--arch", action="append", type=prune_target, metavar="ARCH",
+                       help="only entries built for ARCH (e.g. 9.0, or host), the last one "
+                            "of a configuration included; repeat for more. Without it, the "
+                            "newest entry of each configuration and architecture stays")
     prune.add_argument("--max-size", type=byte_size, metavar="SIZE",
                        help="the oldest entries, until the cache fits in SIZE (e.g. 2G)")
     prune.add_argument("--dry-run", action="store_true",

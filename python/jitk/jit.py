@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import re
-import shlex
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
