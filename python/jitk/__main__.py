@@ -16,12 +16,15 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from . import cache, clangd, precompile, toolchain
+from . import NUMPY_WARNING, cache, clangd, precompile, toolchain
 from .lock import JitLockError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+warnings.filterwarnings("ignore", NUMPY_WARNING, UserWarning)  # see jitk/__init__.py
 
 
 class CommandError(RuntimeError):
