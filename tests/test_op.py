@@ -270,6 +270,21 @@ def test_wrong_types_are_caught_under_compile_too():
             torch.randn(4))
 
 
+def test_an_eager_write_bumps_the_version_counter_so_autograd_notices():
+    x, y = torch.ones(4), torch.zeros(4)
+    weight = torch.ones(4, requires_grad=True)
+    product = weight * y  # saves y for the backward
+    before = y._version
+    axpy(2.0, x, y)  # the eager fast path: the kernel writes y
+    assert y._version == before + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()
+    axpy(2, x, y)  # an int for the float: the checked path, which calls axpy directly too
+    assert y._version == before + 2
+    scaled(x, offset=y)  # declares no write: no bump
+    assert y._version == before + 2
+
+
 def test_declaration_errors():
     with pytest.raises(TypeError, match="returns <class 'int'>.*must be given: fake=f"):
         @jitk.op("jitk_test::count", mutates_args=())
@@ -286,8 +301,17 @@ def test_declaration_errors():
         def numpy_in(x: np.ndarray) -> None: ...
     with pytest.raises(TypeError, match=r"mutates_args takes parameter names, e.g. \('out',\)"):
         jitk.op("jitk_test::w", mutates_args="y")
-    with pytest.raises(ValueError, match="'namespace::name', got 'axpy'"):
-        jitk.op("axpy", mutates_args=())
+    for name in ("axpy", "bad ns::x", "jitk_test::a b", "a::b::c", "jitk_test::"):
+        with pytest.raises(ValueError, match=r"'namespace::name', two identifiers "
+                           rf"\(letters, digits, _\), got '{name}'"):
+            jitk.op(name, mutates_args=())
+    for mutated in (None, 3, ["y", 1]):
+        with pytest.raises(TypeError, match=r"mutates_args takes parameter names, e.g. "
+                           r"\('out',\), or \(\) for none, got"):
+            jitk.op("jitk_test::w", mutates_args=mutated)
+    with pytest.raises(ValueError, match="mutates_args names 'z', not a parameter of"):
+        @jitk.op("jitk_test::unknown_write", mutates_args=("z",))
+        def unknown_write(x: torch.Tensor) -> None: ...
     with pytest.raises(TypeError, match="'_jitk_fn' is reserved"):
         @jitk.op("jitk_test::reserved", mutates_args=())
         def reserved(_jitk_fn: torch.Tensor) -> None: ...

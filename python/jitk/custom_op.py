@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +45,7 @@ import torch
 __all__ = ["op"]
 
 _NONE = type(None)
+_QUALIFIED_NAME = re.compile(r"[A-Za-z_]\w*::[A-Za-z_]\w*", re.ASCII)
 _SEQUENCES = (list, collections.abc.Sequence)
 
 
@@ -131,15 +133,28 @@ def _describe(value: object) -> str:
     return f"{name} {value!r}" if isinstance(value, bool | int | float | str) else name
 
 
+# Marks tensors as written in place, as aten's in-place ops do, so that autograd refuses a
+# backward that would read a saved tensor a kernel overwrote. One call for all of them.
+_bump_versions = torch._C._increment_version
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of an argument: itself, those of a list, none for None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in value if v is not None] if isinstance(value, list | tuple) else []
+
+
 class _Call:
     """The checked half of a call: every argument's type, then the operator, or the function
     itself where nothing traces and every tensor is plain."""
 
     def __init__(self, label: str, kinds: dict[str, _Kind], keyword_only: list[str],
-                 fn: Callable, operator: torch._ops.OpOverload) -> None:
+                 fn: Callable, operator: torch._ops.OpOverload, written: list[str]) -> None:
         self.label, self.kinds, self.fn, self.operator = label, kinds, fn, operator
         self.keyword_only = keyword_only
         self.positional = len(kinds) - len(keyword_only)
+        self.written = [list(kinds).index(name) for name in written]
 
     def __call__(self, values: tuple) -> object:
         for (name, kind), value in zip(self.kinds.items(), values):
@@ -152,24 +167,38 @@ class _Call:
                 or torch._C._len_torch_function_stack()
                 or not all(k.plain(v) for k, v in zip(self.kinds.values(), values))):
             return self.operator(*args, **kwargs)
-        return self.fn(*args, **kwargs)
+        result = self.fn(*args, **kwargs)
+        if self.written:
+            _bump_versions([t for i in self.written for t in _tensors(values[i])])
+        return result
 
 
 _EAGER_PATH = """\
 def _jitk_eager({parameters}):
     if (not _jitk_dynamo() and {fast}
             and not _jitk_dispatch_modes() and not _jitk_function_modes()):
-        return _jitk_fn({arguments})
+        _jitk_result = _jitk_fn({arguments})
+        {bump}
+        return _jitk_result
     return _jitk_call(({values},))
 """
 
 
+def _written_expression(signature: inspect.Signature, written: list[str]) -> str:
+    """The list of tensors that a fast-path call wrote, as Python source. The fast path
+    takes tensors and None only: lists go through _Call."""
+    items = [name if signature.parameters[name].annotation is torch.Tensor
+             else f"*(() if {name} is None else ({name},))" for name in written]
+    return f"_jitk_bump([{', '.join(items)}])" if items else "pass"
+
+
 def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str, _Kind],
-                    call: _Call) -> Callable:
+                    call: _Call, written: list[str]) -> Callable:
     """A function with fn's parameters whose common case (no tracing, plain arguments of the
     annotated types) is a few inlined type tests and fn itself. It is generated so that
     Python binds the arguments, as it does for fn: nothing is parsed per call."""
     namespace = {**_FAST_NAMES, "_jitk_fn": fn, "_jitk_call": call,
+                 "_jitk_bump": _bump_versions,
                  "_jitk_dynamo": torch.compiler.is_dynamo_compiling,
                  "_jitk_dispatch_modes": torch._C._len_torch_dispatch_stack,
                  "_jitk_function_modes": torch._C._len_torch_function_stack}
@@ -186,6 +215,7 @@ def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str,
                          else f"{param.name}={param.name}")
     source = _EAGER_PATH.format(
         parameters=", ".join(parameters), arguments=", ".join(arguments),
+        bump=_written_expression(signature, written),
         values=", ".join(kinds), fast=" and ".join(
             kind.fast.format(v=name) for name, kind in kinds.items()) or "True")
     exec(compile(source, f"<jitk.op {fn.__qualname__}>", "exec"), namespace)  # noqa: S102
@@ -244,11 +274,13 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
     (mode="reduce-overhead"), which hand an operator copies of graph inputs, where it needs
     the caller's own memory (a flag, a pinned host cache). The operator is the `op`
     attribute."""
-    if not isinstance(qualified_name, str) or qualified_name.count("::") != 1:
-        raise ValueError(f"jitk.op: the name must be 'namespace::name', got {qualified_name!r}")
-    if isinstance(mutates_args, str):
+    if not isinstance(qualified_name, str) or not _QUALIFIED_NAME.fullmatch(qualified_name):
+        raise ValueError(f"jitk.op: the name must be 'namespace::name', two identifiers "
+                         f"(letters, digits, _), got {qualified_name!r}")
+    if (isinstance(mutates_args, str) or not isinstance(mutates_args, Iterable)
+            or not all(isinstance(name, str) for name in mutates_args)):
         raise TypeError(f"jitk.op('{qualified_name}'): mutates_args takes parameter names, "
-                        f"e.g. ('out',), got {mutates_args!r}")
+                        f"e.g. ('out',), or () for none, got {mutates_args!r}")
     mutates_args = tuple(mutates_args)
     namespace, label = qualified_name.split("::")
 
@@ -260,6 +292,10 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
                                 "reserved")
         kinds = {name: _kind(param.annotation, f"jitk.op('{qualified_name}'): '{name}'")
                  for name, param in signature.parameters.items()}
+        if unknown := [name for name in mutates_args if name not in kinds]:
+            raise ValueError(f"jitk.op('{qualified_name}'): mutates_args names "
+                             f"{', '.join(map(repr, unknown))}, not a parameter of "
+                             f"{fn.__qualname__}")
         fake_impl = fake or _automatic_fake(qualified_name, signature)
 
         # infer_schema reads annotations through __signature__: these are evaluated already,
@@ -276,8 +312,8 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
             torch.fx.node.has_side_effect(operator)
         keyword_only = [name for name, param in signature.parameters.items()
                         if param.kind is param.KEYWORD_ONLY]
-        eager = _eager_function(fn, signature, kinds,
-                                _Call(label, kinds, keyword_only, fn, operator))
+        call = _Call(label, kinds, keyword_only, fn, operator, list(mutates_args))
+        eager = _eager_function(fn, signature, kinds, call, list(mutates_args))
         eager.op = operator
         return eager
 
