@@ -128,7 +128,8 @@ _warned: set[int] = set()
 # Tests set this to run the fallback on a GPU that does not need it.
 _force_spin = os.environ.get("JITK_WAIT_VALUE_SPIN") == "1"
 
-_INT64_RANGE = (-(2**63), 2**63 - 1)
+# A flag's values, by its dtype; a flag of another dtype is refused by the C++ checks.
+_BITS = {torch.int32: 32, torch.int64: 64}
 
 
 class _Kernels(NamedTuple):
@@ -153,12 +154,15 @@ def _kernels() -> _Kernels:
 
 
 def _check_value(flag: torch.Tensor, value: int) -> None:
-    """What cannot reach the C++ checks: a value that is no int or wider than int64."""
+    """A value that is no int, or one the flag's dtype cannot hold: refused here, with one
+    error type for every width."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"value must be an int, got {type(value).__name__}")
-    if not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+    limit = 1 << (_BITS.get(flag.dtype, 64) - 1)
+    if not -limit <= value < limit:
         dtype = str(flag.dtype).removeprefix("torch.")
-        raise ValueError(f"value must fit in the {dtype} flag, got {value}")
+        raise ValueError(f"value must fit in the {dtype} flag, got {value} (it holds "
+                         f"{-limit} to {limit - 1}; a mask of all ones is -1)")
 
 
 def _compare_code(op: str) -> int:
@@ -211,6 +215,22 @@ def _capabilities(device: int) -> int:
     return _kernels().stream_memory_operations(device)
 
 
+def _cuda_device(device: torch.device | str | int | None) -> torch.device:
+    """Event's device: a CUDA device (default the current one)."""
+    try:
+        if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+            resolved = torch.device("cuda", device)
+        else:
+            resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type != "cuda":
+        raise ValueError(f"Event(device=...) must be a CUDA device (an index, 'cuda', "
+                         f"'cuda:1'), got {device!r}; for a flag in host memory use "
+                         "Event(host=True)")
+    return resolved
+
+
 class Event:
     """A flag of its own with record/wait, like torch.cuda.Event but value-based and able to
     be set by a host thread or captured in a CUDA graph on either side.
@@ -238,8 +258,7 @@ class Event:
                                  "on the current device, so no device is given")
             self.flag = torch.zeros(1, dtype=dtype, pin_memory=True)
         else:
-            device = "cuda" if device is None else device
-            self.flag = torch.zeros(1, dtype=dtype, device=device)
+            self.flag = torch.zeros(1, dtype=dtype, device=_cuda_device(device))
         self.host = host
 
     def record(self, value: int = 1) -> None:
