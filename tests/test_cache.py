@@ -178,11 +178,34 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
 
 
 def test_lock_timeout_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(lock.TIMEOUT_ENV, "soon")
-    with pytest.raises(jitk.JitLockError, match="JITK_LOCK_TIMEOUT='soon' is not a positive"):
-        lock.lock_timeout()
+    for setting in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv(lock.TIMEOUT_ENV, setting)
+        with pytest.raises(ValueError, match=f"JITK_LOCK_TIMEOUT='{setting}': expected a "
+                           "positive number of seconds"):
+            lock.lock_timeout()
     monkeypatch.setenv(lock.TIMEOUT_ENV, "2.5")
     assert lock.lock_timeout() == 2.5
+
+
+def test_bad_settings_fail_every_load_and_command_with_the_rule(kernel, tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cache_dir))
+    fill(cache_dir, kernel, ["twice"])
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "0")
+    with pytest.raises(ValueError, match="JITK_LOCK_TIMEOUT='0'"):  # a hit checks it too
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    monkeypatch.delenv(lock.TIMEOUT_ENV)
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(a_file))
+    with pytest.raises(ValueError, match=f"JITK_CACHE_DIR='{a_file}' is a file; it must name "
+                       "a folder"):
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    for command in (["cache"], ["cache", "prune", "--keep", "1"]):
+        result = subprocess.run([sys.executable, "-m", "jitk", *command], capture_output=True,
+                                text=True, timeout=120, env=child_env(a_file))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "is a file; it must name a folder" in result.stderr
 
 
 def compilers_under(folder: Path) -> list[str]:

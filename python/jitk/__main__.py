@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         parser.exit(EXIT_USAGE, f"jitk: error: {error}\n")
     except (CommandError, precompile.PrecompileError, toolchain.ToolchainError,
-            JitLockError) as error:
+            JitLockError, ValueError) as error:  # ValueError: a bad JITK_* setting
         print(f"jitk: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
 

@@ -36,8 +36,12 @@ PACKAGE_MARK = "<jitk>"
 
 
 def cache_root() -> Path:
-    """$JITK_CACHE_DIR, else ~/.cache/jitk."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jitk").expanduser()
+    """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jitk").expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{CACHE_ENV}={str(root)!r} is a file; it must name a folder (jitk "
+                         "makes it if it is missing)")
+    return root
 
 
 def portable(path: Path | str) -> str:

@@ -25,7 +25,7 @@ import tvm_ffi
 
 from . import cache, precompile, toolchain
 from .build import BuildSpec, JitCompileError, build_and_publish
-from .lock import build_lock
+from .lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 
@@ -97,11 +97,14 @@ def _module_name(parts: tuple[object, ...]) -> str:
     return name
 
 
-def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str) -> list:
+def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str,
+            one: str = "{!r}") -> list:
     """A list argument: a list or tuple of `kinds` (a bare string is refused: it would be
-    read one character at a time)."""
+    read one character at a time). `one` writes a single item from a bare string, for the
+    hint."""
     if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Iterable):
-        hint = f"; write {parameter}=[{value!r}]" if isinstance(value, str | os.PathLike) else ""
+        hint = f"; write {parameter}=[{one.format(str(value))}]" \
+            if isinstance(value, str | os.PathLike) else ""
         raise TypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
                         f"{type(value).__name__}{hint}")
     items = list(value)
@@ -117,12 +120,13 @@ def _resolve_sources(files: object, parameter: str) -> list[Path]:
     for file in _listed(files, parameter, (str, os.PathLike), "paths (str or os.PathLike)"):
         path = Path(file)
         found = path if path.is_absolute() else KERNEL_DIR / path
+        if found.is_dir():
+            raise IsADirectoryError(f"load_jit({parameter}=...): '{found}' is a folder; give "
+                                    "the kernel files in it, each by its path")
         if not found.is_file():
-            where = "" if path.is_absolute() else f" in {KERNEL_DIR}"
-            raise FileNotFoundError(
-                f"load_jit({parameter}=...): '{file}' not found{where}; "
-                "give an absolute path for a file outside the jitk package"
-            )
+            where = " (a path that is not absolute names a file in the jitk package; give " \
+                "an absolute path for your own)" if not path.is_absolute() else ""
+            raise FileNotFoundError(f"load_jit({parameter}=...): '{found}' not found{where}")
         resolved.append(found.resolve())
     return resolved
 
@@ -134,7 +138,8 @@ def _as_given(path: Path) -> str:
 
 def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:
     checked = []
-    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)"):
+    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)",
+                           one="({!r}, '<C++ function or static member>')"):
         if len(wrapper) != 2 or not all(isinstance(part, str) for part in wrapper):
             raise TypeError(f"load_jit({parameter}=...): expected (export_name, cpp_callable) "
                             f"as two strings, got {wrapper!r}")
@@ -220,6 +225,7 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
+    lock_timeout()
     found = cache.look_up(spec.entry)
     if found.problem:  # perhaps read while another process replaced the entry: look again
         found = cache.look_up(spec.entry)
