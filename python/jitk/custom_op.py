@@ -277,11 +277,12 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
     if not isinstance(qualified_name, str) or not _QUALIFIED_NAME.fullmatch(qualified_name):
         raise ValueError(f"jitk.op: the name must be 'namespace::name', two identifiers "
                          f"(letters, digits, _), got {qualified_name!r}")
-    if (isinstance(mutates_args, str) or not isinstance(mutates_args, Iterable)
-            or not all(isinstance(name, str) for name in mutates_args)):
+    given = mutates_args
+    mutates_args = tuple(given) if isinstance(given, Iterable) and not isinstance(given, str) \
+        else (given,)
+    if not all(isinstance(name, str) for name in mutates_args) or isinstance(given, str):
         raise TypeError(f"jitk.op('{qualified_name}'): mutates_args takes parameter names, "
-                        f"e.g. ('out',), or () for none, got {mutates_args!r}")
-    mutates_args = tuple(mutates_args)
+                        f"e.g. ('out',), or () for none, got {given!r}")
     namespace, label = qualified_name.split("::")
 
     def decorate(fn: Callable) -> Callable:
