@@ -3,7 +3,9 @@
 Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
 calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own
 modules). Here every thunk runs once per target architecture, in a pool of worker
-processes, so that a later first call in a new process only loads from the cache. Whether a
+processes, so that a later first call in a new process only loads from the cache. A
+recorded load_jit call (`--call`, which a cache miss's message prints) is replayed the same
+way, to build exactly the entry that was missed. Whether a
 thunk built anything is what load_jit counted (jit.build_count()), not what it logged."""
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
 
 
 def call_command(call: dict, archs: tuple[str, ...]) -> str:
-    """The shell command that builds the entry of a load_jit call recorded by record_call:
-    the same arguments, for the same architectures."""
+    """The shell command that builds the entry of a recorded load_jit call (its arguments as
+    JSON values, as load_jit records them for a miss): the same call, for the same
+    architectures."""
     arch = f" --arch {shlex.quote(';'.join(archs))}" if archs else ""
     text = json.dumps(call, separators=(",", ":"))
     return f"python -m jitk precompile{arch} --call {shlex.quote(text)}"
@@ -149,12 +152,9 @@ def read_call(text: str) -> dict:
 
 
 def call_tasks(calls: list[str], archs: list[str]) -> list[Task]:
-    """One task per recorded call and architecture."""
+    """One task per recorded call and architecture (none given: host code only)."""
     tasks = []
     for index, text in enumerate(calls):
-        if not archs and is_cuda_call(text):
-            raise ValueError("--call: this call builds CUDA code; name its architecture "
-                             "with --arch, as the miss's message does")
         label = " ".join(map(str, read_call(text)["name_parts"]))
         tasks += [Task(CALL_MODULE, index, label, arch, text) for arch in archs or [""]]
     return tasks
