@@ -169,6 +169,8 @@ class TuningSpace:
     build:   (bucket, knob values) -> a function of the op's arguments that runs them.
     allowed: (bucket, knob values) -> whether to try that combination (default: all).
     outputs: the op's parameters it only writes, poisoned before each candidate's check.
+    sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, for
+             `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
     """
 
     knobs: Mapping[str, Sequence]
@@ -177,6 +179,8 @@ class TuningSpace:
     build: Callable[[tuple, dict], Callable]
     allowed: Callable[[tuple, dict], bool] = lambda bucket, config: True
     outputs: tuple[str, ...] = ()
+    sample: Callable[[tuple, torch.dtype, torch.device], tuple] | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
     op: str = ""  # set by attach()
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -206,11 +210,23 @@ class TuningSpace:
         default; with JITK_AUTOTUNE=1, a bucket the file lacks is tuned at its first call."""
         chosen = self._chosen.get(bucket)
         if chosen is None:
-            config = _STORE.config(self.op, _jsonable(bucket))
+            config = self._recorded_config(bucket)
             if config is None and autotune_requested() and torch.cuda.is_available():
                 return self._tuned_at_first_call(bucket)
             chosen = self._chosen[bucket] = self.build(bucket, config or self.default(bucket))
         return chosen
+
+    def _recorded_config(self, bucket: tuple) -> dict | None:
+        """The file's choice for the bucket, if it is one of this space's (a file written
+        by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
+        config = _STORE.config(self.op, _jsonable(bucket))
+        if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
+                              and all(config[k] in v for k, v in self.knobs.items())):
+            return config
+        warnings.warn(f"jitk.autotune: the tuning file's choice for {self.op} at "
+                      f"{_jsonable(bucket)} ({config!r}) is not in this jitk's space "
+                      f"({dict(self.knobs)!r}); the default applies", stacklevel=3)
+        return None
 
     def _tuned_at_first_call(self, bucket: tuple) -> Callable:
         def first_call(*args: object, **kwargs: object) -> object:
@@ -223,11 +239,18 @@ class TuningSpace:
 
     def config(self, bucket: tuple) -> dict:
         """The knob values a lookup of `bucket` uses now (not tuning)."""
-        return _STORE.config(self.op, _jsonable(bucket)) or self.default(bucket)
+        return self._recorded_config(bucket) or self.default(bucket)
 
     def forget(self) -> None:
         """Drops the choices cached in this process (after the file changed)."""
         self._chosen.clear()
+
+    def recorded(self) -> list[tuple[list, dict]]:
+        """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
+        versions it was tuned on: what `precompile` builds."""
+        return [(e["bucket"], e["config"]) for e in _read(tuning_file())[0]
+                if e["op"] == self.op and isinstance(e["config"], dict)
+                and e["config"].keys() == self.knobs.keys()]
 
 
 def autotune_requested() -> bool:
@@ -264,6 +287,29 @@ def _info(op: Callable | OpInfo | str) -> OpInfo:
 
 
 # ---------------------------------------------------------------------------- tuning
+def _build_candidate(op: str, bucket: tuple, config: dict) -> None:
+    from . import registry
+
+    for module in registry.kernel_modules():  # registers the shipped ops
+        importlib.import_module(module)
+    find_op(op).tuning.build(bucket, config)
+
+
+def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> None:
+    """Builds each (op, bucket, knob values) into the cache in parallel worker processes,
+    so that tuning only loads. Workers see no GPU and build for `arch`."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from .precompile import _init_worker, _workers_see_no_gpu
+
+    with _workers_see_no_gpu(), ProcessPoolExecutor(
+            max_workers=max(1, min(workers, len(jobs))), mp_context=get_context("spawn"),
+            initializer=_init_worker, initargs=(arch,)) as pool:
+        for future in [pool.submit(_build_candidate, *job) for job in jobs]:
+            future.result()
+
+
 @dataclasses.dataclass
 class Result:
     """One tuned bucket: the winner, and every candidate's median (None: failed the

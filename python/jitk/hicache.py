@@ -332,7 +332,7 @@ def _all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
 
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
-    reference=_one_layer_reference, tolerance=_EXACT,
+    reference=_one_layer_reference, tolerance=_EXACT, cases=lambda: _one_layer_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
@@ -355,6 +355,7 @@ def transfer_hicache_one_layer(
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
     reference=_one_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _one_layer_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
@@ -397,7 +398,7 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
 
 # ---------------------------------------------------------------------------- all layers
 @op("jitk::transfer_hicache_all_layer", mutates_args=(),  # writes through pointers only
-    reference=_all_layer_reference, tolerance=_EXACT)
+    reference=_all_layer_reference, tolerance=_EXACT, cases=lambda: _all_layer_cases(False))
 def transfer_hicache_all_layer(
     k_ptr_dst: torch.Tensor,
     v_ptr_dst: torch.Tensor,
@@ -436,7 +437,8 @@ def transfer_hicache_all_layer(
 
 
 @op("jitk::transfer_hicache_all_layer_mla", mutates_args=(),  # writes through pointers only
-    reference=_all_layer_mla_reference, tolerance=_EXACT)
+    reference=_all_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _all_layer_cases(True))
 def transfer_hicache_all_layer_mla(
     ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -494,6 +496,92 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         entries = _copy_entries()
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
         entry(*tensors, *layout, _stream())
+
+
+
+# ---------------------------------------------------------------------------- parity cases
+def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0):
+    """A bf16 cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain
+    CPU memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
+    on_gpu = where == "gpu" or device.type == "cpu"
+    if paged:
+        whole = torch.randn(tokens // paged, paged + 3, *row, device=device if on_gpu else "cpu")
+        cache = whole.to(torch.bfloat16)[:, :paged]
+    else:
+        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(torch.bfloat16)
+    return cache if on_gpu else cache.pin_memory()
+
+
+def _runs(slots: int, count: int, pages: int, device: torch.device,
+          out_of_range: bool = False) -> torch.Tensor:
+    """`count` distinct page runs of `pages` slots as an index list: each run's first index,
+    then garbage (-7) that the transfer must not read."""
+    firsts = torch.randperm(slots // pages)[:count] * pages
+    if out_of_range:
+        firsts[0] = slots  # a page past the end: skipped
+    indices = torch.full((count, pages), -7, dtype=torch.int64)
+    indices[:, 0] = firsts
+    return indices.flatten().to(device)
+
+
+# (label, dst, src, pages, paged cache, out of range, indices on the host)
+_ONE_LAYER = (("host->gpu", "gpu", "host", 1, 0, False, False),
+              ("gpu->host", "host", "gpu", 1, 0, False, False),
+              ("gpu->gpu pages of 4", "gpu", "gpu", 4, 0, False, False),
+              ("host->gpu paged cache", "gpu", "host", 4, 8, False, False),
+              ("gpu->gpu a page out of range", "gpu", "gpu", 2, 0, True, False),
+              ("host->gpu indices on the host", "gpu", "host", 1, 0, False, True))
+
+
+def _one_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    cases = []
+    for label, dst_at, src_at, pages, paged, out_of_range, host_indices in _ONE_LAYER:
+        def make(device, dst_at=dst_at, src_at=src_at, pages=pages, paged=paged,
+                 out_of_range=out_of_range, host_indices=host_indices):
+            row = (576,) if mla else (2, 64)
+            where = torch.device("cpu") if host_indices else device
+            dst_indices = _runs(64, 12, pages, where)
+            src_indices = _runs(96, 12, pages, where, out_of_range)
+            caches = [(_cache(64, row, dst_at, device, paged), _cache(96, row, src_at, device))
+                      for _ in range(1 if mla else 2)]
+            kwargs = {"page_size": pages, "element_dim": None if mla else 128}
+            return (*(dst for dst, _ in caches), dst_indices, *(src for _, src in caches),
+                    src_indices), kwargs
+        cases.append(Case(label, make))
+    return cases
+
+
+def _all_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, pages: int, paged: bool):
+        layers, row = 3, 256 if mla else 128  # bf16 elements
+        caches = {f"{side}{c}[{layer}]": _cache(64 if side == "dst" else 96, (row,),
+                                                "gpu" if side == "dst" else "host", device)
+                  for side in ("dst", "src") for c in range(1 if mla else 2)
+                  for layer in range(layers)}
+
+        def table(side: str, c: int) -> torch.Tensor:
+            return torch.tensor([caches[f"{side}{c}[{layer}]"].data_ptr()
+                                 for layer in range(layers)], device=device)
+
+        tables = [(table("dst", c), table("src", c)) for c in range(1 if mla else 2)]
+        prefix = "cache" if mla else "kv_cache"
+        stride = 2 * row
+        kwargs = {f"{prefix}_src_stride_bytes": stride, f"{prefix}_dst_stride_bytes": stride,
+                  "page_size": pages, "num_tokens_src": 96, "num_tokens_dst": 64}
+        if paged:
+            kwargs[f"{prefix}_src_page_stride_bytes"] = stride * pages
+        args = (*(d for d, _ in tables), _runs(64, 8, pages, device),
+                *(s for _, s in tables), _runs(96, 8, pages, device, out_of_range=True))
+        watched = {name: cache for name, cache in caches.items() if name.startswith("dst")}
+        return args, kwargs, watched
+
+    return [Case("host->gpu, 3 layers", lambda device: make(device, 1, False)),
+            Case("host->gpu, 3 layers, pages of 4, page stride",
+                 lambda device: make(device, 4, True))]
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what

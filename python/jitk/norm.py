@@ -177,9 +177,18 @@ def _space(entry: str) -> TuningSpace:
     def bucket(input: torch.Tensor, *args: object, eps: float = 1e-6) -> tuple:
         return _bucket(entry, input, args[-1] if args and entry == "rmsnorm" else eps)
 
+    def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+        x = torch.randn(*shape, device=device).to(dtype)
+        weight = torch.randn(shape[-1], device=device).to(dtype)
+        if entry == "rmsnorm":  # out of place, as a model's pre-attention norm
+            return (x, weight, torch.empty_like(x), 1e-6), {}
+        return (x, torch.randn_like(x), weight), {}
+
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       outputs=("out",) if entry == "rmsnorm" else ())
+                       outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
+                       shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
+                                    for hidden in (4096, 5120, 7168, 8192, 12288)))
 
 
 _RMSNORM_SPACE = _space("rmsnorm").attach(_rmsnorm)
@@ -229,8 +238,15 @@ def _cases(entry: str) -> list:
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """Common model widths in bfloat16 (each module holds both entry points), plus the
-    head dimension that q/k norms use."""
+    head dimension that q/k norms use; then every choice the tuning file records."""
     configs = [(128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
                (8192, torch.bfloat16), (4096, torch.float16)]
-    return [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
-             functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]
+    defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
+                 functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]
+    tuned = {}
+    for space in (_RMSNORM_SPACE, _FUSED_SPACE):
+        for (hidden, dtype, rows), knobs in space.recorded():
+            bucket = (hidden, getattr(torch, dtype), rows)
+            label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
+            tuned[label] = functools.partial(_kernels_with, bucket, knobs)
+    return [*defaults, *tuned.items()]

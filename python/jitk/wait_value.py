@@ -219,8 +219,38 @@ def _write_reference(flag: torch.Tensor, value: int = 1) -> None:
     flag[0] = value
 
 
+def _flag_cases(write: bool) -> list:
+    """Flags of both widths on the GPU and pinned on the host; for waits, every comparison
+    with a value the flag passes already (a parity check must not hang)."""
+    from .testing import Case
+
+    # (op, flag's value, value compared)
+    passing = (("eq", 7, 7), ("geq", 5, 3), ("geq", -(2**31), 2**31 - 1), ("and", 6, 2),
+               ("nor", 0, -2))
+    cases = []
+    for dtype, where in ((torch.int32, "gpu"), (torch.int64, "gpu"), (torch.int32, "host")):
+        def flag(device, start, dtype=dtype, where=where):
+            made = torch.tensor([start, 11], dtype=dtype, device=device if where == "gpu"
+                                else "cpu")
+            return made.pin_memory() if where == "host" and device.type == "cuda" else made
+
+        name = f"{str(dtype).removeprefix('torch.')} on the {where}"
+        if write:
+            cases.append(Case(f"{name}, write -5", lambda device, flag=flag: (
+                (flag(device, 3), -5), {})))
+            continue
+        for compare, start, value in passing:
+            if dtype == torch.int64 and compare == "geq" and start < 0:
+                start = -(2**63)  # the wrap-around case at the int64 edge
+                value = 2**63 - 1
+            cases.append(Case(f"{name}, {compare} {value}", lambda device, flag=flag,
+                              start=start, value=value, compare=compare: (
+                                  (flag(device, start), value, compare), {})))
+    return cases
+
+
 @op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
-    reference=_wait_reference,
+    reference=_wait_reference, cases=lambda: _flag_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
     """Hold the current stream until flag[0] passes `op` against `value` (see the module)."""
@@ -235,6 +265,7 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> Non
 
 
 @op("jitk::stream_write_value", mutates_args=("flag",), reference=_write_reference,
+    cases=lambda: _flag_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
