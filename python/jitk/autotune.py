@@ -38,6 +38,7 @@ from . import __version__
 from .cache import cache_root
 from .custom_op import OpInfo, find_op
 from .lock import build_lock
+from .timing import captured_graph
 
 __all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
 
@@ -324,26 +325,12 @@ class Result:
     failures: dict[str, str]
 
 
-def _graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
 def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) -> list[float]:
     """us per call of each graph: replays interleaved over `rounds`, the median of each."""
     samples: list[list[float]] = [[] for _ in graphs]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         for graph, sample in zip(graphs, samples):
-            graph.replay()  # once to settle, once timed
             start.record()
             graph.replay()
             end.record()
@@ -380,7 +367,7 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
     if not runs:
         raise RuntimeError(f"tune: no candidate of {info.name} at {bucket} matches its "
                            f"reference: {failures}")
-    graphs = [_graph(lambda fn=fn: fn(*args, **kwargs), calls) for _, fn in runs]
+    graphs = [captured_graph(lambda fn=fn: fn(*args, **kwargs), calls) for _, fn in runs]
     times = _time_graphs(graphs, calls, rounds)
     del graphs
     best = min(range(len(runs)), key=times.__getitem__)

@@ -15,7 +15,8 @@ tolerance (jitk.op(tolerance=...), else torch.testing's default for the dtype).
 On a GPU, the cases run on it and the first also goes through torch.library.opcheck. Without
 one (`device="cpu"`), the cases are built on the CPU and opcheck runs the operator in reference
 mode: the schema (what it writes, what aliases), the fake implementation's shapes against the
-reference's results, and tracing; the kernels themselves are not run.
+reference's results, and tracing; the kernels themselves are not run, unless `kernels=True`
+says they run on the CPU (a host-only module's op).
 """
 
 from __future__ import annotations
@@ -200,18 +201,20 @@ def _cases(info: OpInfo, cases: Iterable[Case] | None) -> list[Case]:
 
 
 def check_op(op: object, cases: Iterable[Case] | None = None, *, device: str | None = None,
-             seed: int = 0, raise_on_failure: bool = True) -> list[CaseReport]:
+             kernels: bool | None = None, seed: int = 0,
+             raise_on_failure: bool = True) -> list[CaseReport]:
     """Runs `op` against its reference over `cases` (default: the op's own) on `device`
-    (default: the GPU if there is one, else "cpu"; see the module docstring). Returns a
-    report per compared tensor and case; raises ParityError if any fails (unless told not
-    to)."""
+    (default: the GPU if there is one, else "cpu"). `kernels` (default: whether the device is
+    a GPU) runs the op itself and compares; without, opcheck runs the operator in reference
+    mode (see the module docstring). Returns a report per compared tensor and case; raises
+    ParityError if any fails (unless told not to)."""
     info = _info(op)
     if info.reference is None:
         raise ValueError(f"check_op: {info.name} has no reference; declare one with "
                          "jitk.op(reference=...)")
     cases = _cases(info, cases)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if target.type == "cpu":
+    if not (target.type == "cuda" if kernels is None else kernels):
         return _finish(info, _check_on_cpu(info, cases, seed), raise_on_failure)
     reports: list[CaseReport] = []
     for index, case in enumerate(cases):
