@@ -56,11 +56,11 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
 
 def _load(name: str, hidden: int, dtype: torch.dtype, *tuning: object) -> _Kernels:
     _check_kernel_args(hidden, dtype)
-    args = make_cpp_args(hidden, dtype)
-    knobs = f", jitk::norm::Tuning<{make_cpp_args(*tuning)}>" if tuning else ""
-    norm = f"jitk::norm::RMSNorm<{args}{knobs}>"
+    args, knobs = make_cpp_args(hidden, dtype), make_cpp_args(*tuning)
+    tune = f", jitk::norm::Tuning<{knobs}>" if tuning else ""
+    norm = f"jitk::norm::RMSNorm<{args}{tune}>"
     module = load_jit(
-        name, *args, *tuning,
+        name, *args, *knobs,
         cuda_files=["rmsnorm.cuh"],
         cuda_wrappers=[("rmsnorm", f"{norm}::run"),
                        ("fused_add_rmsnorm", f"{norm}::run_fused_add")],
