@@ -167,6 +167,8 @@ def _run_pair(info: OpInfo, fn: Callable, case: Case, device: torch.device,
         named = _named(info, args, kwargs)
         _poison_outputs(case.outputs, named, watched)
         result = run(*args, **kwargs)
+        if device.type == "cuda":  # what the stream writes to host memory lands first
+            torch.cuda.synchronize()
         sides.append(_compared(info, named, watched, result))
     want, got = sides
     if not want:  # an op with only effects outside torch's view: it ran, and returned
