@@ -8,6 +8,7 @@ poisoned beforehand (padding and other layers included in the comparison)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -80,15 +81,82 @@ def test_impossible_template_arguments_are_refused_before_any_build():
     assert cache_entries() == before
 
 
-def test_sglang_element_dim_default_is_the_last_dimension_and_ambiguity_is_refused():
+class Recorder:
+    """Stands in for the kernel and copy-engine modules: records each entry point's call."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(hicache, "_kernel_module", self.entries)
+        monkeypatch.setattr(hicache, "_copy_entries", self.entries)
+
+    def entries(self, *_module_args):
+        return hicache._Entries(*(functools.partial(self.record, name)
+                                  for name in hicache._ENTRY_POINTS))
+
+    def record(self, name, *args):
+        self.calls.append((name, args))
+
+
+def test_element_dim_defaults_to_the_last_dimension_as_in_sglang(monkeypatch):
+    calls = Recorder(monkeypatch).calls
     heads = torch.randn(16, 4, 32).half()
-    expect_error(one_layer(k_cache_dst=heads, v_cache_dst=heads), "element_dim is ambiguous",
-                 "'k_cache_dst' of shape (16, 4, 32)", "SGLang's default is the last dimension "
-                 "(32)", "pass element_dim=128", kind=ValueError)
-    # One head: both defaults agree, and the call reaches the C++ checks.
-    one_head = torch.randn(16, 1, ROW).half()
-    expect_error(one_layer(k_cache_dst=one_head, v_cache_dst=one_head),
-                 "'k_cache_dst' is in pageable host memory", ".cuh:")
+    hicache.transfer_hicache_one_layer(**one_layer_args(k_cache_dst=heads, v_cache_dst=heads))
+    hicache.transfer_hicache_one_layer_mla(heads, torch.arange(4), heads, torch.arange(4),
+                                           element_dim=128)
+    (_, kv_args), (_, mla_args) = calls
+    assert (kv_args[6], mla_args[4]) == (32, 128)  # element_dim as the entries receive it
+
+
+def expand(indices: list[int], page_size: int, granularity: str) -> list[int]:
+    """The slots an index list names: each index one slot (SGLang's meaning, whatever
+    page_size is), or, by jitk's page granularity, page_size slots from each page's first."""
+    if granularity == "token":
+        return list(indices)
+    return [indices[k] + j for k in range(0, len(indices), page_size) for j in range(page_size)]
+
+
+def slots_the_entry_moves(indices: list[int], slots_per_index: int) -> list[int]:
+    """What the C++ entry points do with the page count Python passes them (hicache_layout.cuh:
+    the first index of each run of slots_per_index names that many slots)."""
+    return expand(indices, slots_per_index, "page" if slots_per_index > 1 else "token")
+
+
+# SGLang's HiSparse coordinator (DeepSeek V3.2) calls with page_size=64 and a top-k of
+# token indices: any length, any order.
+@pytest.mark.parametrize("count", [5, 100, 128, 165])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 128])
+@pytest.mark.parametrize("method", ["kernel", "copy_engine"])
+def test_page_size_never_changes_which_rows_move(monkeypatch, method, page_size, count):
+    calls = Recorder(monkeypatch).calls
+    cache = torch.randn(1024, ROW).half()
+    indices = torch.randperm(1024)[:count]
+    hicache.transfer_hicache_one_layer_mla(cache, indices, cache, indices, page_size=page_size,
+                                           method=method)
+    table = torch.zeros(2, dtype=torch.int64)
+    hicache.transfer_hicache_all_layer_mla(table, indices, table, indices, page_size=page_size,
+                                           cache_src_stride_bytes=ROW_BYTES,
+                                           cache_dst_stride_bytes=ROW_BYTES, method=method)
+    (_, one), (_, every) = calls
+    for slots_per_index in (one[5], every[7]):
+        moved = slots_the_entry_moves(indices.tolist(), slots_per_index)
+        assert moved == expand(indices.tolist(), page_size or 1, "token") == indices.tolist()
+    assert every[8] == (page_size or 1)  # the cache's pages, for the page strides
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_granularity_is_asked_for_by_name(monkeypatch, page_size):
+    calls = Recorder(monkeypatch).calls
+    cache = torch.randn(1024, ROW).half()
+    firsts = (torch.randperm(1024 // page_size)[:4] * page_size).tolist()
+    indices = torch.tensor([f + j for f in firsts for j in range(page_size)])
+    hicache.transfer_hicache_one_layer_mla(cache, indices, cache, indices, page_size=page_size,
+                                           index_granularity="page", method="copy_engine")
+    slots_per_index = calls[0][1][5]
+    assert slots_the_entry_moves(indices.tolist(), slots_per_index) == expand(
+        indices.tolist(), page_size, "page")
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        cache, indices, cache, indices, index_granularity="pages"),
+        "index_granularity must be one of ('token', 'page'), got 'pages'", kind=ValueError)
 
 
 def test_methods_are_named():
@@ -189,15 +257,16 @@ def test_launch_options_are_checked():
 
 
 def test_page_size_checks_name_the_tensor_and_the_rule():
-    expect_error(one_layer(page_size=3), "'indices_dst' and 'indices_src' hold 4 indices, "
-                 "not a whole number of pages of page_size 3", ".cuh:")
+    page = {"index_granularity": "page"}
+    expect_error(one_layer(page_size=3, **page), "'indices_dst' and 'indices_src' hold 4 "
+                 "indices, not a whole number of pages of page_size 3", ".cuh:")
     pages_of_4 = torch.randn(4, 4, ROW).half()
     expect_error(one_layer(k_cache_dst=pages_of_4[:, :, :], v_cache_dst=pages_of_4,
-                           element_dim=ROW, page_size=2), "pageable")  # 2 divides 4
+                           element_dim=ROW, page_size=2, **page), "pageable")  # 2 divides 4
     paged = torch.randn(4, 6, ROW).half()[:, :4]  # pages of 4 slots, 6 apart
     expect_error(one_layer(k_cache_dst=paged, v_cache_dst=paged, element_dim=ROW,
                            indices_dst=torch.arange(8), indices_src=torch.arange(8),
-                           page_size=8),
+                           page_size=8, **page),
                  "'k_cache_dst'", "has pages of 4 slots, which page_size 8 does not divide",
                  "must not straddle two pages of the cache")
 
@@ -211,7 +280,8 @@ def test_copy_engine_reads_indices_on_the_host_and_refuses_what_it_cannot_move()
     expect_error(all_layer(indices_dst=torch.tensor([0, -1, 4, 5]), method="copy_engine"),
                  "'indices_dst'[1] = -1")
     expect_error(all_layer(indices_src=torch.tensor([0, 1, 3, 4]), page_size=2,
-                           kv_cache_src_page_stride_bytes=4 * ROW_BYTES, method="copy_engine"),
+                           kv_cache_src_page_stride_bytes=4 * ROW_BYTES, method="copy_engine",
+                           index_granularity="page"),
                  "'indices_src'[2] = 3: a page of 2 slots from there straddles two pages of "
                  "(the source layers")
 
@@ -468,6 +538,11 @@ def index_tensor(values, dtype, method) -> torch.Tensor:
     return t.pin_memory() if method in ("kernel-pinned", "auto-host") else t
 
 
+def unit(page_size: int, granularity: str) -> int:
+    """Slots one index names: SGLang's meaning (one, whatever page_size) or jitk's pages."""
+    return page_size if granularity == "page" else 1
+
+
 def method_arg(method: str) -> str:
     return {"kernel-pinned": "kernel", "auto-host": "auto"}.get(method, method)
 
@@ -481,7 +556,7 @@ INDEX_DTYPES = [torch.int32, torch.int64]
 def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8, 16),
                   dtype=torch.float16, pad=0, index_dtype=torch.int64, src_slots=512,
                   dst_slots=384, pages=None, idx_dst=None, idx_src=None, mla=False,
-                  side_stream=True, **options):
+                  side_stream=True, granularity="token", **options):
     src_at, dst_at = DIRECTIONS[direction]
     page_rows = 64 if layout == "page_first_direct" else None
     caches = 1 if mla else 2
@@ -496,12 +571,12 @@ def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8
         idx_src = token_indices(page_firsts(count, src_slots, page_size), page_size)
     expected = Expected()
     for d, s in zip(dsts, srcs):
-        expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s, page_rows,
-                                       page_rows))
+        expected.move(d, s, slot_pairs(idx_dst, idx_src, unit(page_size, granularity), d, s,
+                                       page_rows, page_rows))
     index_dst = index_tensor(idx_dst, index_dtype, method)
     index_src = index_tensor(idx_src, index_dtype, method)
     options.update(element_dim=srcs[0].row_bytes // dtype.itemsize, page_size=page_size,
-                   method=method_arg(method))
+                   method=method_arg(method), index_granularity=granularity)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         if mla:
@@ -515,15 +590,18 @@ def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8
 
 LAYOUTS = ["flat", "page_first", "page_first_direct"]
 PAGE_SIZES = [1, 16, 64]
+GRANULARITIES = ["token", "page"]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 @pytest.mark.parametrize("method", METHODS)
-def test_one_layer_layouts_and_pages(method, direction, layout, page_size):
-    run_one_layer(method, direction, layout=layout, page_size=page_size)
+def test_one_layer_layouts_and_pages(method, direction, layout, page_size, granularity):
+    run_one_layer(method, direction, layout=layout, page_size=page_size,
+                  granularity=granularity)
 
 
 # (dtype, row shape, padding): 2048-byte rows from [heads, head_dim], 48-byte rows (three
@@ -581,7 +659,8 @@ def test_only_the_first_index_of_a_page_is_read(method):
     firsts_dst, firsts_src = page_firsts(4, 384, 16), page_firsts(4, 512, 16)
     idx_dst = [v if j == 0 else -7 for v in firsts_dst for j in range(16)]
     idx_src = [v if j == 0 else 10**9 for v in firsts_src for j in range(16)]
-    run_one_layer(method, "h2d", page_size=16, idx_dst=idx_dst, idx_src=idx_src)
+    run_one_layer(method, "h2d", page_size=16, idx_dst=idx_dst, idx_src=idx_src,
+                  granularity="page")
 
 
 @pytest.mark.gpu
@@ -621,7 +700,7 @@ def test_kernel_skips_pages_out_of_range_or_straddling(direction, index_dtype):
     firsts_dst, firsts_src = [0, 24, 64, 56, 100], [128, 64, 8, 256, 120]
     run_one_layer("kernel", direction, layout="page_first_direct", page_size=16,
                   index_dtype=index_dtype, idx_dst=token_indices(firsts_dst, 16),
-                  idx_src=token_indices(firsts_src, 16))
+                  idx_src=token_indices(firsts_src, 16), granularity="page")
 
 
 @pytest.mark.gpu
@@ -721,7 +800,7 @@ def table(layers: list[Cache], on: str) -> torch.Tensor:
 
 def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_layers=4,
                   width=128, dtype=torch.float16, mla=False, src_slots=512, dst_slots=384,
-                  idx_dst=None, idx_src=None, bounds=False, **options):
+                  idx_dst=None, idx_src=None, bounds=False, granularity="token", **options):
     src_at, dst_at = DIRECTIONS[direction]
     caches = 1 if mla else 2
     src_layout, dst_layout = (host_layout if at == "host" else "flat" for at in (src_at, dst_at))
@@ -737,13 +816,14 @@ def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_lay
     for (d_layers, _, _), (s_layers, _, _) in zip(dsts, srcs):
         for d, s in zip(d_layers, s_layers):
             # Without row bounds the kernel trusts the upper bound: only in-range ones then.
-            expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s))
+            expected.move(d, s, slot_pairs(idx_dst, idx_src, unit(page_size, granularity), d,
+                                           s))
     prefix = "cache_" if mla else "kv_cache_"
     kwargs = {f"{prefix}src_stride_bytes": srcs[0][1], f"{prefix}dst_stride_bytes": dsts[0][1],
               f"{prefix}src_page_stride_bytes": srcs[0][2],
               f"{prefix}dst_page_stride_bytes": dsts[0][2],
               "element_size": width * dtype.itemsize, "page_size": page_size,
-              "method": method, **options}
+              "method": method, "index_granularity": granularity, **options}
     if bounds:
         kwargs.update(num_tokens_src=src_slots, num_tokens_dst=dst_slots)
     index_dst = index_tensor(idx_dst, torch.int64, method)
@@ -761,12 +841,14 @@ def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_lay
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("host_layout", LAYOUTS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("method", METHODS)
-def test_all_layer_layouts_and_pages(method, direction, host_layout, page_size):
-    run_all_layer(method, direction, host_layout=host_layout, page_size=page_size)
+def test_all_layer_layouts_and_pages(method, direction, host_layout, page_size, granularity):
+    run_all_layer(method, direction, host_layout=host_layout, page_size=page_size,
+                  granularity=granularity)
 
 
 @pytest.mark.gpu
@@ -817,7 +899,7 @@ def test_captured_in_a_cuda_graph(method):
     index_src = index_tensor(idx_src, torch.int64, method)
     graph = captured(lambda: hicache.transfer_hicache_one_layer_mla(
         dst.view, index_dst, src.view, index_src, element_dim=128, page_size=16,
-        method=method))
+        method=method, index_granularity="page"))
     for _ in range(2):
         replayed_dst, replayed_src = list(idx_dst), list(idx_src)
         if method == "kernel":

@@ -8,13 +8,15 @@ SGLang 0.5.23's, names, forms and defaults (README.md lists what still differs):
 Rows and pages. A cache is seen as rows ("slots") of `element_dim` contiguous elements, in
 the order of `cache.view(-1, element_dim)`; the slots may sit under one stride (a flat cache,
 rows possibly padded) or two (a paged cache: pages of slots, e.g. the [page, page_size, ...]
-layer view of SGLang's page_first_direct host layout). By default `element_dim` is the last
-dimension, as in SGLang; where that would differ from a whole token's row (every dimension
-after the first, jitk's old default) the call is refused and says which to pass. With
-`page_size` P, the indices come in runs of P consecutive slots and only the first index of
-each run (page) is read: the lists' length must be a multiple of P, and a page may not
-straddle two pages of a paged cache. Rows must be a multiple of 16 bytes and 16-byte aligned.
-A cache lives on the GPU or in pinned host memory (pageable memory is refused).
+layer view of SGLang's page_first_direct host layout). `element_dim` defaults to the last
+dimension, as in SGLang (SGLang's pools pass it). Every index names one slot, whatever
+`page_size` says: as in SGLang, `page_size` is a hint (here: the run of consecutive slots
+"auto" may expect), never a change to which rows move. jitk's pages are asked for by name:
+with `index_granularity="page"` the lists come in runs of `page_size` consecutive slots and
+only the first index of each run is read (their length must be a multiple of `page_size`,
+and a page may not straddle two pages of a paged cache). Rows must be a multiple of 16 bytes
+and 16-byte aligned. A cache lives on the GPU or in pinned host memory (pageable memory is
+refused).
 
 Methods (`method=`), every one selectable:
 - "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
@@ -43,7 +45,6 @@ thread and are reused) and never synchronize.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -63,6 +64,9 @@ __all__ = [
 ]
 
 METHODS = ("auto", "kernel", "copy_engine")
+# What one index names: a slot (SGLang's meaning, whatever page_size is) or a page of
+# page_size slots (jitk's page entry, asked for by name).
+INDEX_GRANULARITIES = ("token", "page")
 # Python's copy of the rules the C++ side (hicache_layout.cuh) holds for the template
 # arguments, applied before any build; tests/test_hicache.py pins the pair.
 VECTOR_BYTES = 16
@@ -145,20 +149,20 @@ def _unroll(unroll: object) -> int:
     return value
 
 
-def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
-    """SGLang's default (the last dimension), refused where it would silently differ from a
-    whole token's row (every dimension after the first, jitk's old default)."""
+def _element_dim(cache: torch.Tensor, element_dim: object) -> int:
+    """SGLang's default: the last dimension."""
     if element_dim is not None:
         return _int(element_dim, "element_dim", 1)
-    last = cache.shape[-1] if cache.dim() > 0 else 1
-    whole_row = math.prod(cache.shape[1:])
-    if whole_row != last:
-        raise ValueError(
-            f"hicache: element_dim is ambiguous for '{name}' of shape {tuple(cache.shape)}: "
-            f"SGLang's default is the last dimension ({last}), jitk's was every dimension "
-            f"after the first ({whole_row}); pass element_dim={whole_row} to move whole "
-            f"tokens, or element_dim={last} for rows of the last dimension")
-    return last
+    return cache.shape[-1] if cache.dim() > 0 else 1
+
+
+def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
+    """(the page_size hint, the slots one index names) after checking both."""
+    hint = _int(1 if page_size is None else page_size, "page_size", 1)
+    if index_granularity not in INDEX_GRANULARITIES:
+        raise ValueError(f"hicache: index_granularity must be one of {INDEX_GRANULARITIES}, "
+                         f"got {index_granularity!r}")
+    return hint, hint if index_granularity == "page" else 1
 
 
 def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int]) -> str:
@@ -210,10 +214,12 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """k_cache_dst[indices_dst[i]] = k_cache_src[indices_src[i]], the same for V."""
     _one_layer(2, (k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-                   indices_src), element_dim, unroll, block_quota, page_size, method)
+                   indices_src), element_dim, unroll, block_quota, page_size, method,
+               index_granularity)
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
@@ -229,24 +235,25 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """cache_dst[indices_dst[i]] = cache_src[indices_src[i]]: one cache (MLA's latent KV)."""
     _one_layer(1, (cache_dst, indices_dst, cache_src, indices_src), element_dim, unroll,
-               block_quota, page_size, method)
+               block_quota, page_size, method, index_granularity)
 
 
 def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
-               block_quota: object, page_size: object, method: object) -> None:
+               block_quota: object, page_size: object, method: object,
+               index_granularity: object) -> None:
     """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
-    dst_name = "k_cache_dst" if caches == 2 else "cache_dst"
-    element_dim = _element_dim(dst, element_dim, dst_name)
+    element_dim = _element_dim(dst, element_dim)
     element_size = _element_size(element_dim * dst.element_size(),
                                  f"element_dim {element_dim} of {dst.dtype}")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
+    hint, pages = _pages(page_size, index_granularity)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     chosen = _method(method, indices_dst, lambda: element_size * (
-        pages if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
+        hint if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -278,6 +285,7 @@ def transfer_hicache_all_layer(
     kv_cache_src_page_stride_bytes: int | None = None,
     kv_cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """For every layer l, in one call: slot indices_dst[i] of layer l's K (and V) cache at
     k_ptr_dst[l] gets slot indices_src[i] of the cache at k_ptr_src[l]. The pointer tables
@@ -293,7 +301,7 @@ def transfer_hicache_all_layer(
                ("kv_cache_src_page_stride_bytes", kv_cache_src_page_stride_bytes),
                ("kv_cache_dst_page_stride_bytes", kv_cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
 @op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
@@ -314,6 +322,7 @@ def transfer_hicache_all_layer_mla(
     cache_src_page_stride_bytes: int | None = None,
     cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """transfer_hicache_all_layer for one cache per layer (MLA)."""
     _all_layer(1, (ptr_dst, indices_dst, ptr_src, indices_src),
@@ -322,13 +331,13 @@ def transfer_hicache_all_layer_mla(
                ("cache_src_page_stride_bytes", cache_src_page_stride_bytes),
                ("cache_dst_page_stride_bytes", cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
 def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple,
                src_page_stride: tuple, dst_page_stride: tuple, element_size: object,
                unroll: object, block_quota: object, page_size: object, num_tokens_src: object,
-               num_tokens_dst: object, method: object) -> None:
+               num_tokens_dst: object, method: object, index_granularity: object) -> None:
     """The all-layer call; the strides come as (Python name, value)."""
     strides = [_int(value, name, 1) for name, value in (src_stride, dst_stride)]
     if element_size is None:
@@ -338,14 +347,14 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         size = _element_size(strides[0], src_stride[0])
     else:
         size = _element_size(_int(element_size, "element_size", 1), "element_size")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
-    layout = (*strides, size, pages, *(_optional(value, name, 1)
+    hint, pages = _pages(page_size, index_granularity)
+    layout = (*strides, size, pages, hint, *(_optional(value, name, 1)
                                        for name, value in (src_page_stride, dst_page_stride)),
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     chosen = _method(method, tensors[caches],
-                     lambda: size * (pages if strides[0] == size == strides[1] else 1))
+                     lambda: size * (hint if strides[0] == size == strides[1] else 1))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla

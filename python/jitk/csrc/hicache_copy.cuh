@@ -261,21 +261,22 @@ struct CopyEngine {
   static void all_layer(TensorView k_ptr_dst, TensorView v_ptr_dst, TensorView indices_dst,
                         TensorView k_ptr_src, TensorView v_ptr_src, TensorView indices_src,
                         int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                        int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                        int64_t src_slots, int64_t dst_slots, int64_t stream) {
+                        int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                        int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                        int64_t stream) {
     all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
                       {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src, src_stride,
-                      dst_stride, element_size, page_size, src_page_stride, dst_page_stride,
-                      src_slots, dst_slots, stream);
+                      dst_stride, element_size, page_size, page_rows, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, stream);
   }
 
   static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
                             TensorView indices_src, int64_t src_stride, int64_t dst_stride,
-                            int64_t element_size, int64_t page_size, int64_t src_page_stride,
-                            int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
-                            int64_t stream) {
+                            int64_t element_size, int64_t page_size, int64_t page_rows,
+                            int64_t src_page_stride, int64_t dst_page_stride, int64_t src_slots,
+                            int64_t dst_slots, int64_t stream) {
     all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}}, indices_src,
-                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      src_stride, dst_stride, element_size, page_size, page_rows, src_page_stride,
                       dst_page_stride, src_slots, dst_slots, stream);
   }
 
@@ -323,14 +324,15 @@ struct CopyEngine {
   static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
                              const host::Caches<kNumCaches>& src, const TensorView& indices_src,
                              int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                             int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                             int64_t src_slots, int64_t dst_slots, int64_t stream) {
+                             int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                             int64_t stream) {
     RuntimeCheck(element_bytes_supported(element_size), "element_size is ", element_size,
                  " bytes; rows must be a positive multiple of 16 bytes, at most ",
                  kMaxElementBytes);
-    const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
-                                              dst_stride, element_size, page_size, src_page_stride,
-                                              dst_page_stride, src_slots, dst_slots);
+    const host::AllLayerArgs<kNumCaches> args(
+        dst, indices_dst, src, indices_src, src_stride, dst_stride, element_size, page_size,
+        page_rows, src_page_stride, dst_page_stride, src_slots, dst_slots);
     for (const host::Caches<kNumCaches>* side : {&dst, &src}) {
       for (int c = 0; c < kNumCaches; ++c) {
         host::check_host_readable(side->tensors[c], side->names[c]);
