@@ -8,7 +8,10 @@ poisoned beforehand (padding and other layers included in the comparison)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import mmap
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -397,6 +400,97 @@ def test_a_page_is_one_copy_only_where_its_rows_are_packed():
     assert hicache._packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
     assert hicache._packed(torch.empty(100, 2 * width), width)  # rows split one run
     assert hicache._packed(torch.empty(100, 1, width), width)
+
+
+# SGLang 0.5.23's signatures of the names its pools import (sglang/kernels/ops/kvcache/
+# hicache.py): (name, kind, default) of each parameter.
+P, K, REQUIRED = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY, \
+    inspect.Parameter.empty
+SGLANG_SIGNATURES = {
+    "can_use_hicache_jit_kernel": [("element_size", K, REQUIRED), ("unroll", K, None),
+                                   ("block_quota", K, None), ("page_size", K, None)],
+    "can_use_write_back_jit_kernel": [("element_size", K, REQUIRED), ("unroll", K, None),
+                                      ("block_quota", K, None)],
+    "transfer_hicache_all_layer_staged_lf_pf": [
+        *((name, P, REQUIRED) for name in ("k_ptr_src", "v_ptr_src", "src_indices",
+                                           "dst_indices", "staging_k", "staging_v", "dst_k",
+                                           "dst_v")),
+        ("page_size", K, REQUIRED), ("element_size", K, None), ("unroll", K, None),
+        ("block_quota", K, None)],
+    "transfer_hicache_all_layer_mla_staged_lf_pf": [
+        *((name, P, REQUIRED) for name in ("ptr_src", "src_indices", "dst_indices", "staging",
+                                           "dst")),
+        ("page_size", K, REQUIRED), ("element_size", K, None), ("unroll", K, None),
+        ("block_quota", K, None)],
+}
+
+
+@pytest.mark.parametrize("name", SGLANG_SIGNATURES)
+def test_sglang_imports_exist_with_its_signatures(name):
+    assert name in hicache.__all__
+    params = inspect.signature(getattr(hicache, name)).parameters.values()
+    assert [(p.name, p.kind, p.default) for p in params] == SGLANG_SIGNATURES[name]
+
+
+def test_gates_answer_false_never_raise(monkeypatch, caplog):
+    assert hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES, page_size=64)
+    assert hicache.can_use_write_back_jit_kernel(element_size=1152)
+    for size in (40, 0, 2**40, "256"):
+        assert not hicache.can_use_hicache_jit_kernel(element_size=size)
+        assert not hicache.can_use_write_back_jit_kernel(element_size=size)
+    assert not hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES, unroll=3)
+
+    def broken(*_args):
+        raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(hicache, "_kernel_module", broken)
+    monkeypatch.setattr(hicache, "_staged_module", broken)
+    assert not hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES)
+    assert not hicache.can_use_write_back_jit_kernel(element_size=ROW_BYTES)
+    assert "nvcc failed" in caplog.text
+
+
+def staged_model(src_layers, src_indices, dst_indices, dst, page_size):
+    """SGLang's staged write-back on the CPU: page p's tokens of every layer, from the slots
+    that follow src_indices[p * page_size], land at the host tokens that follow
+    dst_indices[p * page_size] of a [tokens, layers, row] pool."""
+    for p in range(0, len(src_indices), page_size):
+        for j in range(page_size):
+            for layer, cache in enumerate(src_layers):
+                dst[dst_indices[p] + j, layer] = cache[src_indices[p] + j]
+
+
+def test_staged_model_moves_whole_pages_in_page_first_order():
+    layers = [torch.arange(8 * 2).view(8, 2) + 100 * (layer + 1) for layer in range(3)]
+    dst = torch.zeros(6, 3, 2, dtype=torch.int64)
+    staged_model(layers, [4, 99, 0, 99], [2, -1, 0, -1], dst, 2)  # only pages' firsts read
+    assert dst[2, 1].tolist() == [208, 209] and dst[3, 2].tolist() == [310, 311]
+    assert dst[1, 0].tolist() == layers[0][1].tolist() and dst[4:].eq(0).all()
+
+
+def staged_args(**changes) -> dict:
+    table = torch.zeros(3, dtype=torch.int64)
+    staging = torch.zeros(8, 3, 4, 32).half()
+    host = torch.zeros(16, 3, 4, 32).half()
+    args = {"k_ptr_src": table, "v_ptr_src": table, "src_indices": torch.arange(4),
+            "dst_indices": torch.arange(4), "staging_k": staging, "staging_v": staging,
+            "dst_k": host, "dst_v": host, "page_size": 2}
+    return {**args, **changes}
+
+
+def test_staged_write_back_checks_its_arguments():
+    def staged(**changes):
+        return lambda: hicache.transfer_hicache_all_layer_staged_lf_pf(**staged_args(**changes))
+
+    expect_error(staged(), "'staging_k'", "Device mismatch", "hicache_staged.cuh:")
+    expect_error(staged(page_size=0), "page_size must be at least 1, got 0", kind=ValueError)
+    expect_error(staged(element_size=40), "a row of 40 bytes (element_size)", kind=ValueError)
+    expect_error(staged(staging_k=torch.zeros(8)), "the staging buffers and host pools are "
+                 "[tokens, layers, ...]; got a tensor of shape (8,)", kind=ValueError)
+    expect_error(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+        torch.zeros(3, dtype=torch.int64), torch.arange(4), torch.arange(4),
+        torch.zeros(8, 3, 576).bfloat16(), torch.zeros(16, 3, 576).bfloat16(), page_size=2,
+        block_quota=0), "block_quota must be at least 1, got 0", kind=ValueError)
 
 
 def test_precompile_configs_are_a_few_labelled_thunks():
@@ -914,3 +1008,83 @@ def test_captured_in_a_cuda_graph(method):
         expected.move(dst, src, slot_pairs(replayed_dst, replayed_src, 16, dst, src, None, 64))
         graph.replay()
         expected.check()
+
+
+# --------------------------------------------------- SGLang's pools, as they call (GPU)
+@contextlib.contextmanager
+def host_pool(shape, dtype, kind):
+    """A host pool as SGLang allocates one: torch-pinned, or mmap'ed and registered with
+    cudaHostRegister (its shared-memory host pools); every byte POISON."""
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    if kind == "pinned":
+        yield torch.full((nbytes,), POISON, dtype=torch.uint8).pin_memory().view(dtype).view(shape)
+        return
+    region = mmap.mmap(-1, nbytes)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    raw.fill_(POISON)
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(raw.data_ptr(), nbytes, 0)) == 0
+    try:
+        yield raw.view(dtype).view(shape)
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(raw.data_ptr())
+        del raw
+        region.close()
+
+
+HOST_KINDS = ["pinned", "registered"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_kind", HOST_KINDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_staged_write_back_as_sglang_pools_call_it(mla, page_size, host_kind):
+    # MHA: 2 heads of 128 bf16 per layer; MLA: one 576-wide latent row.
+    layers, pool_pages, host_pages, staged_pages = 3, 12, 10, 3
+    row_shape = (1, 576) if mla else (2, 128)
+    caches = 1 if mla else 2
+    tokens = pool_pages * page_size
+    device_layers = [[(torch.randn(tokens, *row_shape) * 3).bfloat16().cuda()
+                      for _ in range(layers)] for _ in range(caches)]
+    firsts_src = page_firsts(7, tokens, page_size)
+    firsts_dst = page_firsts(7, host_pages * page_size, page_size)
+    src_indices = torch.tensor(token_indices(firsts_src, page_size)).cuda()
+    dst_indices = torch.tensor(token_indices(firsts_dst, page_size))
+    staging = [torch.full((staged_pages * page_size, layers, *row_shape), 7.0,
+                          dtype=torch.bfloat16, device="cuda") for _ in range(caches)]
+    shape = (host_pages * page_size, layers, *row_shape)
+    with contextlib.ExitStack() as stack:
+        hosts = [stack.enter_context(host_pool(shape, torch.bfloat16, host_kind))
+                 for _ in range(caches)]
+        expected = [h.clone() for h in hosts]
+        for layer_list, want in zip(device_layers, expected):
+            staged_model([t.cpu() for t in layer_list], src_indices.tolist(),
+                         dst_indices.tolist(), want, page_size)
+        tables = [torch.tensor([t.data_ptr() for t in layer_list], dtype=torch.uint64).cuda()
+                  for layer_list in device_layers]
+        with torch.cuda.stream(torch.cuda.Stream()):
+            if mla:
+                hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+                    ptr_src=tables[0], src_indices=src_indices, dst_indices=dst_indices,
+                    staging=staging[0], dst=hosts[0], page_size=page_size)
+            else:
+                hicache.transfer_hicache_all_layer_staged_lf_pf(
+                    k_ptr_src=tables[0], v_ptr_src=tables[1], src_indices=src_indices,
+                    dst_indices=dst_indices, staging_k=staging[0], staging_v=staging[1],
+                    dst_k=hosts[0], dst_v=hosts[1], page_size=page_size)
+        torch.cuda.synchronize()
+        for got, want in zip(hosts, expected):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_staged_write_back_refuses_a_host_page_outside_the_pool():
+    table = torch.zeros(2, dtype=torch.uint64, device="cuda")
+    staging = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(8, 2, 128, dtype=torch.bfloat16).pin_memory()
+    expect_error(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+        table, torch.arange(4, device="cuda"), torch.tensor([0, 1, 7, 8]), staging, host,
+        page_size=2), "'dst_indices'[2] = 7: a page of 2 tokens from there is outside the "
+        "host pool (8 tokens)")

@@ -45,6 +45,7 @@ thread and are reused) and never synchronize.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,9 +57,13 @@ from .jit import load_jit
 from .streams import current_stream
 
 __all__ = [
+    "can_use_hicache_jit_kernel",
+    "can_use_write_back_jit_kernel",
     "precompile_configs",
     "transfer_hicache_all_layer",
     "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+    "transfer_hicache_all_layer_staged_lf_pf",
     "transfer_hicache_one_layer",
     "transfer_hicache_one_layer_mla",
 ]
@@ -80,7 +85,7 @@ DEFAULT_UNROLL = 4
 COPY_ENGINE_MIN_PAGE_BYTES = 16 << 10
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
-_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh"]
+_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
 _ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
@@ -109,6 +114,14 @@ def _copy_module():
     return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
+
+
+@functools.cache
+def _staged_module():
+    """The staged write-back (a gather kernel and the copy engines): every element size."""
+    return load_jit("hicache_staged", cuda_files=[_CUDA_FILES[0], *_CUDA_FILES[2:]],
+                    cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
+                                   for name in ("lf_pf", "lf_pf_mla")])
 
 
 @functools.cache
@@ -374,4 +387,114 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) for the copy engines and the kernel of each common element size."""
     kernels = [(f"element_size={size}", functools.partial(_kernel_module, size, DEFAULT_UNROLL))
                for size in _COMMON_ELEMENT_SIZES]
-    return [("copy engines", _copy_module), *kernels]
+    return [("copy engines", _copy_module), ("staged write-back", _staged_module), *kernels]
+
+
+# ------------------------------------------------------------------ staged write-back
+@op("jitk::transfer_hicache_all_layer_staged_lf_pf",
+    mutates_args=("staging_k", "staging_v", "dst_k", "dst_v"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_staged_lf_pf(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """SGLang's staged write-back: whole pages of every layer of a GPU pool (K and V layers
+    at k_ptr_src[l] / v_ptr_src[l], rows of element_size bytes back to back) to a pinned host
+    pool in page_first layout (dst_k / dst_v: [tokens, layers, ...]), through the GPU staging
+    buffers staging_k / staging_v ([tokens, layers, ...], any number of whole pages).
+
+    Page p is named by its first index: src_indices[p * page_size] (a GPU tensor) and
+    dst_indices[p * page_size] (a CPU int64 tensor, read during the call and checked
+    against the host pool). Per chunk of pages the staging buffers hold, a kernel gathers
+    the pages into them, then the copy engines move each page (one copy per run of
+    consecutive host pages) to the host, on PyTorch's current stream. `element_size` defaults
+    to a staging row; `block_quota` caps the gather's blocks; `unroll` is accepted for
+    SGLang's signature and has nothing to tune here."""
+    _staged(2, (k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v, dst_k,
+                dst_v), page_size, element_size, unroll, block_quota)
+
+
+@op("jitk::transfer_hicache_all_layer_mla_staged_lf_pf", mutates_args=("staging", "dst"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_mla_staged_lf_pf(
+    ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """transfer_hicache_all_layer_staged_lf_pf for one cache per layer (MLA, or one side of
+    a pool whose K and V rows differ)."""
+    _staged(1, (ptr_src, src_indices, dst_indices, staging, dst), page_size, element_size,
+            unroll, block_quota)
+
+
+def _staged(caches: int, tensors: tuple, page_size: object, element_size: object,
+            unroll: object, block_quota: object) -> None:
+    """The staged call: `tensors` in the entry point's order, caches and staging buffers
+    seen as [tokens, layers, row] as SGLang views them."""
+    pages = _int(page_size, "page_size", 1)
+    _unroll(unroll)
+    quota = _optional(block_quota, "block_quota", 1)
+    first_staging = caches + 2
+    buffers = list(tensors)
+    for at in range(first_staging, len(buffers)):
+        cache = buffers[at]
+        if cache.dim() < 2:
+            raise ValueError(f"hicache: the staging buffers and host pools are [tokens, layers, "
+                             f"...]; got a tensor of shape {tuple(cache.shape)}")
+        buffers[at] = cache.view(cache.shape[0], cache.shape[1], -1)
+    staging = buffers[first_staging]
+    row_bytes = staging.shape[2] * staging.element_size()
+    size = row_bytes if element_size is None else _int(element_size, "element_size", 1)
+    _element_size(size, "element_size" if element_size is not None else "a staging row")
+    entry = _staged_module().lf_pf if caches == 2 else _staged_module().lf_pf_mla
+    entry(*buffers, pages, size, quota)
+
+
+# ------------------------------------------------------------------------------ gates
+# SGLang's pools ask these before they pick the JIT path: False (with a warning logged)
+# where a module cannot be built or loaded, never an exception.
+def can_use_hicache_jit_kernel(*, element_size: int, unroll: int | None = None,
+                               block_quota: int | None = None,
+                               page_size: int | None = None) -> bool:
+    """Whether transfers of rows of `element_size` bytes can run (page_size: any hint)."""
+    return _can_build(lambda: (_kernel_module(_element_size(element_size, "element_size"),
+                                              _unroll(unroll)),
+                               _optional(block_quota, "block_quota", 1),
+                               _int(1 if page_size is None else page_size, "page_size", 1),
+                               _copy_module()), element_size)
+
+
+def can_use_write_back_jit_kernel(*, element_size: int, unroll: int | None = None,
+                                  block_quota: int | None = None) -> bool:
+    """Whether the staged write-back can run for rows of `element_size` bytes."""
+    return _can_build(lambda: (_element_size(element_size, "element_size"), _unroll(unroll),
+                               _optional(block_quota, "block_quota", 1), _staged_module()),
+                      element_size)
+
+
+def _can_build(build: Callable[[], object], element_size: object) -> bool:
+    try:
+        build()
+    except Exception as error:  # noqa: BLE001 - a gate answers, whatever the build raised
+        logging.getLogger(__name__).warning(
+            "hicache: no JIT kernel for element_size=%r: %s", element_size, error)
+        return False
+    return True

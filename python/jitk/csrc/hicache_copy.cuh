@@ -138,6 +138,19 @@ class CopyList {
     }
   }
 
+  // One contiguous copy, merged into the previous one where it continues it on both sides.
+  void add_copy(void* to, const void* from, size_t bytes) {
+    const size_t last = sizes_.size();
+    if (last > 0 && static_cast<char*>(dsts_.back()) + sizes_.back() == to &&
+        static_cast<const char*>(srcs_.back()) + sizes_.back() == from) {
+      sizes_.back() += bytes;
+      return;
+    }
+    dsts_.push(to);
+    srcs_.push(from);
+    sizes_.push(bytes);
+  }
+
   void submit(cudaStream_t stream, DebugInfo where = {}) {
     const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
     if (!is_capturing(stream, where) && !legacy && batch_supported()) {

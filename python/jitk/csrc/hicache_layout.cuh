@@ -256,14 +256,20 @@ struct Indices {
   bool on_gpu = false;
 };
 
-// body(static_cast<Index*>(nullptr)) for the indices' type.
+// body(static_cast<Index*>(nullptr)) for an index type (int32 or int64).
 template <typename F>
-void dispatch_index(const Indices& indices, F&& body) {
-  if (indices.dtype.unwrap() == dtype_v<int32_t>) {
+void dispatch_index_type(DLDataType dtype, F&& body) {
+  if (dtype == dtype_v<int32_t>) {
     body(static_cast<int32_t*>(nullptr));
   } else {
     body(static_cast<int64_t*>(nullptr));
   }
+}
+
+// The same for the type of a transfer's indices.
+template <typename F>
+void dispatch_index(const Indices& indices, F&& body) {
+  dispatch_index_type(indices.dtype.unwrap(), body);
 }
 
 // One side of a one-layer transfer, checked: all caches the same slots and dtype, rows
