@@ -89,10 +89,12 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.modules = []  # "kernel" or "copy_engine", one per call
         monkeypatch.setattr(hicache, "_kernel_module", self.entries)
         monkeypatch.setattr(hicache, "_copy_entries", self.entries)
 
-    def entries(self, *_module_args):
+    def entries(self, *module_args):
+        self.modules.append("kernel" if module_args else "copy_engine")
         return hicache._Entries(*(functools.partial(self.record, name)
                                   for name in hicache._ENTRY_POINTS))
 
@@ -385,11 +387,48 @@ def test_sglang_call_forms_reach_the_cpp_checks(form, method):
     assert ".cuh:" in message
 
 
-def test_auto_picks_by_where_the_indices_are_and_the_copy_size():
+# "auto"'s decision table for host indices (pinned or not: read during the call either way),
+# from the H100 measurements in jitk.hicache's docstring: (bytes one copy-engine copy moves,
+# whether the kernel can run) -> method. Never a path below half of the best: the kernel
+# (47-50 GB/s) below 64 KiB copies, where the copy engines give 1-34.
+AUTO_TABLE = [
+    (1 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),    # page 1 x 1 KiB: 1.1 vs 47 GB/s
+    (16 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),   # page 16 x 1 KiB: 12-34 vs 47
+    (32 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),
+    (64 << 10, True, "copy_engine"),                      # page 64 x 1 KiB: 53 vs 48
+    (1 << 20, True, "copy_engine"),
+    (1 << 10, False, "copy_engine"),                      # no GPU for the kernel: the only one
+    (64 << 10, False, "copy_engine"),
+]
+
+
+@pytest.mark.parametrize("copy_bytes, kernel_runs, chosen", AUTO_TABLE)
+def test_auto_decision_table_for_host_indices(copy_bytes, kernel_runs, chosen):
+    assert hicache._auto(copy_bytes, kernel_runs) == chosen
+    assert hicache._method("auto", torch.arange(4), lambda: copy_bytes,
+                           0 if kernel_runs else None) == chosen
+
+
+def test_explicit_methods_are_kept_and_gpu_indices_take_the_kernel():
     cpu = torch.arange(4)
-    assert hicache._method("auto", cpu, hicache.COPY_ENGINE_MIN_PAGE_BYTES) == "copy_engine"
-    assert hicache._method("auto", cpu, 256) == "copy_engine"  # pageable: only the engines
-    assert hicache._method("kernel", cpu, 2**30) == "kernel"
+    for method in ("kernel", "copy_engine"):
+        assert hicache._method(method, cpu, lambda: 0, None) == method
+    with torch._subclasses.FakeTensorMode():
+        gpu = torch.empty(4, dtype=torch.int64, device="cuda")
+        assert hicache._method("auto", gpu, lambda: 1 << 30, 0) == "kernel"
+
+
+@pytest.mark.parametrize("page_size, chosen", [
+    (None, "kernel"), (16, "kernel"), (256, "copy_engine")])  # rows of 256 bytes
+def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size, chosen):
+    recorder = Recorder(monkeypatch)
+    monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
+    copied = []
+    monkeypatch.setattr(hicache, "_on_gpu",
+                        lambda tensors, positions, gpu: copied.append(positions) or tensors)
+    hicache.transfer_hicache_one_layer(**one_layer_args(page_size=page_size))
+    assert recorder.modules == [chosen]
+    assert copied == ([(2, 5)] if chosen == "kernel" else [])  # both index lists
 
 
 def test_a_page_is_one_copy_only_where_its_rows_are_packed():
@@ -1088,3 +1127,27 @@ def test_staged_write_back_refuses_a_host_page_outside_the_pool():
         table, torch.arange(4, device="cuda"), torch.tensor([0, 1, 7, 8]), staging, host,
         page_size=2), "'dst_indices'[2] = 7: a page of 2 tokens from there is outside the "
         "host pool (8 tokens)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])  # the kernel on copied indices; the engines
+@pytest.mark.parametrize("pinned", [False, True])
+def test_auto_reads_host_indices_during_the_call(pinned, page_size):
+    src = (torch.randn(512, 512) * 3).bfloat16().cuda()  # rows of 1 KiB
+    dst = torch.full((512, 512), 5.0, dtype=torch.bfloat16).pin_memory()
+    firsts_dst, firsts_src = page_firsts(4, 512, 64), page_firsts(4, 512, 64)
+    idx_dst = torch.tensor(token_indices(firsts_dst, 64))
+    idx_src = torch.tensor(token_indices(firsts_src, 64))
+    if pinned:
+        idx_dst, idx_src = idx_dst.pin_memory(), idx_src.pin_memory()
+    expected = dst.clone()
+    expected[idx_dst] = src.cpu()[idx_src]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the transfer runs well after the call returns
+        hicache.transfer_hicache_one_layer_mla(dst, idx_dst, src, idx_src, page_size=page_size)
+    idx_dst.fill_(0)
+    idx_src.fill_(1)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)

@@ -30,16 +30,24 @@ Methods (`method=`), every one selectable:
   CUDA graph capture the copies are recorded one node each with the addresses of that
   moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
   and `block_quota` do not apply.
-- "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
-  engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
-  packed back to back), else the kernel if the indices are pinned (measured on an H100: a
-  copy costs the engines and the driver about a microsecond whatever its size).
+- "auto" (default): the method that moves the given tensors fastest on their own (measured
+  on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
+  size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
+  copies, 12-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
+  half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
+  copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
+  packed rows: SGLang's pages), else the kernel on a copy of the indices made on the GPU
+  during the call. So under "auto" host indices, pinned or not, are always read during the
+  call; only method="kernel" reads pinned ones in place, in stream order. Where the kernel
+  cannot run (no GPU tensor to place it, or all-layer pointer tables on the host) the copy
+  engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
 used), and so is the upper bound of the indices unless num_tokens_src / num_tokens_dst are
 given. Calls allocate no GPU memory (the copy engines' host-side lists grow once per
-thread and are reused) and never synchronize.
+thread and are reused), except "auto"'s GPU copies of host indices (PyTorch's caching
+allocator), and never synchronize.
 """
 
 from __future__ import annotations
@@ -81,8 +89,11 @@ UNROLLS = (1, 2, 4, 8)
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
-# "auto" with host indices: the copy engines from pages of this many bytes (per cache) on.
-COPY_ENGINE_MIN_PAGE_BYTES = 16 << 10
+# "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
+# KiB reaches a pinned copy_; 16 KiB gives 12-34 GB/s against the kernel's 47).
+COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
+# "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
+KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
 _CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
@@ -178,18 +189,45 @@ def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
     return hint, hint if index_granularity == "page" else 1
 
 
-def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int]) -> str:
-    """The method to run; `copy_bytes()` is what one copy-engine copy would move, asked only
-    where the choice needs it (not on a kernel call's path)."""
+def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int],
+            kernel_gpu: int | None) -> str:
+    """The method to run: `method` itself, or "auto"'s choice. `copy_bytes()` is what one
+    copy-engine copy would move, asked only where the choice needs it; `kernel_gpu` the GPU
+    the kernel would run on, None where it cannot run."""
     if method not in METHODS:
         raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     if indices.is_cuda:
         return "kernel"
-    if not indices.is_pinned() or copy_bytes() >= COPY_ENGINE_MIN_PAGE_BYTES:
+    return _auto(copy_bytes(), kernel_gpu is not None)
+
+
+def _auto(copy_bytes: int, kernel_runs: bool) -> str:
+    """"auto" for host indices: the copy engines where their copies are large enough to
+    reach the link's bandwidth, else the kernel (on GPU copies of the indices) if it can
+    run; tests/test_hicache.py holds the decision table."""
+    if copy_bytes >= COPY_ENGINE_MIN_COPY_BYTES or not kernel_runs:
         return "copy_engine"
-    return "kernel"
+    return KERNEL_ON_COPIED_INDICES
+
+
+def _on_gpu(tensors: tuple, positions: tuple[int, int], gpu: int) -> tuple:
+    """`tensors` with the index lists at `positions` replaced by copies on `gpu`, read now:
+    from pageable memory the copy returns once the host has read the source; a pinned one
+    is first copied to pageable memory, so that it is read now too, not in stream order."""
+    moved = list(tensors)
+    for at in positions:
+        indices = moved[at]
+        if indices.is_pinned():
+            indices = torch.empty_like(indices, pin_memory=False).copy_(indices)
+        moved[at] = indices.to(f"cuda:{gpu}", non_blocking=True)
+    return tuple(moved)
+
+
+def _gpu_of(*tensors: torch.Tensor) -> int | None:
+    """The GPU of the first tensor on one, or None."""
+    return next((t.device.index for t in tensors if t.is_cuda), None)
 
 
 def _packed(cache: torch.Tensor, element_dim: int) -> bool:
@@ -265,8 +303,11 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
                                  f"element_dim {element_dim} of {dst.dtype}")
     hint, pages = _pages(page_size, index_granularity)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(dst, src)
     chosen = _method(method, indices_dst, lambda: element_size * (
-        hint if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
+        hint if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -366,8 +407,11 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(tensors[0])  # the pointer tables': the kernel reads them there
     chosen = _method(method, tensors[caches],
-                     lambda: size * (hint if strides[0] == size == strides[1] else 1))
+                     lambda: size * (hint if strides[0] == size == strides[1] else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
