@@ -291,6 +291,29 @@ def test_copy_engine_reads_indices_on_the_host_and_refuses_what_it_cannot_move()
                  "(the source layers")
 
 
+def test_page_size_never_overflows_a_page_stride_check_even_with_no_indices():
+    empty = {"indices_dst": torch.arange(0), "indices_src": torch.arange(0)}
+    expect_error(all_layer(page_size=2**40, kv_cache_src_page_stride_bytes=4096, **empty),
+                 "page_size must be between 1 and 2147483647, got 1099511627776")
+    expect_error(all_layer(page_size=2**30, kv_cache_src_stride_bytes=2**40,
+                           kv_cache_src_page_stride_bytes=2**41, element_size=ROW_BYTES,
+                           **empty),
+                 "page_size * kv_cache_src_stride_bytes (1073741824 * 1099511627776) "
+                 "overflows 64 bits")
+
+
+def test_copy_engine_refuses_moves_chained_inside_one_cache():
+    # Host pointer tables name the same memory on both sides: rows 0-1 move to rows 1-2, so
+    # row 1 is written and read by the same call. Refused before any copy is issued.
+    base = 1 << 20
+    expect_error(all_layer(k_ptr_dst=torch.tensor([base]), v_ptr_dst=torch.tensor([2 * base]),
+                           k_ptr_src=torch.tensor([base]), v_ptr_src=torch.tensor([3 * base]),
+                           indices_dst=torch.tensor([1, 2]), indices_src=torch.tensor([0, 1]),
+                           method="copy_engine"),
+                 "a destination row of this call is also one of its source rows",
+                 "hicache_copy.cuh:")
+
+
 def all_layer_args(**changes) -> dict:
     table = torch.zeros(4, dtype=torch.int64)
     args = {"k_ptr_dst": table, "v_ptr_dst": table, "indices_dst": torch.arange(4),
@@ -850,16 +873,19 @@ def test_copy_engine_refuses_indices_it_cannot_move_and_gpu_indices():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("legacy", [False, True], ids=["side_stream", "legacy_stream"])
 @pytest.mark.parametrize("all_layer", [False, True])
-def test_copy_engine_copies_join_the_current_stream(all_layer):
-    # On a side stream: a long sleep, then new source rows, then the copies. Copies issued on
-    # any other stream would run at once and move the old rows.
+def test_copy_engine_copies_join_the_current_stream(all_layer, legacy):
+    # On the stream: a long sleep, then new source rows, then the copies. Copies issued on
+    # any other stream would run at once and move the old rows. On the legacy default stream
+    # the batches run on a stream of jitk's own, which must wait for the legacy stream.
     old, new = (torch.randn(64, 128).half() for _ in range(2))
     src, new_gpu = old.cuda(), new.cuda()
     dst = torch.full((64 * 256,), POISON, dtype=torch.uint8).view(torch.float16)
     dst = dst.view(64, 128).pin_memory()
     idx_dst, idx_src = torch.randperm(64)[:32], torch.randperm(64)[:32]
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.default_stream() if legacy else torch.cuda.Stream()
+    assert not legacy or stream.cuda_stream == 0
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         torch.cuda._sleep(100_000_000)  # tens of milliseconds
@@ -1151,3 +1177,41 @@ def test_auto_reads_host_indices_during_the_call(pinned, page_size):
     idx_src.fill_(1)
     torch.cuda.synchronize()
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.gpu
+def test_copy_engine_all_layer_copies_join_the_stream_of_the_tables_gpu():
+    module = hicache._copy_module()
+    gpu = torch.empty(16, device="cuda")
+    assert module.pointer_device(gpu.data_ptr()) == gpu.device.index
+    assert module.pointer_device(torch.empty(16).pin_memory().data_ptr()) == -1
+    assert module.pointer_device(12345) == -1
+    if torch.cuda.device_count() < 2:
+        return  # the stream choice below needs a second GPU
+    with torch.cuda.device(1):
+        src = torch.randn(64, 128, device="cuda:1").half()
+    dst = torch.full((64, 128), 5.0, dtype=torch.float16).pin_memory()
+    idx = torch.randperm(64)[:16]
+    stream = torch.cuda.Stream(device=1)
+    with torch.cuda.stream(stream), torch.cuda.device(0):  # cuda:1's current stream: `stream`
+        torch.cuda._sleep(50_000_000)
+        hicache.transfer_hicache_all_layer_mla(
+            torch.tensor([dst.data_ptr()]), idx, torch.tensor([src.data_ptr()]), idx,
+            cache_src_stride_bytes=256, cache_dst_stride_bytes=256, method="copy_engine")
+    torch.cuda.synchronize(1)
+    assert torch.equal(dst[idx], src.cpu()[idx])
+
+
+@pytest.mark.gpu
+def test_copy_engine_moves_inside_one_cache_that_do_not_chain():
+    cache = (torch.randn(64, 128) * 3).half().cuda()
+    before = cache.cpu()
+    src, dst = torch.arange(0, 8), torch.arange(32, 40)
+    hicache.transfer_hicache_one_layer_mla(cache, dst, cache, src, method="copy_engine")
+    torch.cuda.synchronize()
+    expected = before.clone()
+    expected[dst] = before[src]
+    assert torch.equal(cache.cpu(), expected)
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        cache, torch.tensor([1, 2]), cache, torch.tensor([0, 1]), method="copy_engine"),
+        "a destination row of this call is also one of its source rows")

@@ -24,12 +24,15 @@ Methods (`method=`), every one selectable:
   indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
   and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
   GEMM) its blocks wait for SMs, and its bandwidth drops with them.
-- "copy_engine": the GPU's copy engines, one batched submission per call; no SM is used,
-  so the bandwidth holds beside compute. The indices (and all-layer pointer tables) must be
-  CPU tensors: the call reads them on the host and refuses an index it cannot move. Under
-  CUDA graph capture the copies are recorded one node each with the addresses of that
-  moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
-  and `block_quota` do not apply.
+- "copy_engine": the GPU's copy engines, one batched submission per call (on the legacy
+  default stream, which the batch calls refuse, on a stream of jitk's that waits for it and
+  that it waits for); no SM is used, so the bandwidth holds beside compute. A call whose
+  destination rows overlap its source rows is refused (no order of its copies is defined).
+  All-layer copies join the current stream of the GPU their pointer tables point into. The
+  indices (and all-layer pointer tables) must be CPU tensors: the call reads them on the
+  host and refuses an index it cannot move. Under CUDA graph capture the copies are
+  recorded one node each with the addresses of that moment: replays repeat those pages, at
+  about a third of the eager bandwidth. `unroll` and `block_quota` do not apply.
 - "auto" (default): the method that moves the given tensors fastest on their own (measured
   on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
   size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
@@ -121,7 +124,8 @@ def _kernel_module(element_size: int, unroll: int) -> _Entries:
 @functools.cache
 def _copy_module():
     """The copy-engine entry points: one module for every element size."""
-    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported")
+    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
+             "pointer_device")
     return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
@@ -239,6 +243,17 @@ def _packed(cache: torch.Tensor, element_dim: int) -> bool:
             return covered > element_dim or stride == element_dim
         covered *= size
     return True
+
+
+def _tables_gpu(tensors: tuple, caches: int) -> int | None:
+    """The GPU the first layer of the copy engines' pointer tables (host tensors) points
+    into, source first; None (the current GPU) where neither points into a GPU's memory."""
+    for table in (tensors[caches + 1], tensors[0]):
+        if table.numel() > 0 and not table.is_cuda:
+            device = _copy_module().pointer_device(int(table[0]))
+            if device >= 0:
+                return device
+    return None
 
 
 def _stream(*tensors: torch.Tensor) -> int:
@@ -419,7 +434,7 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
     else:
         entries = _copy_entries()
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
-        entry(*tensors, *layout, _stream())
+        entry(*tensors, *layout, current_stream(_tables_gpu(tensors, caches))[1])
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what
