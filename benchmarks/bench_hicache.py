@@ -48,6 +48,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter runs")
     parser.add_argument("--sweep", action="store_true", help="block quota sweep")
     parser.add_argument("--skip-solo", action="store_true", help="overlap table only")
+    parser.add_argument("--pages", default=None,
+                        help="overlap table: page sizes, e.g. 1,16 (default 64,16,1)")
+    parser.add_argument("--peers", action="store_true",
+                        help="overlap table: SGLang 0.5.23's kernels too (PYTHONPATH with "
+                             ".peers/sgl523, see ../shared/peers/README.md)")
     return parser.parse_args()
 
 
@@ -67,19 +72,33 @@ def random_rows(rows: int, row_bytes: int, where: str) -> torch.Tensor:
 @dataclass
 class Variant:
     """A way to run one layer's transfer: a jitk method with its options, indices on the
-    GPU or pinned on the host."""
+    GPU or pinned on the host; `transfer` replaces jitk's call (SGLang's kernels)."""
     label: str
     method: str
     host_indices: bool = False
     options: dict = field(default_factory=dict)
+    transfer: object = None
 
 
-def variants(sms: int) -> list[Variant]:
-    """The kernel as jitk runs it by default and on every SM (its old default), and the copy
-    engines."""
-    return [Variant("kernel", "kernel"),
-            Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
-            Variant("copy_engine", "copy_engine", host_indices=True)]
+def variants(sms: int, peers: bool) -> list[Variant]:
+    """The kernel as jitk runs it by default and on every SM (its old default), the copy
+    engines, "auto" with host indices (the kernel on GPU copies of them below 64 KiB pages),
+    and SGLang 0.5.23's register and TMA kernels (GPU indices, its defaults) with --peers."""
+    found = [Variant("kernel", "kernel"),
+             Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
+             Variant("copy_engine", "copy_engine", host_indices=True),
+             Variant("auto, host indices", "auto", host_indices=True)]
+    if peers:
+        try:
+            import sgl523
+        except ImportError as error:
+            print(f"SGLang 0.5.23's kernels did not load: {error}", flush=True)
+            return found
+        found += [Variant("sglang 0.5.23 register", "sglang",
+                          transfer=sgl523.transfer_hicache_one_layer),
+                  Variant("sglang 0.5.23 tma", "sglang",
+                          transfer=sgl523.transfer_hicache_one_layer_tma)]
+    return found
 
 
 @functools.cache
@@ -123,9 +142,38 @@ def caches_calls(variant: Variant, dst: list, src: list, tokens: int, page: int)
             idx = [i.pin_memory() for i in idx]
         else:
             idx = [i.cuda() for i in idx]
+        if variant.transfer is not None:
+            calls.append(lambda i=idx: variant.transfer(dst[0], dst[1], i[0], src[0], src[1],
+                                                        i[1], element_dim=element_dim))
+            continue
         calls.append(lambda i=idx: hicache.transfer_hicache_one_layer(
             dst[0], dst[1], i[0], src[0], src[1], i[1], page_size=page,
             element_dim=element_dim, method=variant.method, **variant.options))
+    return calls
+
+
+def gathered_write_back_calls(pools: Pools, tokens: int, page: int):
+    """A write-back as a GPU gather of the pages into a staging buffer (the kernel, GPU to
+    GPU) and one copy-engine copy per cache into host slots that follow each other (as a
+    host allocator hands out fresh slots): the copy engines move one large block."""
+    row = pools.row_bytes // 2
+    staging = [torch.empty(tokens, row, dtype=torch.float16, device="cuda") for _ in range(2)]
+    staged = torch.arange(tokens)
+    staged_gpu = staged.cuda()
+    calls = []
+    for _ in range(INDEX_SETS):
+        src_idx = page_indices(tokens, GPU_POOL, page).cuda()
+        first = int(torch.randint(0, HOST_POOL - tokens, ()))
+        host_idx = torch.arange(first, first + tokens)
+
+        def call(src_idx=src_idx, host_idx=host_idx):
+            hicache.transfer_hicache_one_layer(staging[0], staging[1], staged_gpu,
+                                               pools.gpu[0], pools.gpu[1], src_idx,
+                                               method="kernel", block_quota=8)
+            hicache.transfer_hicache_one_layer(pools.host[0], pools.host[1], host_idx,
+                                               staging[0], staging[1], staged,
+                                               method="copy_engine")
+        calls.append(call)
     return calls
 
 
@@ -204,8 +252,9 @@ def overlap_table(args, sms) -> list[dict]:
     gemm_ms = gemm_alone_ms(gemm)
     print(f"GEMM alone: {GEMM[0]} x bf16 {GEMM[1]}^3 = {gemm_ms:.2f} ms", flush=True)
     streams = [torch.cuda.Stream()]
-    shapes = ([(4096, 1024, p) for p in (64, 1)] if args.quick else
-              list(itertools.product((4096, 32768), (1024, 4096, 256), (64, 16, 1))))
+    pages = [int(p) for p in args.pages.split(",")] if args.pages else None
+    shapes = ([(4096, 1024, p) for p in pages or (64, 1)] if args.quick else
+              list(itertools.product((4096, 32768), (1024, 4096, 256), pages or (64, 16, 1))))
     rows = []
     for row_bytes in dict.fromkeys(b for _, b, _ in shapes):  # the headline sizes first
         pools = pools_for(row_bytes)
@@ -213,8 +262,11 @@ def overlap_table(args, sms) -> list[dict]:
             for tokens, _, page in [s for s in shapes if s[1] == row_bytes]:
                 layer_bytes = 2 * tokens * row_bytes
                 todo = [(v.label, layer_calls(v, pools, direction, tokens, page))
-                        for v in variants(sms)]
-                if page == 1:  # once per shape: the contiguous copy_ reference
+                        for v in variants(sms, args.peers)]
+                if direction == "d2h":
+                    todo.append(("gather + copy_engine (host slots in one run)",
+                                 gathered_write_back_calls(pools, tokens, page)))
+                if page == min(s[2] for s in shapes):  # once per shape: the copy_ reference
                     todo.append(("copy_ contiguous", contiguous_calls(pools, direction, tokens)))
                 for label, calls in todo:
                     shape = {"direction": direction, "tokens": tokens,

@@ -1215,3 +1215,135 @@ def test_copy_engine_moves_inside_one_cache_that_do_not_chain():
     expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
         cache, torch.tensor([1, 2]), cache, torch.tensor([0, 1]), method="copy_engine"),
         "a destination row of this call is also one of its source rows")
+
+
+# SGLang 0.5.23's pools (sglang/srt/mem_cache/pool_host/*.py, memory_pool_host.py): the host
+# layout of a pool kind, its row (dtype, shape after the token), and the call forms its
+# load_to_device_per_layer / backup_from_device_all_layer make, with indices on the GPU as
+# cache_controller.move_indices leaves them.
+SGLANG_POOLS = {
+    "mha": (torch.bfloat16, (4, 128), 2),        # K and V of 4 heads
+    "mla": (torch.bfloat16, (1, 576), 1),        # DeepSeek's latent row
+    "k_only": (torch.bfloat16, (2, 128), 1),     # one cache per layer
+    "mxfp8_scales": (torch.uint8, (4, 4), 1),    # a scale byte per 32 elements of 4 x 128
+    "dsa_page_rows": (torch.uint8, (64 * 132,), 1),  # DSA indexer: a 64-token page a row
+}
+SGLANG_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def sglang_layer_views(whole: torch.Tensor, layout: str, layer: int) -> torch.Tensor:
+    """One layer of a host buffer as SGLang's pools cut it: [size, ...] for layer_first and
+    page_first (strided rows), [pages, page_size, ...] for page_first_direct."""
+    return whole[layer] if layout == "layer_first" else whole[:, layer]
+
+
+def sglang_host_shape(layout, layers, size, page_size, row):
+    return {"layer_first": (layers, size, *row), "page_first": (size, layers, *row),
+            "page_first_direct": (size // page_size, layers, page_size, *row)}[layout]
+
+
+def set_slots(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, paged: int | None):
+    """view[slots] = values, for a [pages, page_size, ...] view with `paged` slots a page."""
+    if paged:
+        view[slots // paged, slots % paged] = values
+    else:
+        view[slots] = values
+
+
+def get_slots(view: torch.Tensor, slots: torch.Tensor, paged: int | None) -> torch.Tensor:
+    return view[slots // paged, slots % paged] if paged else view[slots]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_kind", HOST_KINDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("layout", SGLANG_LAYOUTS)
+@pytest.mark.parametrize("pool", SGLANG_POOLS)
+def test_sglang_pool_call_sites(pool, layout, page_size, host_kind):
+    dtype, row, caches = SGLANG_POOLS[pool]
+    layers, size, device_size = 2, 8 * 128, 4 * 128
+    element_dim = int(torch.Size(row).numel())
+    paged = page_size if layout == "page_first_direct" else None
+    tokens = 3 * page_size + (5 if page_size == 1 else 0)
+    # Whole pages on the host (SGLang's pages), token indices on both sides, on the GPU.
+    host_idx = torch.tensor(token_indices(page_firsts(tokens // page_size or tokens, size,
+                                                      page_size), page_size)[:tokens])
+    device_idx = torch.randperm(device_size)[:tokens]
+    shape = sglang_host_shape(layout, layers, size, page_size, row)
+    with contextlib.ExitStack() as stack:
+        hosts = [stack.enter_context(host_pool(shape, dtype, host_kind)) for _ in range(caches)]
+        for h in hosts:  # random host data, never zeros
+            raw = h.view(torch.uint8)
+            raw.copy_(torch.randint(1, 255, raw.shape, dtype=torch.uint8))
+        devices = [[torch.full((device_size, *row), 0, dtype=dtype, device="cuda").view(
+            torch.uint8).fill_(POISON).view(dtype) for _ in range(layers)]
+            for _ in range(caches)]
+        # load_to_device_per_layer: host -> device, one layer at a time.
+        for layer in range(layers):
+            srcs = [sglang_layer_views(h, layout, layer) for h in hosts]
+            dsts = [d[layer] for d in devices]
+            options = {"element_dim": element_dim, "page_size": page_size}
+            if caches == 2:
+                hicache.transfer_hicache_one_layer(
+                    k_cache_dst=dsts[0], v_cache_dst=dsts[1], k_cache_src=srcs[0],
+                    v_cache_src=srcs[1], indices_dst=device_idx.cuda(),
+                    indices_src=host_idx.cuda(), **options)
+            else:
+                hicache.transfer_hicache_one_layer_mla(
+                    cache_dst=dsts[0], indices_dst=device_idx.cuda(), cache_src=srcs[0],
+                    indices_src=host_idx.cuda(), **options)
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            for h, d in zip(hosts, devices):
+                want = torch.full_like(d[layer].cpu().view(torch.uint8), POISON).view(dtype)
+                want[device_idx] = get_slots(sglang_layer_views(h, layout, layer), host_idx,
+                                             paged)
+                assert torch.equal(d[layer].cpu().view(torch.uint8), want.view(torch.uint8))
+        # backup_from_device_all_layer (layer_first: all layers in one call) and a write-back
+        # per layer elsewhere, to fresh host rows, device indices on the GPU.
+        for h in hosts:
+            h.view(torch.uint8).fill_(POISON)
+        expected = [h.clone() for h in hosts]
+        for e, d in zip(expected, devices):
+            for layer in range(layers):
+                set_slots(sglang_layer_views(e, layout, layer), host_idx,
+                          d[layer].cpu()[device_idx], paged)
+        row_bytes = element_dim * dtype.itemsize
+        if layout == "layer_first":
+            tables = [(torch.tensor([h[layer].data_ptr() for layer in range(layers)],
+                                    dtype=torch.uint64).cuda(),
+                       torch.tensor([t.data_ptr() for t in d], dtype=torch.uint64).cuda())
+                      for h, d in zip(hosts, devices)]
+            if caches == 2:
+                hicache.transfer_hicache_all_layer(
+                    k_ptr_dst=tables[0][0], v_ptr_dst=tables[1][0], indices_dst=host_idx.cuda(),
+                    k_ptr_src=tables[0][1], v_ptr_src=tables[1][1], indices_src=device_idx.cuda(),
+                    kv_cache_dst_stride_bytes=row_bytes, kv_cache_src_stride_bytes=row_bytes,
+                    element_size=row_bytes)
+            else:
+                hicache.transfer_hicache_all_layer_mla(
+                    ptr_dst=tables[0][0], indices_dst=host_idx.cuda(), ptr_src=tables[0][1],
+                    indices_src=device_idx.cuda(), cache_dst_stride_bytes=row_bytes,
+                    cache_src_stride_bytes=row_bytes)
+        else:
+            for layer in range(layers):
+                for h, d in zip(hosts, devices):
+                    hicache.transfer_hicache_one_layer_mla(
+                        sglang_layer_views(h, layout, layer), host_idx.cuda(), d[layer],
+                        device_idx.cuda(), element_dim=element_dim, page_size=page_size)
+        torch.cuda.synchronize()
+        for h, e in zip(hosts, expected):
+            assert torch.equal(h.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [5, 100, 128, 165])
+@pytest.mark.parametrize("method", ["kernel", "auto"])
+def test_hisparse_mla_token_indices_with_page_size_64(method, count):
+    # DeepSeek V3.2's HiSparse coordinator: MLA rows, page_size=64, a top-k of token indices.
+    idx_dst, idx_src = page_firsts(count, 384, 1), page_firsts(count, 512, 1)
+    where = "kernel" if method == "kernel" else "auto-host"
+    run_one_layer(where, "h2d", page_size=64, idx_dst=idx_dst, idx_src=idx_src,
+                  row_shape=(576,), dtype=torch.bfloat16, mla=True)
+    run_all_layer("kernel", "d2h", page_size=64, idx_dst=idx_dst, idx_src=idx_src, mla=True,
+                  width=576, dtype=torch.bfloat16)
