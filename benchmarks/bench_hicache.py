@@ -177,6 +177,30 @@ def gathered_write_back_calls(pools: Pools, tokens: int, page: int):
     return calls
 
 
+def cpu_gathered_load_calls(pools: Pools, tokens: int, page: int):
+    """A load-back as a gather of the host pages by CPU threads (torch's index_select) into
+    a pinned staging buffer, then one copy-engine copy per cache into GPU slots that follow
+    each other. A staging buffer is rewritten only after its last copy has finished."""
+    row = pools.row_bytes // 2
+    calls = []
+    for _ in range(INDEX_SETS):
+        host_idx = page_indices(tokens, HOST_POOL, page)
+        first = int(torch.randint(0, GPU_POOL - tokens, ()))
+        staging = [torch.empty(tokens, row, dtype=torch.float16, pin_memory=True)
+                   for _ in range(2)]
+        done = torch.cuda.Event()
+        done.record()
+
+        def call(host_idx=host_idx, first=first, staging=staging, done=done):
+            done.synchronize()
+            for cache in range(2):
+                torch.index_select(pools.host[cache], 0, host_idx, out=staging[cache])
+                pools.gpu[cache][first:first + tokens].copy_(staging[cache], non_blocking=True)
+            done.record()
+        calls.append(call)
+    return calls
+
+
 def contiguous_calls(pools: Pools, direction: str, tokens: int):
     """The reference: K and V of a layer as one contiguous copy_ each."""
     dst, src = pools.sides(direction)
@@ -266,6 +290,10 @@ def overlap_table(args, sms) -> list[dict]:
                 if direction == "d2h":
                     todo.append(("gather + copy_engine (host slots in one run)",
                                  gathered_write_back_calls(pools, tokens, page)))
+                else:
+                    todo.append((f"CPU gather ({torch.get_num_threads()} threads) + copy_ "
+                                 "(GPU slots in one run)",
+                                 cpu_gathered_load_calls(pools, tokens, page)))
                 if page == min(s[2] for s in shapes):  # once per shape: the copy_ reference
                     todo.append(("copy_ contiguous", contiguous_calls(pools, direction, tokens)))
                 for label, calls in todo:
