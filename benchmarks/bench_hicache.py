@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-solo", action="store_true", help="overlap table only")
     parser.add_argument("--pages", default=None,
                         help="overlap table: page sizes, e.g. 1,16 (default 64,16,1)")
+    parser.add_argument("--staged", action="store_true",
+                        help="the staged write-back (layer_first GPU -> page_first host), alone "
+                             "and beside the GEMMs, pages of 1 / 16 / 64")
     parser.add_argument("--peers", action="store_true",
                         help="overlap table: SGLang 0.5.23's kernels too (PYTHONPATH with "
                              ".peers/sgl523, see ../shared/peers/README.md)")
@@ -309,6 +312,41 @@ def overlap_table(args, sms) -> list[dict]:
     return rows
 
 
+STAGED_LAYERS, STAGED_TOKENS, STAGED_HOST, STAGED_CAPACITY = 8, 4096, 32768, 1024
+
+
+def staged_table(args) -> list[dict]:
+    """SGLang's default backup for page_first hosts: K+V rows of 1 KiB, 8 layers, 4096
+    tokens a call (64 MiB), random whole pages on both sides, staging of 1024 tokens."""
+    gemm = make_gemm()
+    gemm_ms = gemm_alone_ms(gemm)
+    row = 512  # fp16
+    device = [[random_rows(GPU_POOL // 4, 2 * row, "cuda") for _ in range(STAGED_LAYERS)]
+              for _ in range(2)]
+    host = [torch.empty(STAGED_HOST, STAGED_LAYERS, row, dtype=torch.float16, pin_memory=True)
+            for _ in range(2)]
+    staging = [torch.empty(STAGED_CAPACITY, STAGED_LAYERS, row, dtype=torch.float16,
+                           device="cuda") for _ in range(2)]
+    tables = [torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).cuda()
+              for layers in device]
+    rows = []
+    for page in (1, 16, 64):
+        calls = []
+        for _ in range(INDEX_SETS):
+            src = page_indices(STAGED_TOKENS, GPU_POOL // 4, page).cuda()
+            dst = page_indices(STAGED_TOKENS, STAGED_HOST, page)
+            calls.append(lambda src=src, dst=dst, page=page:
+                         hicache.transfer_hicache_all_layer_staged_lf_pf(
+                             tables[0], tables[1], src, dst, staging[0], staging[1], host[0],
+                             host[1], page_size=page))
+        layer_bytes = 2 * STAGED_TOKENS * STAGED_LAYERS * 2 * row
+        row_ = overlap_row("staged write-back", calls, layer_bytes, [torch.cuda.Stream()],
+                           gemm, gemm_ms, 2 if args.quick else 3)
+        rows.append({"page": page, **row_})
+        print("  ", _short(rows[-1]), flush=True)
+    return rows
+
+
 def _short(row: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -481,6 +519,10 @@ def main():
     result = {"device": common.device_name(), "device_copy_gbps": device_copy,
               "pinned_h2d_gbps": h2d, "pinned_d2h_gbps": d2h}
     with torch.cuda.stream(torch.cuda.Stream()):  # the GEMMs' stream
+        if args.staged:
+            result["staged"] = staged_table(args)
+            common.print_table("staged write-back, 64 MiB a call (GB/s of K+V data)",
+                               result["staged"], list(result["staged"][0]))
         result["overlap"] = overlap_table(args, sms)
     common.write_json(args.json, result)
     with torch.cuda.stream(torch.cuda.Stream()):
