@@ -11,6 +11,12 @@ Tables:
   another on a side stream alone (GB/s), the same beside the GEMMs (GB/s, counting only the
   layers done before the GEMMs end) and the GEMMs' slowdown, per method, at 4096 and 32768
   tokens x 256 B / 1 KiB / 4 KiB, pages of 1 / 16 / 64 tokens.
+  Besides jitk's methods ("auto" with host indices included): a gathered write-back (GPU
+  gather, one copy-engine block into consecutive host slots), a CPU-gathered load-back
+  (torch's threads, one copy into consecutive GPU slots), and with --peers SGLang 0.5.23's
+  register and TMA kernels from .peers/sgl523 (PYTHONPATH); --pages picks the page sizes.
+- staged (--staged): the staged write-back (layer_first GPU -> page_first host), alone and
+  beside the GEMMs, pages of 1 / 16 / 64.
 - sweep (--sweep): the kernel's bandwidth per block quota, which picks its default.
 Transfers run on side streams (the copy engines' batch submission refuses the legacy default
 stream). --quick measures a subset.

@@ -36,7 +36,7 @@ Methods (`method=`), every one selectable:
 - "auto" (default): the method that moves the given tensors fastest on their own (measured
   on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
   size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
-  copies, 12-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
+  copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
   half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
   copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
   packed rows: SGLang's pages), else the kernel on a copy of the indices made on the GPU
@@ -93,7 +93,7 @@ UNROLLS = (1, 2, 4, 8)
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
 # "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
-# KiB reaches a pinned copy_; 16 KiB gives 12-34 GB/s against the kernel's 47).
+# KiB reaches a pinned copy_; 16 KiB gives 6-34 GB/s against the kernel's 44-50).
 COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
 # "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
 KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
