@@ -441,15 +441,21 @@ def test_explicit_methods_are_kept_and_gpu_indices_take_the_kernel():
         assert hicache._method("auto", gpu, lambda: 1 << 30, 0) == "kernel"
 
 
-@pytest.mark.parametrize("page_size, chosen", [
-    (None, "kernel"), (16, "kernel"), (256, "copy_engine")])  # rows of 256 bytes
-def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size, chosen):
+@pytest.mark.parametrize("page_size, runs, chosen", [
+    (None, True, "kernel"), (16, True, "kernel"), (256, True, "copy_engine"),  # 256 B rows
+    (256, False, "kernel")])  # page_size=256 over token indices (HiSparse): no runs
+def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size, runs,
+                                                          chosen):
     recorder = Recorder(monkeypatch)
     monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
     copied = []
     monkeypatch.setattr(hicache, "_on_gpu",
                         lambda tensors, positions, gpu: copied.append(positions) or tensors)
-    hicache.transfer_hicache_one_layer(**one_layer_args(page_size=page_size))
+    pool = torch.randn(1024, ROW).half()
+    indices = torch.arange(256, 512) if runs else torch.randperm(1024)[:256]
+    hicache.transfer_hicache_one_layer(**one_layer_args(
+        k_cache_dst=pool, v_cache_dst=pool, k_cache_src=pool, v_cache_src=pool,
+        indices_dst=indices, indices_src=indices.clone(), page_size=page_size))
     assert recorder.modules == [chosen]
     assert copied == ([(2, 5)] if chosen == "kernel" else [])  # both index lists
 

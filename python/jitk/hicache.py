@@ -39,11 +39,11 @@ Methods (`method=`), every one selectable:
   copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
   half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
   copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
-  packed rows: SGLang's pages), else the kernel on a copy of the indices made on the GPU
-  during the call. So under "auto" host indices, pinned or not, are always read during the
-  call; only method="kernel" reads pinned ones in place, in stream order. Where the kernel
-  cannot run (no GPU tensor to place it, or all-layer pointer tables on the host) the copy
-  engines do.
+  packed rows, SGLang's pages, where the lists' first page is such a run; else one row),
+  else the kernel on a copy of the indices made on the GPU during the call. So under
+  "auto" host indices, pinned or not, are always read during the call; only
+  method="kernel" reads pinned ones in place, in stream order. Where the kernel cannot run
+  (no GPU tensor to place it, or all-layer pointer tables on the host) the copy engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
@@ -216,6 +216,20 @@ def _auto(copy_bytes: int, kernel_runs: bool) -> str:
     return KERNEL_ON_COPIED_INDICES
 
 
+def _run(indices_dst: torch.Tensor, indices_src: torch.Tensor, hint: int) -> int:
+    """The run of consecutive slots "auto" expects of host indices: the page_size hint where
+    the first page of both lists is such a run (SGLang's pages), else 1 (token indices, as
+    HiSparse passes them with page_size=64). Only the first page is read: a hint the rest of
+    the lists break still misleads "auto"."""
+    if hint == 1 or indices_dst.numel() < hint:
+        return 1
+    for indices in (indices_dst, indices_src):
+        first = indices[:hint]
+        if not torch.equal(first - first[0], torch.arange(hint, dtype=indices.dtype)):
+            return 1
+    return hint
+
+
 def _on_gpu(tensors: tuple, positions: tuple[int, int], gpu: int) -> tuple:
     """`tensors` with the index lists at `positions` replaced by copies on `gpu`, read now:
     from pageable memory the copy returns once the host has read the source; a pinned one
@@ -320,7 +334,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     gpu = _gpu_of(dst, src)
     chosen = _method(method, indices_dst, lambda: element_size * (
-        hint if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
+        _run(tensors[caches], tensors[2 * caches + 1], hint)
+        if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
@@ -424,7 +439,8 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     gpu = _gpu_of(tensors[0])  # the pointer tables': the kernel reads them there
     chosen = _method(method, tensors[caches],
-                     lambda: size * (hint if strides[0] == size == strides[1] else 1), gpu)
+                     lambda: size * (_run(tensors[caches], tensors[2 * caches + 1], hint)
+                                     if strides[0] == size == strides[1] else 1), gpu)
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
