@@ -21,7 +21,7 @@ _CORE = {
     "JitCompileError": "jit", "JitCacheMissError": "jit", "JitLockError": "lock",
     "make_cpp_args": "cpp_args", "CppArgs": "cpp_args",
     "ToolchainError": "toolchain",
-    "op": "custom_op",
+    "op": "custom_op", "reference_mode": "custom_op", "Tolerance": "custom_op",
 }
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .cpp_args import make_cpp_args
-from .custom_op import op
+from .custom_op import Tolerance, op
 from .jit import load_jit
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
@@ -80,7 +80,32 @@ def _kernels_for(function: str, input: torch.Tensor, eps: float) -> _Kernels:
     return _kernels(hidden, input.dtype)
 
 
-@op("jitk::rmsnorm", mutates_args=("out",))
+# The references: float32 throughout, rounded once to the dtype, as the kernel does. The
+# kernel's sum of squares runs in another order: a result may differ by an ulp or two.
+def _normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                       eps: float) -> None:
+    out.copy_(_normalized(input, weight, eps))
+
+
+def _fused_add_rmsnorm_reference(input: torch.Tensor, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float = 1e-6) -> None:
+    residual.add_(input)  # rounded to the residual's dtype, then normalised as stored
+    input.copy_(_normalized(residual, weight, eps))
+
+
+# Two ulps of each dtype (bfloat16 2^-7, float16 2^-10) relative, plus as much absolute for
+# results near zero; float32 differs only in the order of the sum.
+_TOLERANCE = {torch.bfloat16: Tolerance(2**-6, 2**-6), torch.float16: Tolerance(2**-9, 2**-9),
+              torch.float32: Tolerance(1e-5, 1e-5)}
+
+
+@op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
+    tolerance=_TOLERANCE)
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
     _kernels_for("rmsnorm", input, eps).rmsnorm(input, weight, out, eps)
 
@@ -95,7 +120,8 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
-@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"))
+@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"),
+    reference=_fused_add_rmsnorm_reference, tolerance=_TOLERANCE)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
