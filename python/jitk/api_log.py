@@ -283,14 +283,14 @@ def _contiguous_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
 
 
-def _write_dump(folder: Path, call: dict, inputs: dict[str, torch.Tensor],
-                outputs: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=False)
-    save_file(inputs, str(folder / INPUTS_FILE))
-    save_file(outputs, str(folder / OUTPUTS_FILE))
-    (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+def _argument_record(value: object) -> dict:
+    """How call.json records an argument: a tensor (its data in the safetensors files, under
+    its name), a list of tensors (name.0, name.1, ...), or a JSON value."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": True}
+    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+        return {"tensors": len(value)}
+    return {"value": _scalar_record(value)}
 
 
 def _scalar_record(value: object) -> object:
@@ -352,13 +352,17 @@ class _LoggedCall:
             if level >= STATISTICS:
                 lines += [f"    {key} stats: {statistics(t)}" for key, t in tensors.items()
                           if key == name or key.startswith(name + ".")]
-        dump = self._dump_inputs(number, values, tensors) if level >= DUMPS else None
         self.output.write(lines)
-        _current.output = self.output
+        dump = self._dump_inputs(number, values, tensors) if level >= DUMPS else None
+        outer, _current.output = getattr(_current, "output", None), self.output
         try:
             result = self.fn(*args, **kwargs)
+        except BaseException as error:
+            if dump is not None:
+                self._finish_dump(dump, {}, error)
+            raise
         finally:
-            _current.output = None
+            _current.output = outer  # an op called from another's body
         if level >= STATISTICS:
             written = {**{k: t for k, t in tensors.items() if k.split(".")[0] in self.mutated},
                        **_returned(result)}
@@ -369,9 +373,9 @@ class _LoggedCall:
         return result
 
     def _dump_inputs(self, number: int, values: dict, tensors: dict[str, torch.Tensor]
-                     ) -> tuple | None:
-        """The inputs copied before the call (it may overwrite them), if this call is
-        dumped; the dump is written once the outputs exist."""
+                     ) -> tuple[Path, dict] | None:
+        """Writes the call and its inputs, before the launch (a crash leaves them), if this
+        call is dumped; _finish_dump adds the outputs."""
         if not self.dumps.wanted(self.name) or not all(map(_has_data, tensors.values())):
             return None
         size = 2 * sum(t.numel() * t.element_size() for t in tensors.values())
@@ -383,23 +387,32 @@ class _LoggedCall:
         call = {
             "format": DUMP_FORMAT, "op": self.name, "module": self.module, "call": number,
             "pid": os.getpid(), "mutated": list(self.mutated),
-            "arguments": {name: {"tensor": True} if isinstance(value, torch.Tensor)
-                          else {"value": _scalar_record(value)} if not _tensors({name: value})
-                          else {"tensors": len(value)}
-                          for name, value in values.items()},
+            "arguments": {name: _argument_record(value) for name, value in values.items()},
             "tensors": {key: {"shape": list(t.shape), "strides": list(t.stride()),
                               "dtype": _dtype_name(t.dtype), "device": str(t.device)}
                         for key, t in tensors.items()},
+            "outputs": None,  # None until the call returns
         }
         safe = self.name.replace("::", ".")
         folder = self.config.dump_dir / f"{safe}_pid{os.getpid()}_call{number:06d}"
-        return folder, call, _contiguous_copies(tensors)
+        from safetensors.torch import save_file
 
-    def _finish_dump(self, dump: tuple, written: dict[str, torch.Tensor]) -> None:
-        folder, call, inputs = dump
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(_contiguous_copies(tensors), str(folder / INPUTS_FILE))
+        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+        self.output.write([f"  dumping to {folder}"])
+        return folder, call
+
+    def _finish_dump(self, dump: tuple[Path, dict], written: dict[str, torch.Tensor],
+                     error: BaseException | None = None) -> None:
+        from safetensors.torch import save_file
+
+        folder, call = dump
+        save_file(_contiguous_copies(written), str(folder / OUTPUTS_FILE))
         call["outputs"] = sorted(written)
-        _write_dump(folder, call, inputs, _contiguous_copies(written))
-        self.output.write([f"  dumped to {folder}"])
+        if error is not None:
+            call["raised"] = f"{type(error).__name__}: {error}"
+        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
 
 
 _DUMPS: dict[Settings, _Dumps] = {}
@@ -408,10 +421,27 @@ _DUMPS: dict[Settings, _Dumps] = {}
 def wrap(name: str, fn: Callable, signature: inspect.Signature, mutated: tuple[str, ...],
          config: Settings | None = None) -> Callable | None:
     """`fn` with its calls logged, or None when logging is off (level 0)."""
-    global noting
     config = config or settings()
     if config.level == 0:
         return None
-    noting = noting or config.level >= ARGUMENTS
     dumps = _DUMPS.setdefault(config, _Dumps(config))
     return _LoggedCall(name, fn, signature, mutated, config, dumps)
+
+
+def call_wrapper(info, fn: Callable) -> Callable | None:
+    """jitk.op's call wrapper (custom_op.add_call_wrapper): every op's calls logged."""
+    global noting
+    noting = settings().level >= ARGUMENTS
+    return wrap(info.name, fn, info.signature, info.mutates_args)
+
+
+def reload() -> None:
+    """Read the JITK_LOGLEVEL, JITK_LOGDEST and JITK_DUMP_* settings again and apply them
+    to every op; a bad value raises ValueError naming its variable, and changes nothing."""
+    global noting
+    from .custom_op import refresh_all
+
+    settings_from(os.environ)  # fails before anything changes
+    settings.cache_clear()
+    noting = settings().level >= ARGUMENTS
+    refresh_all()

@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import api_log
 from .cpp_args import make_cpp_args
 from .custom_op import op
 from .jit import load_jit
@@ -194,6 +195,14 @@ def _stream(*tensors: torch.Tensor) -> int:
     return current_stream(devices[0] if devices else None)[1]
 
 
+def _instantiation(method: str, element_size: int, unroll: int, quota: int | None) -> dict:
+    """What a call's log notes about the code it runs (JITK_LOGLEVEL=3)."""
+    if method != "kernel":
+        return {"module": "hicache_copy"}
+    return {"kernel": f"jitk::hicache::HiCache<{element_size}, {unroll}>",
+            "block_quota": "default" if quota is None else quota}
+
+
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
@@ -247,6 +256,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     chosen = _method(method, indices_dst, lambda: element_size * (
         pages if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -346,6 +357,8 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     chosen = _method(method, tensors[caches],
                      lambda: size * (pages if strides[0] == size == strides[1] else 1))
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla

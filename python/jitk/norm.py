@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import api_log
 from .cpp_args import make_cpp_args
 from .custom_op import Tolerance, op
 from .jit import load_jit
@@ -77,6 +78,8 @@ def _kernels_for(function: str, input: torch.Tensor, eps: float) -> _Kernels:
     except IndexError:
         raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
                          "(the hidden size)") from None
+    if api_log.noting:
+        api_log.note(kernel=f"jitk::norm::RMSNorm<{make_cpp_args(hidden, input.dtype)}>")
     return _kernels(hidden, input.dtype)
 
 
