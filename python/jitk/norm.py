@@ -132,10 +132,14 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
                                                                     eps)
 
 
+# Common model widths in bfloat16, plus the head dimension that q/k norms use: what
+# precompile builds and what `python -m jitk fib export` describes.
+COMMON_SIZES = ((128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
+                (8192, torch.bfloat16), (4096, torch.float16))
+
+
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """Common model widths in bfloat16 (each module holds both entry points), plus the
     head dimension that q/k norms use."""
-    configs = [(128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
-               (8192, torch.bfloat16), (4096, torch.float16)]
     return [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
-             functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]
+             functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
