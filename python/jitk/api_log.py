@@ -171,10 +171,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def describe_tensor(tensor: torch.Tensor) -> str:
     """'Tensor(shape=(4, 128), dtype=bfloat16, strides=(128, 1), device=cuda:0,
     data_ptr=0x7f00...)'; tensors without storage (fake, meta) say so instead of an address."""
-    try:
-        address = f"0x{tensor.data_ptr():x}"
-    except RuntimeError:  # FakeTensor and functional tensors have no data
-        address = "none (no storage)"
+    address = f"0x{tensor.data_ptr():x}" if _has_data(tensor) else "none (no storage)"
     return (f"Tensor(shape={tuple(tensor.shape)}, dtype={_dtype_name(tensor.dtype)}, "
             f"strides={tuple(tensor.stride())}, device={tensor.device}, data_ptr={address})")
 
@@ -192,7 +189,7 @@ def describe_value(value: object) -> str:
 
 def statistics(tensor: torch.Tensor) -> str:
     """min, max, mean and the NaN and Inf counts, computed in float64 (synchronizes)."""
-    if tensor.device.type == "meta" or not _has_data(tensor):
+    if not _has_data(tensor):
         return "no data (a fake or meta tensor)"
     if tensor.numel() == 0:
         return "empty"
@@ -207,11 +204,8 @@ def statistics(tensor: torch.Tensor) -> str:
 
 
 def _has_data(tensor: torch.Tensor) -> bool:
-    try:
-        tensor.data_ptr()
-    except RuntimeError:
-        return False
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    """Whether the tensor has memory to read: plain tensors, not fake, functional or meta."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta"
 
 
 def _tensors(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
