@@ -18,6 +18,7 @@ self-contained: the source of the reference and of the module's functions it cal
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 import textwrap
@@ -37,6 +38,18 @@ AUTHOR = "jitk"
 
 class FibUnavailableError(ImportError):
     """flashinfer-bench is not installed."""
+
+
+def _op(op: OpInfo | str) -> OpInfo:
+    """An OpInfo, or the op of a name; jitk's kernel modules are imported first, so that
+    their ops are registered."""
+    if isinstance(op, OpInfo):
+        return op
+    from . import registry
+
+    for module in registry.kernel_modules():
+        importlib.import_module(module)
+    return find_op(op)
 
 
 def _require_fib() -> types.ModuleType:
@@ -124,7 +137,7 @@ def definition(info: OpInfo | str, *args: object, axes: dict[str, Iterable[str]]
     """The Definition (a flashinfer_bench.data.Definition) of `info`'s op for the example
     call (*args, **kwargs); see the module docstring."""
     fib = _require_fib()
-    info = find_op(info) if isinstance(info, str) else info
+    info = _op(info)
     if info.reference is None:
         raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
                          "Definition needs")
@@ -289,7 +302,7 @@ def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object
     """The Solution (flashinfer_bench.data.Solution) of a shipped op's jitk kernel for the
     instantiation of the example call."""
     fib = _require_fib()
-    info = find_op(info) if isinstance(info, str) else info
+    info = _op(info)
     if info.name not in _SHIPPED:
         raise KeyError(f"{info.name} is not one of jitk's kernels with a Solution "
                        f"({', '.join(_SHIPPED)})")
@@ -305,12 +318,7 @@ def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object
 
 def _selected(names: Iterable[str] | None) -> list[OpInfo]:
     """The named ops (default: jitk's kernels that have Definitions), each checked."""
-    from . import registry
-
-    for module in registry.kernel_modules():  # the shipped ops register on import
-        __import__(module)
-    chosen = [find_op(name) for name in names] if names else \
-        [find_op(name) for name in _SHIPPED]
+    chosen = [_op(name) for name in names or _SHIPPED]
     for info in chosen:
         if info.reference is None:
             raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
