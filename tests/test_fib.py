@@ -47,7 +47,8 @@ def test_export_writes_definitions_and_solutions_that_flashinfer_bench_loads(tmp
     assert main(["fib", "export", str(tmp_path)]) == 0
     definitions = sorted((tmp_path / "definitions").rglob("*.json"))
     solutions = sorted((tmp_path / "solutions").rglob("*.json"))
-    assert len(definitions) == len(solutions) == 2 * len(COMMON_SIZES)
+    assert len(solutions) == 2 * len(COMMON_SIZES)  # the RMSNorm kernels
+    assert len(definitions) == len(solutions) + 2  # and the two one-layer KV transfers
     loaded = {d.name: d for d in (fib_data.load_json_file(fib_data.Definition, p)
                                   for p in definitions)}
     for path in solutions:
@@ -81,6 +82,24 @@ def test_a_definitions_reference_computes_what_the_ops_reference_does(op):
         inputs = (x.clone(), residual.clone())
         info.reference(*inputs, weight, 1e-6)
         assert all(map(torch.equal, run(x, residual, weight), inputs))
+
+
+@pytest.mark.parametrize("op", ["transfer_hicache_one_layer", "transfer_hicache_one_layer_mla"])
+def test_a_kv_transfer_definition_copies_what_its_reference_does(op):
+    info = jitk.custom_op.find_op(op)
+    (example,) = jitk.fib._SHIPPED[info.name].examples()
+    definition = jitk.fib._shipped_definition(info, example)
+    assert definition.axes["num_tokens"].type == "var"
+    caches = len(definition.outputs)
+    dst = [torch.randn(t.shape).to(t.dtype) for t in example[:caches]]
+    src = [torch.randn(t.shape).to(t.dtype) for t in example[caches + 1:-1]]
+    indices_dst, indices_src = torch.randperm(32)[:16], torch.randperm(64)[:16]
+    got = run_of(definition)(*dst, indices_dst, *src, indices_src)
+    got = got if isinstance(got, tuple) else (got,)
+    want = [t.clone() for t in dst]
+    info.reference(*want, indices_dst, *src, indices_src)
+    assert all(map(torch.equal, got, want))
+    assert not any(map(torch.equal, got, dst))  # rows were copied, the inputs kept
 
 
 def test_a_user_ops_definition_names_its_axes_and_fixes_its_scalars():

@@ -6,6 +6,8 @@
   precompile    build the kernels' common configurations into the cache ahead of time
   replay        run a call dumped at JITK_LOGLEVEL=10 again and check its outputs
   fib export    write FlashInfer-Bench Definitions (and jitk's Solutions) of the ops
+  check         run ops against their references (python -m jitk check [OP ...])
+  tune          time the ops' launch choices on this GPU, record the fastest
 
 Exit codes: 0 success, 1 failure, 2 bad usage."""
 
@@ -233,10 +235,89 @@ def run_fib_export(args: argparse.Namespace) -> int:
         written = fib.export(args.out_dir, args.op or None)
     except fib.FibUnavailableError as error:
         raise CommandError(str(error)) from None
-    except KeyError as error:
+    except (KeyError, ValueError) as error:
         raise UsageError(error.args[0]) from None
     for path in written:
         print(path)
+    return EXIT_OK
+
+
+def selected_ops(names: list[str]) -> list:
+    """The OpInfo of each named op (bare or qualified), or of every registered op: the
+    shipped kernel modules' and those in $JITK_PRECOMPILE_MODULES."""
+    from .custom_op import find_op, registered_ops
+
+    for name in precompile.registered_modules():
+        precompile.import_kernel_module(name)
+    try:
+        return [find_op(name) for name in names] if names else list(registered_ops().values())
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from . import testing
+
+    failed = []
+    for info in selected_ops(args.op):
+        if info.reference is None or info.cases is None:
+            print(f"{info.name}: skipped, it declares no "
+                  f"{'reference' if info.reference is None else 'cases'}")
+            continue
+        reports = testing.check_op(info, device=args.device, raise_on_failure=False)
+        bad = [r for r in reports if not r.ok]
+        if all(r.tensor == "opcheck" for r in reports):
+            print(f"{info.name}: {len(reports) - len(bad)} of {len(reports)} cases pass "
+                  "opcheck in reference mode (no GPU: kernels not run)")
+        else:
+            worst = max((r.max_ulps for r in reports), default=0.0)
+            print(f"{info.name}: {len(reports) - len(bad)} of {len(reports)} comparisons "
+                  f"within tolerance (max {worst:.3g} ulps)")
+        for report in reports if args.verbose else bad:
+            print(f"  {report.line()}")
+        failed += bad
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    dims = text.lower().split("x")
+    if not all(dim.isdigit() and int(dim) > 0 for dim in dims):
+        raise argparse.ArgumentTypeError(f"expected a shape such as 16x4096, got {text!r}")
+    return tuple(int(dim) for dim in dims)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import autotune
+
+    if not torch.cuda.is_available():
+        raise CommandError("tune times kernels on a GPU, and none is visible")
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype: no torch dtype named {args.dtype!r}")
+    ops = [info for info in selected_ops(args.op) if info.tuning is not None]
+    if not ops:
+        raise UsageError("none of the selected ops declares a tuning space")
+    calls = [(info, info.tuning.sample(shape, dtype, torch.device("cuda")), shape)
+             for info in ops for shape in (args.shapes or info.tuning.shapes)]
+    started = time.perf_counter()
+    jobs = {(info.name, bucket, str(config)): (info.name, bucket, config)
+            for info, (call_args, kwargs), _ in calls
+            for bucket in [info.tuning.bucket(*call_args, **kwargs)]
+            for config in info.tuning.candidates(bucket)}
+    autotune.prebuild(list(jobs.values()), default_precompile_archs()[0],
+                      args.jobs or os.cpu_count() or 1)
+    built = time.perf_counter()
+    print(f"built {len(jobs)} candidate(s) in {built - started:.1f} s")
+    for info, (call_args, kwargs), shape in calls:
+        result = autotune.tune(info, call_args, kwargs)
+        print(f"{info.name} {'x'.join(map(str, shape))} {args.dtype}: {result.us:.2f} us "
+              f"(default {result.default_us:.2f}) {result.config}"
+              + (f"; {len(result.failures)} failed the reference" if result.failures else ""),
+              flush=True)
+    print(f"tuned {len(calls)} shape(s) in {time.perf_counter() - built:.1f} s; recorded in "
+          f"{autotune.tuning_file()}")
     return EXIT_OK
 
 
@@ -367,6 +448,30 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("op", nargs="*", metavar="OP",
                         help="op names (e.g. rmsnorm or jitk::rmsnorm); default: all")
     export.set_defaults(handler=run_fib_export)
+
+    check = commands.add_parser(
+        "check", help="run ops against their references",
+        description="Run each op (default: every registered one) against its reference over "
+                    "its cases: on the GPU, results compared (abs, rel, ulps) within the op's "
+                    "tolerance; without one, torch.library.opcheck in reference mode.")
+    check.add_argument("op", nargs="*", help="op names, bare or qualified (default: all)")
+    check.add_argument("--device", choices=("cuda", "cpu"),
+                       help="where to run (default: the GPU if there is one)")
+    check.add_argument("--verbose", "-v", action="store_true", help="print every case")
+    check.set_defaults(handler=run_check)
+
+    tune = commands.add_parser(
+        "tune", help="time the ops' launch choices on this GPU and record the fastest",
+        description="Build every candidate of each op's tuning space for the shapes, check "
+                    "each against the op's reference, time them under CUDA graph replay, and "
+                    "record the fastest in the tuning file beside the cache.")
+    tune.add_argument("op", nargs="*", help="op names (default: every op with a space)")
+    tune.add_argument("--shapes", nargs="+", type=parse_shape, metavar="SHAPE",
+                      help="shapes such as 16x4096 (default: each op's own list)")
+    tune.add_argument("--dtype", default="bfloat16", help="torch dtype name (bfloat16)")
+    tune.add_argument("--jobs", "-j", type=positive_int, metavar="N",
+                      help="builds at a time (default: the number of CPUs)")
+    tune.set_defaults(handler=run_tune)
     return parser
 
 

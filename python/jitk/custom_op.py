@@ -248,7 +248,7 @@ def _automatic_fake(label: str, signature: inspect.Signature) -> Callable:
 def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | None = None,
        tags: Sequence[torch.Tag] = (), reference: Callable | None = None,
        tolerance: Tolerance | dict[torch.dtype, Tolerance] | None = None,
-       ) -> Callable[[Callable], Callable]:
+       cases: Callable[[], Iterable] | None = None) -> Callable[[Callable], Callable]:
     """Decorator: `fn` becomes the operator `torch.ops.<namespace>.<name>` for
     qualified_name "<namespace>::<name>", and the function returned calls it (see the module
     docstring). `mutates_args` names every tensor parameter fn writes; an op must not
@@ -260,7 +260,8 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
     function of the same parameters and semantics (in-place writes included): what the parity
     harness (jitk.testing.check_op) compares with, and what reference mode runs instead.
     `tolerance` is the largest difference from it the op allows (a Tolerance, or one per
-    result dtype; see Tolerance). The operator
+    result dtype; see Tolerance). `cases` is a function returning the parity harness's
+    default cases (jitk.testing.Case values). The operator
     is the `op` attribute, the OpInfo the `info` attribute."""
     if not isinstance(qualified_name, str) or qualified_name.count("::") != 1:
         raise ValueError(f"jitk.op: the name must be 'namespace::name', got {qualified_name!r}")
@@ -270,6 +271,9 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
     if reference is not None and not callable(reference):
         raise TypeError(f"jitk.op('{qualified_name}'): reference must be a function, got "
                         f"{_describe(reference)}")
+    if cases is not None and not callable(cases):
+        raise TypeError(f"jitk.op('{qualified_name}'): cases must be a function returning "
+                        f"jitk.testing.Case values, got {_describe(cases)}")
     tolerances = tolerance.values() if isinstance(tolerance, dict) else (tolerance,)
     if tolerance is not None and not all(isinstance(t, Tolerance) for t in tolerances):
         raise TypeError(f"jitk.op('{qualified_name}'): tolerance must be a jitk.Tolerance or a "
@@ -313,7 +317,7 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
         slot["_jitk_call"] = _Call(label, kinds, keyword_only, slot, operator)
         eager = _eager_function(fn, signature, kinds, slot)
         info = OpInfo(qualified_name, fn, signature, mutates_args, reference, tolerance,
-                      operator, eager, slot)
+                      operator, eager, slot, cases)
         eager.op, eager.info = operator, info
         _REGISTRY[qualified_name] = info
         info.refresh()
@@ -333,8 +337,9 @@ class Tolerance(NamedTuple):
 
 @dataclasses.dataclass(eq=False)
 class OpInfo:
-    """What jitk knows about one operator; `registered_ops()` lists them. `tuning` is the
-    TuningSpace a kernel module attaches (jitk.autotune), or None."""
+    """What jitk knows about one operator; `registered_ops()` lists them. `cases` gives the
+    parity harness's default cases (jitk.testing); `tuning` is the TuningSpace a kernel
+    module attaches (jitk.autotune), or None."""
 
     name: str
     fn: Callable
@@ -345,6 +350,7 @@ class OpInfo:
     operator: torch._ops.OpOverload
     eager: Callable
     slot: dict = dataclasses.field(repr=False)
+    cases: Callable | None = None
     tuning: object = None
 
     @property

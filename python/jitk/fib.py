@@ -93,15 +93,23 @@ def _dtype(tensor: torch.Tensor, where: str) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _called_functions(fn: Callable, seen: dict[str, str]) -> None:
+def _names(code: types.CodeType) -> list[str]:
+    """The global names a function's code uses, its comprehensions' and lambdas' included."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [*code.co_names, *(name for inner in nested for name in _names(inner))]
+
+
+def _called_functions(fn: Callable, seen: dict[str, str], modules: dict[str, str]) -> None:
     """The source of fn and of every function of its module that it calls, in call order
-    (callees first), into `seen`."""
-    code, scope = fn.__code__, fn.__globals__
-    for name in code.co_names:
+    (callees first), into `seen`; the modules they use (name -> module) into `modules`."""
+    scope = fn.__globals__
+    for name in _names(fn.__code__):
         called = scope.get(name)
-        if (isinstance(called, types.FunctionType) and called.__module__ == fn.__module__
+        if isinstance(called, types.ModuleType):
+            modules[name] = called.__name__
+        elif (isinstance(called, types.FunctionType) and called.__module__ == fn.__module__
                 and name not in seen):
-            _called_functions(called, seen)
+            _called_functions(called, seen, modules)
     seen.setdefault(fn.__name__, textwrap.dedent(inspect.getsource(fn)))
 
 
@@ -113,7 +121,8 @@ def _reference_source(info: OpInfo, inputs: list[str], outputs: dict[str, str],
         raise ValueError(f"{info.name}: the reference must be a def function to be exported "
                          f"as source, got {reference!r}")
     sources: dict[str, str] = {}
-    _called_functions(reference, sources)
+    modules = {"torch": "torch"}
+    _called_functions(reference, sources, modules)
     body = []
     for name in outputs:
         if name in inputs:  # read and written: the reference writes a copy
@@ -127,7 +136,9 @@ def _reference_source(info: OpInfo, inputs: list[str], outputs: dict[str, str],
     body.append(f"    {reference.__name__}({passed})")
     body.append(f"    return {', '.join(outputs)}")
     run = f"def run({', '.join(inputs)}):\n" + "\n".join(body) + "\n"
-    return "import torch\n\n\n" + "\n\n".join(sources.values()) + "\n\n" + run
+    imports = "".join(f"import {module}\n" if module == name else f"import {module} as {name}\n"
+                      for name, module in sorted(modules.items()))
+    return imports + "\n\n" + "\n\n".join(sources.values()) + "\n\n" + run
 
 
 def definition(info: OpInfo | str, *args: object, axes: dict[str, Iterable[str]] | None = None,
@@ -204,11 +215,17 @@ def _bound_dim(axis: str, inputs: list[str], shapes: dict[str, list[str]]) -> st
 class _Shipped:
     """How a shipped op reads as a Definition, and its kernel as a Solution."""
 
+    op_type: str
     axes: dict[str, tuple[str, ...]]
     const: tuple[str, ...]
     write_only: tuple[str, ...]
     examples: Callable[[], list[tuple]]  # example calls' arguments
-    entry: Callable[[tuple], str]  # the Solution's main.cuh for one example
+    suffix: Callable[[tuple], str]  # the Definition's name after jitk_<op>_, per example
+    entry: Callable[[tuple], str] | None  # the Solution's main.cuh; None: no Solution
+
+
+def _dtype_suffix(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _rmsnorm_examples() -> list[tuple]:
@@ -276,26 +293,61 @@ inline void run(jitk::TensorView input, jitk::TensorView residual, jitk::TensorV
 """
 
 
+def _hicache_examples(caches: int) -> Callable[[], list[tuple]]:
+    """One-layer transfers of 8 KV heads of 128 (K and V) or of MLA's 576-wide latent row,
+    bfloat16, from a 64-slot cache into a 32-slot one; the index count is var."""
+    def examples() -> list[tuple]:
+        row = (8, 128) if caches == 2 else (576,)
+        dst = [torch.empty(32, *row, dtype=torch.bfloat16) for _ in range(caches)]
+        src = [torch.empty(64, *row, dtype=torch.bfloat16) for _ in range(caches)]
+        indices = torch.empty(16, dtype=torch.int64)
+        return [(*dst, indices, *src, indices.clone())]
+
+    return examples
+
+
+def _hicache_axes(caches: int) -> dict[str, tuple[str, ...]]:
+    row = ("heads", "head_dim") if caches == 2 else ("latent_dim",)
+    names = ("k_cache", "v_cache") if caches == 2 else ("cache",)
+    return {**{f"{n}_dst": ("dst_slots", *row) for n in names},
+            **{f"{n}_src": ("src_slots", *row) for n in names},
+            "indices_dst": ("num_tokens",), "indices_src": ("num_tokens",)}
+
+
 _SHIPPED = {
     "jitk::rmsnorm": _Shipped(
+        op_type="rmsnorm",
         axes={"input": ("batch_size", "hidden_size"), "weight": ("hidden_size",),
               "out": ("batch_size", "hidden_size")},
         const=("hidden_size",), write_only=("out",), examples=_rmsnorm_examples,
-        entry=_rmsnorm_entry),
+        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}", entry=_rmsnorm_entry),
     "jitk::fused_add_rmsnorm": _Shipped(
+        op_type="rmsnorm",
         axes={"input": ("batch_size", "hidden_size"), "residual": ("batch_size", "hidden_size"),
               "weight": ("hidden_size",)},
         const=("hidden_size",), write_only=(), examples=_fused_add_rmsnorm_examples,
+        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}",
         entry=_fused_add_rmsnorm_entry),
+    # The KV transfers' Definitions describe the copy by index lists; their kernel needs
+    # pinned host caches and CUDA streams, which a Solution's workload does not give it, so
+    # they export no Solution. The all-layer transfers take raw pointer tables and the
+    # stream flag ops move no data: no Definition describes them.
+    "jitk::transfer_hicache_one_layer": _Shipped(
+        op_type="kv_transfer", axes=_hicache_axes(2), const=("heads", "head_dim"),
+        write_only=(), examples=_hicache_examples(2),
+        suffix=lambda e: f"{e[0].shape[1]}x{e[0].shape[2]}_{_dtype_suffix(e[0])}", entry=None),
+    "jitk::transfer_hicache_one_layer_mla": _Shipped(
+        op_type="kv_transfer", axes=_hicache_axes(1), const=("latent_dim",),
+        write_only=(), examples=_hicache_examples(1),
+        suffix=lambda e: f"{e[0].shape[1]}_{_dtype_suffix(e[0])}", entry=None),
 }
 
 
 def _shipped_definition(info: OpInfo, example: tuple) -> object:
     shipped = _SHIPPED[info.name]
-    dtype = str(example[0].dtype).removeprefix("torch.")
     return definition(info, *example, axes=shipped.axes, const=shipped.const,
-                      write_only=shipped.write_only, op_type="rmsnorm",
-                      name=f"jitk_{info.label}_h{example[0].shape[-1]}_{dtype}")
+                      write_only=shipped.write_only, op_type=shipped.op_type,
+                      name=f"jitk_{info.label}_{shipped.suffix(example)}")
 
 
 def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object:
@@ -303,9 +355,9 @@ def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object
     instantiation of the example call."""
     fib = _require_fib()
     info = _op(info)
-    if info.name not in _SHIPPED:
+    if info.name not in _SHIPPED or _SHIPPED[info.name].entry is None:
         raise KeyError(f"{info.name} is not one of jitk's kernels with a Solution "
-                       f"({', '.join(_SHIPPED)})")
+                       f"({', '.join(n for n, s in _SHIPPED.items() if s.entry)})")
     return fib.data.Solution(
         name=f"{definition_name}_jitk", definition=definition_name, author=AUTHOR,
         spec=fib.data.BuildSpec(language="cuda", binding="tvm-ffi", target_hardware=["cuda"],
@@ -324,8 +376,9 @@ def _selected(names: Iterable[str] | None) -> list[OpInfo]:
             raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
                              "Definition needs")
         if info.name not in _SHIPPED:
-            raise ValueError(f"{info.name}: jitk knows no example shapes for it; call "
-                             "jitk.fib.definition(op, *example_args, ...) instead")
+            raise ValueError(f"{info.name}: export covers {', '.join(_SHIPPED)}; for another "
+                             "op with a reference, call jitk.fib.definition(op, "
+                             "*example_args, ...)")
     return chosen
 
 
@@ -341,8 +394,10 @@ def export(out_dir: Path | str, ops: Iterable[str] | None = None) -> list[Path]:
     for info in _selected(ops):
         for example in _SHIPPED[info.name].examples():
             made = _shipped_definition(info, example)
-            for kind, model in (("definitions", made),
-                                ("solutions", solution(info, example, made.name))):
+            models = [("definitions", made)]
+            if _SHIPPED[info.name].entry is not None:
+                models.append(("solutions", solution(info, example, made.name)))
+            for kind, model in models:
                 path = out_dir / kind / info.label / f"{model.name}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(model.model_dump(mode="json"), indent=2) + "\n")

@@ -51,7 +51,7 @@ import torch
 
 from . import api_log
 from .cpp_args import make_cpp_args
-from .custom_op import op
+from .custom_op import Tolerance, op
 from .jit import load_jit
 from .streams import current_stream
 
@@ -69,6 +69,7 @@ METHODS = ("auto", "kernel", "copy_engine")
 VECTOR_BYTES = 16
 MAX_ELEMENT_BYTES = 1 << 20
 UNROLLS = (1, 2, 4, 8)
+_EXACT = Tolerance(0.0, 0.0)  # a transfer moves bytes
 # Four 16-byte vectors per thread, read before any is written: 1024 threads x 4 vectors = 64
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
@@ -203,8 +204,144 @@ def _instantiation(method: str, element_size: int, unroll: int, quota: int | Non
             "block_quota": "default" if quota is None else quota}
 
 
+# ---------------------------------------------------------------------------- references
+# Plain torch, as the docstrings above define the transfers (the parity harness and reference
+# mode run them). A page whose run leaves its cache, or straddles a paged cache's pages, is
+# skipped, as the kernel skips it. One small function per entry point; the argument checks
+# stay the kernels'.
+def _page_slots(indices: torch.Tensor, page_size: int | None) -> torch.Tensor:
+    """Each transfer row's slot: its page's first index, plus its place in the page."""
+    indices = indices.to(torch.int64)
+    pages = page_size or 1
+    place = torch.arange(indices.numel(), device=indices.device)
+    return indices[place - place % pages] + place % pages
+
+
+def _runs_held(first: torch.Tensor, pages: int, slots: int | None,
+               page_rows: int | None) -> torch.Tensor:
+    """Which page runs lie inside a cache of `slots` slots (None: unbounded), within one of
+    its pages of `page_rows` slots (None: not paged)."""
+    held = first >= 0
+    if slots is not None:
+        held &= first <= slots - pages
+    if page_rows is not None:
+        held &= first % page_rows + pages <= page_rows
+    return held
+
+
+def _slot_rows(cache: torch.Tensor, element_dim: int) -> tuple[torch.Tensor, int, int | None]:
+    """(rows, slots, page_rows): the cache as [slot, element] rows in view order (a view, so
+    writes land in the cache), its slot count, and the slots of one page where the slots
+    step with two strides (None: one)."""
+    trailing = next(k for k in range(cache.dim() + 1)
+                    if math.prod(cache.shape[k:]) == element_dim)
+    leading = cache.flatten(trailing) if trailing < cache.dim() else cache.unsqueeze(-1)
+    slots = math.prod(cache.shape[:trailing])
+    try:
+        return leading.view(slots, element_dim), slots, None
+    except RuntimeError:  # a paged cache: pages of [page_rows, element_dim] rows
+        page_rows = slots // leading.shape[0]
+        return leading.view(leading.shape[0], page_rows, element_dim), slots, page_rows
+
+
+def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
+               indices_src: torch.Tensor, element_dim: int | None,
+               page_size: int | None) -> None:
+    element_dim = element_dim or dst.shape[-1]
+    pages = page_size or 1
+    (dst_rows, dst_slots, dst_page), (src_rows, src_slots, src_page) = (
+        _slot_rows(dst, element_dim), _slot_rows(src, element_dim))
+    to = _page_slots(indices_dst, pages)
+    take = _page_slots(indices_src, pages).to(to.device)
+    place = torch.arange(to.numel(), device=to.device) % pages
+    held = (_runs_held(to - place, pages, dst_slots, dst_page)
+            & _runs_held(take - place, pages, src_slots, src_page))
+    to, take = to[held].to(dst.device), take[held].to(src.device)
+    values = (src_rows[take] if src_page is None else
+              src_rows[take // src_page, take % src_page]).to(dst.device)
+    if dst_page is None:
+        dst_rows[to] = values
+    else:
+        dst_rows[to // dst_page, to % dst_page] = values
+
+
+def _one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+                         indices_src, *, element_dim=None, unroll=None, block_quota=None,
+                         page_size=None, method="auto") -> None:
+    for dst, src in ((k_cache_dst, k_cache_src), (v_cache_dst, v_cache_src)):
+        _copy_rows(dst, indices_dst, src, indices_src, element_dim, page_size)
+
+
+def _one_layer_mla_reference(cache_dst, indices_dst, cache_src, indices_src, *,
+                             element_dim=None, unroll=None, block_quota=None, page_size=None,
+                             method="auto") -> None:
+    _copy_rows(cache_dst, indices_dst, cache_src, indices_src, element_dim, page_size)
+
+
+def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
+    """`size` bytes at a raw address as a uint8 tensor on `device` (a pinned host address is
+    reached from the GPU through unified addressing)."""
+    storage = torch._C._construct_storage_from_data_pointer(address, device, size)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _byte_offsets(slots: torch.Tensor, stride: int, page_stride: int | None,
+                  pages: int) -> torch.Tensor:
+    if page_stride is None:
+        return slots * stride
+    return slots // pages * page_stride + slots % pages * stride
+
+
+def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_stride: int,
+                 dst_stride: int, element_size: int | None, page_size: int | None,
+                 num_tokens_src: int | None, num_tokens_dst: int | None,
+                 src_page_stride: int | None, dst_page_stride: int | None) -> None:
+    size, pages = element_size or src_stride, page_size or 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    to, take = _page_slots(indices_dst, pages).to(device), _page_slots(indices_src, pages).to(
+        device)
+    place = torch.arange(to.numel(), device=device) % pages
+    held = (_runs_held(to - place, pages, num_tokens_dst,
+                       pages if dst_page_stride is not None else None)
+            & _runs_held(take - place, pages, num_tokens_src,
+                         pages if src_page_stride is not None else None))
+    if not held.any():
+        return
+    row = torch.arange(size, device=device)
+    to_at = (_byte_offsets(to[held], dst_stride, dst_page_stride, pages)[:, None] + row)
+    take_at = (_byte_offsets(take[held], src_stride, src_page_stride, pages)[:, None] + row)
+    for table_dst, table_src in zip(ptrs_dst, ptrs_src):
+        for dst_base, src_base in zip(table_dst.tolist(), table_src.tolist()):
+            src = _bytes_at(src_base, int(take_at.max()) + 1, device)
+            _bytes_at(dst_base, int(to_at.max()) + 1, device)[to_at] = src[take_at]
+
+
+def _all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
+                         indices_src, *, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
+                         element_size=None, unroll=None, block_quota=None, page_size=None,
+                         num_tokens_src=None, num_tokens_dst=None,
+                         kv_cache_src_page_stride_bytes=None,
+                         kv_cache_dst_page_stride_bytes=None, method="auto") -> None:
+    _copy_layers([k_ptr_dst, v_ptr_dst], indices_dst, [k_ptr_src, v_ptr_src], indices_src,
+                 kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, page_size,
+                 num_tokens_src, num_tokens_dst, kv_cache_src_page_stride_bytes,
+                 kv_cache_dst_page_stride_bytes)
+
+
+def _all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
+                             cache_src_stride_bytes, cache_dst_stride_bytes, element_size=None,
+                             unroll=None, block_quota=None, page_size=None, num_tokens_src=None,
+                             num_tokens_dst=None, cache_src_page_stride_bytes=None,
+                             cache_dst_page_stride_bytes=None, method="auto") -> None:
+    _copy_layers([ptr_dst], indices_dst, [ptr_src], indices_src, cache_src_stride_bytes,
+                 cache_dst_stride_bytes, element_size, page_size, num_tokens_src,
+                 num_tokens_dst, cache_src_page_stride_bytes, cache_dst_page_stride_bytes)
+
+
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
+    reference=_one_layer_reference, tolerance=_EXACT, cases=lambda: _one_layer_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
@@ -226,6 +363,8 @@ def transfer_hicache_one_layer(
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
+    reference=_one_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _one_layer_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
@@ -269,7 +408,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
 
 
 # ---------------------------------------------------------------------------- all layers
-@op("jitk::transfer_hicache_all_layer", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_reference, tolerance=_EXACT, cases=lambda: _all_layer_cases(False))
 def transfer_hicache_all_layer(
     k_ptr_dst: torch.Tensor,
     v_ptr_dst: torch.Tensor,
@@ -307,7 +447,9 @@ def transfer_hicache_all_layer(
                method)
 
 
-@op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer_mla", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _all_layer_cases(True))
 def transfer_hicache_all_layer_mla(
     ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -367,6 +509,92 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         entries = _copy_entries()
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
         entry(*tensors, *layout, _stream())
+
+
+
+# ---------------------------------------------------------------------------- parity cases
+def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0):
+    """A bf16 cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain
+    CPU memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
+    on_gpu = where == "gpu" or device.type == "cpu"
+    if paged:
+        whole = torch.randn(tokens // paged, paged + 3, *row, device=device if on_gpu else "cpu")
+        cache = whole.to(torch.bfloat16)[:, :paged]
+    else:
+        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(torch.bfloat16)
+    return cache if on_gpu else cache.pin_memory()
+
+
+def _runs(slots: int, count: int, pages: int, device: torch.device,
+          out_of_range: bool = False) -> torch.Tensor:
+    """`count` distinct page runs of `pages` slots as an index list: each run's first index,
+    then garbage (-7) that the transfer must not read."""
+    firsts = torch.randperm(slots // pages)[:count] * pages
+    if out_of_range:
+        firsts[0] = slots  # a page past the end: skipped
+    indices = torch.full((count, pages), -7, dtype=torch.int64)
+    indices[:, 0] = firsts
+    return indices.flatten().to(device)
+
+
+# (label, dst, src, pages, paged cache, out of range, indices on the host)
+_ONE_LAYER = (("host->gpu", "gpu", "host", 1, 0, False, False),
+              ("gpu->host", "host", "gpu", 1, 0, False, False),
+              ("gpu->gpu pages of 4", "gpu", "gpu", 4, 0, False, False),
+              ("host->gpu paged cache", "gpu", "host", 4, 8, False, False),
+              ("gpu->gpu a page out of range", "gpu", "gpu", 2, 0, True, False),
+              ("host->gpu indices on the host", "gpu", "host", 1, 0, False, True))
+
+
+def _one_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    cases = []
+    for label, dst_at, src_at, pages, paged, out_of_range, host_indices in _ONE_LAYER:
+        def make(device, dst_at=dst_at, src_at=src_at, pages=pages, paged=paged,
+                 out_of_range=out_of_range, host_indices=host_indices):
+            row = (576,) if mla else (2, 64)
+            where = torch.device("cpu") if host_indices else device
+            dst_indices = _runs(64, 12, pages, where)
+            src_indices = _runs(96, 12, pages, where, out_of_range)
+            caches = [(_cache(64, row, dst_at, device, paged), _cache(96, row, src_at, device))
+                      for _ in range(1 if mla else 2)]
+            kwargs = {"page_size": pages, "element_dim": None if mla else 128}
+            return (*(dst for dst, _ in caches), dst_indices, *(src for _, src in caches),
+                    src_indices), kwargs
+        cases.append(Case(label, make))
+    return cases
+
+
+def _all_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, pages: int, paged: bool):
+        layers, row = 3, 256 if mla else 128  # bf16 elements
+        caches = {f"{side}{c}[{layer}]": _cache(64 if side == "dst" else 96, (row,),
+                                                "gpu" if side == "dst" else "host", device)
+                  for side in ("dst", "src") for c in range(1 if mla else 2)
+                  for layer in range(layers)}
+
+        def table(side: str, c: int) -> torch.Tensor:
+            return torch.tensor([caches[f"{side}{c}[{layer}]"].data_ptr()
+                                 for layer in range(layers)], device=device)
+
+        tables = [(table("dst", c), table("src", c)) for c in range(1 if mla else 2)]
+        prefix = "cache" if mla else "kv_cache"
+        stride = 2 * row
+        kwargs = {f"{prefix}_src_stride_bytes": stride, f"{prefix}_dst_stride_bytes": stride,
+                  "page_size": pages, "num_tokens_src": 96, "num_tokens_dst": 64}
+        if paged:
+            kwargs[f"{prefix}_src_page_stride_bytes"] = stride * pages
+        args = (*(d for d, _ in tables), _runs(64, 8, pages, device),
+                *(s for _, s in tables), _runs(96, 8, pages, device, out_of_range=True))
+        watched = {name: cache for name, cache in caches.items() if name.startswith("dst")}
+        return args, kwargs, watched
+
+    return [Case("host->gpu, 3 layers", lambda device: make(device, 1, False)),
+            Case("host->gpu, 3 layers, pages of 4, page stride",
+                 lambda device: make(device, 4, True))]
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what

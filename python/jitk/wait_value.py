@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -178,7 +179,78 @@ def _note(path: int) -> None:
                       "(Fallback)", RuntimeWarning, stacklevel=3)
 
 
+# References: the host does what the front end would, so they cannot be captured in a CUDA
+# graph, and a wait holds the calling thread (up to REFERENCE_WAIT_S) rather than the stream.
+# The write waits for the stream's earlier work, then stores; the wait polls the flag until
+# it passes, and only then does the caller enqueue what follows.
+REFERENCE_WAIT_S = 30.0
+
+
+def _passes(flag_value: int, value: int, op: str, bits: int) -> bool:
+    def signed(v: int) -> int:
+        v &= (1 << bits) - 1
+        return v - (1 << bits) if v >> (bits - 1) else v
+
+    if op == "geq":
+        return signed(flag_value - value) >= 0
+    if op == "eq":
+        return signed(flag_value) == signed(value)
+    if op == "and":
+        return signed(flag_value & value) != 0
+    return signed(~(flag_value | value)) != 0
+
+
+def _wait_reference(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
+    _compare_code(op)
+    _check_value(flag, value)
+    bits = flag.element_size() * 8
+    deadline = time.monotonic() + REFERENCE_WAIT_S
+    while not _passes(int(flag[0]), value, op, bits):  # a GPU flag's read waits for the stream
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream_wait_value reference: flag[0] did not pass {op!r} "
+                               f"against {value} within {REFERENCE_WAIT_S:.0f} s")
+        time.sleep(1e-4)
+
+
+def _write_reference(flag: torch.Tensor, value: int = 1) -> None:
+    _check_value(flag, value)
+    if not flag.is_cuda and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # the stream's earlier work comes first
+    flag[0] = value
+
+
+def _flag_cases(write: bool) -> list:
+    """Flags of both widths on the GPU and pinned on the host; for waits, every comparison
+    with a value the flag passes already (a parity check must not hang)."""
+    from .testing import Case
+
+    # (op, flag's value, value compared)
+    passing = (("eq", 7, 7), ("geq", 5, 3), ("geq", -(2**31), 2**31 - 1), ("and", 6, 2),
+               ("nor", 0, -2))
+    cases = []
+    for dtype, where in ((torch.int32, "gpu"), (torch.int64, "gpu"), (torch.int32, "host")):
+        def flag(device, start, dtype=dtype, where=where):
+            made = torch.tensor([start, 11], dtype=dtype, device=device if where == "gpu"
+                                else "cpu")
+            return made.pin_memory() if where == "host" and device.type == "cuda" else made
+
+        name = f"{str(dtype).removeprefix('torch.')} on the {where}"
+        if write:
+            cases.append(Case(f"{name}, write -5", lambda device, flag=flag: (
+                (flag(device, 3), -5), {})))
+            continue
+        for compare, start, value in passing:
+            if dtype == torch.int64 and compare == "geq" and start < 0:
+                start = -(2**63)  # the wrap-around case at the int64 edge
+                value = 2**63 - 1
+            cases.append(Case(f"{name}, {compare} {value}", lambda device, flag=flag,
+                              start=start, value=value, compare=compare: (
+                                  (flag(device, start), value, compare), {})))
+    return cases
+
+
 @op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
+    reference=_wait_reference, cases=lambda: _flag_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
     """Hold the current stream until flag[0] passes `op` against `value` (see the module)."""
@@ -192,7 +264,8 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> Non
         _note(path)
 
 
-@op("jitk::stream_write_value", mutates_args=("flag",),
+@op("jitk::stream_write_value", mutates_args=("flag",), reference=_write_reference,
+    cases=lambda: _flag_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
