@@ -136,7 +136,8 @@ def test_a_shipped_op_logs_its_kernel_before_the_launch_that_fails(logging_at, c
     assert logged[0].endswith("jitk::rmsnorm call 1")
     assert "  input: Tensor(shape=(4, 128), dtype=bfloat16, strides=(128, 1), device=cpu" in \
         logged[1]
-    assert logged[-1] == "  note: kernel=jitk::norm::RMSNorm<128, bf16_t>"
+    assert logged[-1] == ("  note: kernel=jitk::norm::RMSNorm<128, bf16_t>, rows_bucket=4, "
+                          "tuning=default")
 
 
 def test_level_5_statistics_before_and_after(logging_at, capsys):

@@ -210,7 +210,8 @@ def test_logging_page_shows_the_line_format_the_code_writes():
     import torch
     assert shown[1].startswith("  input: " + api_log.describe_tensor(
         torch.empty(4, 128, dtype=torch.bfloat16)).split(", device")[0])
-    assert shown[-1] == "  note: kernel=jitk::norm::RMSNorm<128, bf16_t>"
+    assert shown[-1] == ("  note: kernel=jitk::norm::RMSNorm<128, bf16_t>, rows_bucket=4, "
+                         "tuning=default")
 
 
 def test_fib_page_example_and_quoted_error_hold():
