@@ -5,6 +5,7 @@ graphs), dumps with their limits and filters, replay, JITK_LOGDEST and bad setti
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,38 @@ def exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as stop:
         return stop.code
+
+
+def test_dump_size_limit(logging_at, tmp_path, capsys):
+    logging_at(10, JITK_DUMP_DIR=tmp_path, JITK_DUMP_MAX_GB=2**-20)  # 1 KiB
+    doubled(torch.ones(16), torch.empty(16))  # 2 x 2 x 64 bytes: fits
+    doubled(torch.ones(256), torch.empty(256))  # 4 KiB: refused
+    assert len(dumps_in(tmp_path)) == 1
+    assert "no more dumps: JITK_DUMP_MAX_GB=9.53674e-07 would be exceeded" in \
+        capsys.readouterr().out
+
+
+def test_level_10_without_safetensors_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # its import raises ImportError
+    with pytest.raises(ValueError, match=r"JITK_LOGLEVEL=10 dumps tensors as safetensors, "
+                                         r"which is not installed: pip install safetensors"):
+        api_log.settings_from({"JITK_LOGLEVEL": "10"})
+    assert api_log.settings_from({"JITK_LOGLEVEL": "5"}).level == 5
+
+
+@pytest.mark.gpu
+def test_levels_above_3_log_as_3_inside_graph_capture(logging_at, capsys):
+    logging_at(5)
+    x, out = torch.ones(8, device="cuda"), torch.empty(8, device="cuda")
+    doubled(x, out)  # warm-up outside the capture
+    capsys.readouterr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        doubled(x, out)
+        doubled(x, out)
+    logged = capsys.readouterr().out
+    assert logged.count("logs as level 3 while capturing; said once") == 1
+    assert " stats: " not in logged and logged.count("  x: Tensor(shape=(8,)") == 2
 
 
 def test_replay_refuses_what_is_not_a_dump(tmp_path, capsys):
