@@ -122,7 +122,11 @@ def _written(call: dict, arguments: dict, result: object) -> dict[str, torch.Ten
 def _compare(what: str, info: OpInfo, run: Callable[[dict], object], call: dict,
              inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None,
              device: str | None) -> Comparison:
-    arguments = _arguments(call, inputs, device)
+    try:
+        arguments = _arguments(call, inputs, device)
+    except (RuntimeError, AssertionError) as error:  # a device this machine lacks
+        return Comparison(what, [f"cannot rebuild the inputs here ({error}); --device cpu "
+                                 "runs an op whose body runs on the CPU"], 0)
     try:
         result = run(arguments)
     except Exception as error:  # the report names it; replay goes on to the next run
