@@ -288,3 +288,22 @@ def test_cache_lists_entries_and_clear_empties_it(probe_cache, tmp_path):
     assert "removed 2 cache entries" in cleared.stdout
     empty = jitk_cli("cache", cwd=tmp_path, env=env)
     assert empty.returncode == 0 and "no modules cached" in empty.stdout
+
+
+# ------------------------------------------------------------------------- check / tune
+def test_check_runs_the_named_ops_cpu_check_and_refuses_unknown_ops(tmp_path):
+    result = jitk_cli("check", "stream_write_value", "--device", "cpu", cwd=tmp_path,
+                      timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "jitk::stream_write_value: 3 of 3 cases pass opcheck in reference mode" in \
+        result.stdout
+    unknown = jitk_cli("check", "no_such_op", cwd=tmp_path, timeout=300)
+    assert unknown.returncode == 2 and "no jitk op named 'no_such_op'" in unknown.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_tune_without_a_gpu_fails_in_one_line(tmp_path):
+    result = jitk_cli("tune", "rmsnorm", "--shapes", "16x4096", cwd=tmp_path, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("jitk: error: tune times kernels on a GPU, and none is "
+                                     "visible")

@@ -170,6 +170,9 @@ class TuningSpace:
     build:   (bucket, knob values) -> a function of the op's arguments that runs them.
     allowed: (bucket, knob values) -> whether to try that combination (default: all).
     outputs: the op's parameters it only writes, poisoned before each candidate's check.
+    calls:   a cache the op's body may keep by any exact key (e.g. (shape, dtype)) -> what
+             lookup returned, so a call skips working out its bucket; emptied whenever a
+             choice changes.
     sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, for
              `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
     """
@@ -183,6 +186,7 @@ class TuningSpace:
     sample: Callable[[tuple, torch.dtype, torch.device], tuple] | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
     op: str = ""  # set by attach()
+    calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +249,7 @@ class TuningSpace:
     def forget(self) -> None:
         """Drops the choices cached in this process (after the file changed)."""
         self._chosen.clear()
+        self.calls.clear()
 
     def recorded(self) -> list[tuple[list, dict]]:
         """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
@@ -378,6 +383,7 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
                     [(c, timed.get(json.dumps(c, sort_keys=True))) for c in candidates],
                     failures)
     space._chosen[bucket] = runs[best][1]
+    space.calls.clear()
     if save:
         record([{"op": info.name, "bucket": result.bucket, "environment": environment(),
                  "config": result.config, "us": round(result.us, 4),

@@ -398,9 +398,9 @@ def find_op(name: str) -> OpInfo:
     found = [info for key, info in _REGISTRY.items() if name in (key, info.label)]
     if len(found) != 1:
         known = ", ".join(sorted(_REGISTRY)) or "none"
-        raise KeyError(f"no jitk op named {name!r}" if not found else
-                       f"{name!r} names {len(found)} ops; give the namespace" +
-                       f" (registered: {known})")
+        problem = f"no jitk op named {name!r}" if not found else \
+            f"{name!r} names {len(found)} ops; give the namespace"
+        raise KeyError(f"{problem} (registered: {known})")
     return found[0]
 
 

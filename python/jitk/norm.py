@@ -57,11 +57,11 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
 
 def _load(name: str, hidden: int, dtype: torch.dtype, *tuning: object) -> _Kernels:
     _check_kernel_args(hidden, dtype)
-    args = make_cpp_args(hidden, dtype)
-    knobs = f", jitk::norm::Tuning<{make_cpp_args(*tuning)}>" if tuning else ""
-    norm = f"jitk::norm::RMSNorm<{args}{knobs}>"
+    args, knobs = make_cpp_args(hidden, dtype), make_cpp_args(*tuning)
+    tune = f", jitk::norm::Tuning<{knobs}>" if tuning else ""
+    norm = f"jitk::norm::RMSNorm<{args}{tune}>"
     module = load_jit(
-        name, *args, *tuning,
+        name, *args, *knobs,
         cuda_files=["rmsnorm.cuh"],
         cuda_wrappers=[("rmsnorm", f"{norm}::run"),
                        ("fused_add_rmsnorm", f"{norm}::run_fused_add")],
@@ -111,12 +111,19 @@ def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
 
 # Argument types are checked by the operator layer (jitk.op) before the bodies below run;
 # the values the kernel cannot take are refused here, before any module is built. This is
-# every eager call's path: one Python call, the checks inline, one dict lookup (the choice
-# for the shape bucket, cached by the tuning space).
-def _bucket(function: str, input: torch.Tensor, eps: float) -> tuple:
+# every eager call's path: one Python call, the eps check and one dict lookup by exact shape
+# (the tuning space's call cache); the shape bucket is worked out only for a new shape.
+def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float) -> Callable:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
                          f"{_FLOAT32_MAX:.7g}), got {eps!r}")
+    kernel = space.calls.get((input.shape, input.dtype))
+    if kernel is None:
+        kernel = space.calls[input.shape, input.dtype] = space.lookup(_bucket(function, input))
+    return kernel
+
+
+def _bucket(function: str, input: torch.Tensor) -> tuple:
     try:
         hidden = input.shape[-1]
     except IndexError:
@@ -165,7 +172,7 @@ _TOLERANCE = {torch.bfloat16: Tolerance(2**-6, 2**-6), torch.float16: Tolerance(
 @op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
     tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"))
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    _RMSNORM_SPACE.lookup(_bucket("rmsnorm", input, eps))(input, weight, out, eps)
+    _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps)(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -184,12 +191,12 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _FUSED_SPACE.lookup(_bucket("fused_add_rmsnorm", input, eps))(input, residual, weight, eps)
+    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps)(input, residual, weight, eps)
 
 
 def _space(entry: str) -> TuningSpace:
-    def bucket(input: torch.Tensor, *args: object, eps: float = 1e-6) -> tuple:
-        return _bucket(entry, input, args[-1] if args and entry == "rmsnorm" else eps)
+    def bucket(input: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        return _bucket(entry, input)
 
     def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
         x = torch.randn(*shape, device=device).to(dtype)

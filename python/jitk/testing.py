@@ -1,6 +1,6 @@
 """The parity harness: an op against its reference.
 
-    report = jitk.testing.check_op(jitk.rmsnorm)            # the op's own cases
+    report = jitk.testing.check_op("rmsnorm")               # the op's own cases
     report = jitk.testing.check_op("mylib::axpy", cases=[Case("n=17", make)])
 
 A Case builds one call's arguments: `make(device)` returns (args, kwargs), or (args, kwargs,
@@ -12,11 +12,12 @@ writes shows. Then every written argument, every watched tensor and the result a
 max abs and rel error and ULPs of the result's dtype per case, failing beyond the op's
 tolerance (jitk.op(tolerance=...), else torch.testing's default for the dtype).
 
-On a GPU, the cases run on it and the first also goes through torch.library.opcheck. Without
-one (`device="cpu"`), the cases are built on the CPU and opcheck runs the operator in reference
-mode: the schema (what it writes, what aliases), the fake implementation's shapes against the
-reference's results, and tracing; the kernels themselves are not run, unless `kernels=True`
-says they run on the CPU (a host-only module's op).
+On a GPU, the cases run on it; a case that raises is reported as failed. The schema checks
+run on the CPU (`device="cpu"`, also on a GPU machine; on the GPU, opcheck's copies of pinned
+host tensors would be pageable): the cases are built there and opcheck runs the operator in
+reference mode: the schema (what it writes, what aliases), the fake implementation's shapes
+against the reference's results, and tracing. The kernels are not run there, unless
+`kernels=True` says they run on the CPU (a host-only module's op).
 """
 
 from __future__ import annotations
@@ -125,10 +126,11 @@ def measure(op: str, case: str, name: str, got: torch.Tensor, want: torch.Tensor
                           f"{want.dtype}")
     dtype = str(got.dtype).removeprefix("torch.")
     if not got.dtype.is_floating_point:
-        wrong = int((got.cpu() != want.cpu()).sum())
+        wrong = int((got != want.to(got.device)).sum())
         return CaseReport(op, case, name, dtype, float(wrong > 0), float(wrong > 0),
                           float(wrong > 0), wrong == 0, f"{wrong} differ" if wrong else "")
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    # float64 where the tensors are (a GPU's results are not copied to the host)
+    g, w = got.detach().double(), want.detach().double().to(got.device)
     nan_mismatch = int((g.isnan() != w.isnan()).sum())
     g, w = torch.nan_to_num(g, nan=0.0), torch.nan_to_num(w, nan=0.0)
     diff = (g - w).abs()
@@ -167,6 +169,8 @@ def _run_pair(info: OpInfo, fn: Callable, case: Case, device: torch.device,
         named = _named(info, args, kwargs)
         _poison_outputs(case.outputs, named, watched)
         result = run(*args, **kwargs)
+        if device.type == "cuda":  # what the stream writes to host memory lands first
+            torch.cuda.synchronize()
         sides.append(_compared(info, named, watched, result))
     want, got = sides
     if not want:  # an op with only effects outside torch's view: it ran, and returned
@@ -218,10 +222,12 @@ def check_op(op: object, cases: Iterable[Case] | None = None, *, device: str | N
         return _finish(info, _check_on_cpu(info, cases, seed), raise_on_failure)
     reports: list[CaseReport] = []
     for index, case in enumerate(cases):
-        if index == 0:
-            args, kwargs, watched = _built(case, target, seed)  # watched: kept alive
-            torch.library.opcheck(info.operator, args, kwargs)
-        reports += _run_pair(info, info.fn, case, target, seed + index)
+        try:
+            reports += _run_pair(info, info.fn, case, target, seed + index)
+        except Exception as error:  # noqa: BLE001 - reported as the case's failure
+            reports.append(CaseReport(info.name, case.label, "-", "-", math.inf, math.inf,
+                                      math.inf, False, f"raised {type(error).__name__}: "
+                                      f"{str(error).splitlines()[0][:300]}"))
     return _finish(info, reports, raise_on_failure)
 
 
