@@ -25,7 +25,7 @@ from pathlib import Path
 
 import tvm_ffi
 
-from . import cache, toolchain
+from . import cache, loader, toolchain, trust
 from .build import BuildSpec, JitCompileError, build_and_publish
 from .lock import build_lock
 
@@ -152,7 +152,9 @@ def _check_build_directory(value: object) -> Path | None:
     if not isinstance(value, str | os.PathLike) or not str(value):
         raise TypeError(f"load_jit(build_directory=...): expected a path or None, got "
                         f"{type(value).__name__} {value!r:.60}")
-    return Path(value).expanduser().resolve()
+    folder = Path(value).expanduser().resolve()
+    cache.check_build_directory(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------ the key
@@ -184,7 +186,7 @@ def _cache_key(material: dict, sources: list[Path]) -> str:
     for path in sources:
         digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ loading
@@ -218,14 +220,12 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
         f"jitk.disable_jit()). Fill the cache where compiling is allowed, with {fill}.")
 
 
-def _load_published(library: Path) -> tvm_ffi.Module | None:
-    """The loaded library, or None when its entry vanished meanwhile (a cache clear)."""
-    try:
-        return tvm_ffi.load_module(str(library))
-    except Exception:
-        if library.exists():
-            raise
-        return None
+def _look_up(spec: BuildSpec) -> cache.Lookup:
+    """The entry's checked library, after checking who may have written the cache."""
+    root = spec.entry if spec.in_place else spec.entry.parent
+    if root.exists():
+        trust.check(root, "the build directory" if spec.in_place else "the cache")
+    return cache.look_up(spec.entry, spec.key)
 
 
 def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
@@ -234,19 +234,19 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
-    found = cache.look_up(spec.entry)
+    found = _look_up(spec)
     if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = cache.look_up(spec.entry)
-    if found.library and (module := _load_published(found.library)):
-        return module, False
+        found = _look_up(spec)
+    if found.fd is not None:
+        return loader.load_from_fd(found.fd), False
     if disabled:
         raise _miss_error(spec, template_args, found.problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
-    with build_lock(spec.entry):
-        found = cache.look_up(spec.entry)  # another process may have built it meanwhile
-        if found.library and (module := _load_published(found.library)):
-            return module, False
+    with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
+        found = _look_up(spec)  # another process may have built it meanwhile
+        if found.fd is not None:
+            return loader.load_from_fd(found.fd), False
         if found.problem:
             logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry,
                            found.problem)
@@ -275,7 +275,8 @@ def load_jit(
     files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
-    `build_directory` replaces the cache entry's folder. Under JITK_DISABLE_JIT=1 or
+    `build_directory` replaces the cache entry's folder: a new folder, an empty one or one
+    that jitk built before (a folder holding other files is refused). Under JITK_DISABLE_JIT=1 or
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     """
     name = _module_name(name_parts)
@@ -317,9 +318,9 @@ def load_jit(
     key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
                       "tvm_ffi": tvm_ffi.__version__, "sources": sources,
                       "build_kwargs": build_kwargs}, kernel_files)
-    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
-    spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
-                     build_kwargs)
+    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key[:16]}"
+    spec = BuildSpec(name, entry, key, build_dir is not None, archs, sources,
+                     tuple(kernel_files), INCLUDE_DIR, build_kwargs)
     module, _ = _build_and_load(spec, name_parts[1:])
     if archs:
         toolchain.check_runs_on_current_gpu(name, archs)
