@@ -247,8 +247,8 @@ def copy_in(staging: Path, entry: Path, in_place: bool = False) -> Path:
     private = _copies_folder(entry, in_place) / _private_name(entry)
     make_folder(private.parent)
     private.mkdir(mode=trust.folder_mode())
-    files = sorted(p for p in staging.iterdir() if p.is_file() and p.name != META_FILE)
-    for source in [*files, staging / META_FILE]:
+    for source in sorted((p for p in staging.iterdir() if p.is_file()),
+                         key=lambda p: p.name == META_FILE):
         target = private / source.name
         shutil.copyfile(source, target)
         target.chmod(trust.file_mode(source.stat().st_mode))
