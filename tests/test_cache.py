@@ -333,21 +333,38 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
     assert usage.returncode == 2 and "needs --older-than, --keep or --max-size" in usage.stderr
 
 
+# argv: entry. Holds the entry's lock and publishes nothing: a build between its copy onto
+# the cache's file system and the rename that publishes it.
+PUBLISHING = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from jitk import cache, lock
+    entry = Path(sys.argv[1])
+    fd = lock.try_lock(lock.lock_path(entry))
+    print(cache.copy_in(cache.new_staging(entry), entry), flush=True)
+    time.sleep(60)
+""")
+
+
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
     cache_dir = tmp_path / "cache"
     fill(cache_dir, kernel, ["twice"])
-    staging = cache.copy_in(cache.new_staging(cache_dir / "building_0123"),
-                            cache_dir / "building_0123")
-    holder = hold_lock(lock.lock_path(cache_dir / "building_0123"))
+    building = cache_dir / "building_0123"
+    holder = subprocess.Popen([sys.executable, "-c", PUBLISHING, str(building)],
+                              stdout=subprocess.PIPE, text=True,
+                              env=child_env(cache_dir, JITK_STAGING_DIR=str(tmp_path)))
     try:
+        private = Path(holder.stdout.readline().strip())
         cleared = jitk_cli(cache_dir, "cache", "clear")
     finally:
         holder.kill()
         holder.wait()
     assert cleared.returncode == 0 and "removed 1 cache entry" in cleared.stdout
-    assert staging.is_dir() and lock.lock_path(cache_dir / "building_0123").exists()
+    assert private.parent == cache_dir / cache.STAGING_DIR
+    assert private.is_dir() and lock.lock_path(building).exists()
     again = jitk_cli(cache_dir, "cache", "clear")  # its builder is gone now
-    assert again.returncode == 0 and not staging.exists()
+    assert again.returncode == 0 and not private.exists()
+    assert not lock.lock_path(building).exists()
 
 
 def test_clear_of_a_read_only_cache_exits_1_naming_what_stayed(kernel, tmp_path):

@@ -49,8 +49,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # Stands for PACKAGE_DIR in keys and recorded paths, so that a cache filled by one
 # installation of jitk is hit by another one of the same version elsewhere.
 PACKAGE_MARK = "<jitk>"
-# A private copy of another host's builder is left alone this long: its builder may still be
-# copying (it takes seconds); after that it is a leftover of a killed one.
+# A private copy made on another host is left alone this long: its builder may still be
+# copying it (seconds); after that it is a leftover of a killed one.
 FOREIGN_COPY_SECONDS = 3600
 
 
@@ -196,15 +196,22 @@ def _private_name(entry: Path) -> str:
     return f"{entry.name}.{_host()}-{os.getpid()}-{time.monotonic_ns()}"
 
 
-def entry_of(private: Path) -> str:
-    """The entry name a private copy or trash folder belongs to."""
-    return private.name.split(".", 1)[0]
+_PRIVATE_NAME = re.compile(r"^[^.]+\.(?P<host>.+)-(?P<pid>\d+)-\d+$")
 
 
-def _made_here(private: Path) -> bool:
-    """Whether a private copy was made on this host (those of older jitks too)."""
-    owner = private.name.split(".", 1)[-1]
-    return "-" not in owner or owner.rsplit("-", 2)[0] == _host()
+def _abandoned(private: Path) -> bool:
+    """Whether a private copy's builder is gone: on this host, its process has ended;
+    elsewhere (or from an older jitk), the copy is older than any publication takes."""
+    owner = _PRIVATE_NAME.match(private.name)
+    if owner and owner["host"] == _host():
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's
+        return False
+    return time.time() - private.stat().st_mtime > FOREIGN_COPY_SECONDS
 
 
 def staging_root() -> Path:
@@ -378,30 +385,16 @@ def _discard_all(folders: list[Path]) -> tuple[int, list[str]]:
 
 
 def tidy(root: Path) -> list[str]:
-    """Removes what no build owns any more: private copies of finished, failed or killed
-    builds (a build holds its entry's lock while its copy exists; another host's copy is
-    removed once it is an hour old), lock files nobody holds, and the trash. Returns what
+    """Removes what no build owns any more: private copies whose builder is gone (another
+    host's once they are an hour old), lock files nobody holds, and the trash. Returns what
     could not be removed."""
     failures = []
-    for staging in staging_folders(root):
-        if not _made_here(staging):  # its builder's lock is on its own host
-            try:
-                if time.time() - staging.stat().st_mtime > FOREIGN_COPY_SECONDS:
-                    shutil.rmtree(staging, ignore_errors=True)
-            except FileNotFoundError:
-                pass  # its builder published it
-            continue
+    for private in staging_folders(root):
         try:
-            fd = try_lock(lock_path(root / entry_of(staging)))
-        except JitLockError as error:
-            failures.append(str(error))
-            continue
-        if fd is None:
-            continue  # a build is running there
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            release(fd)
+            if _abandoned(private):
+                shutil.rmtree(private, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # its builder published it
     locks = lock_folder(root)
     for path in sorted(locks.glob(f"*{LOCK_SUFFIX}")) if locks.is_dir() else ():
         try:
