@@ -63,7 +63,7 @@ def _group(gid: int) -> str:
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:
-        return f"gid {gid}"
+        return str(gid)
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,9 +79,9 @@ def _is_private_group(gid: int, uid: int) -> bool:
 def problem(status: os.stat_result) -> str | None:
     """Why a file or folder with this status cannot be trusted, with the remedy; or None."""
     me, group = os.geteuid(), trusted_group()
-    owner = _user(status.st_uid)
     if status.st_uid not in (me, 0) and status.st_gid != group:
-        return (f"it is owned by {owner}, not by you ({_user(me)}) or root, and its group "
+        you = f"you ({_user(me)})" + (" or root" if me else "")
+        return (f"it is owned by {_user(status.st_uid)}, not by {you}, and its group "
                 f"{_group(status.st_gid)} is not trusted. If you trust that group's members, "
                 f"set {TRUSTED_GROUP_ENV}={_group(status.st_gid)}; else use a cache of your "
                 "own (JITK_CACHE_DIR)")
