@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -193,7 +194,7 @@ def test_lock_files_are_not_world_writable(tmp_path):
     finally:
         os.umask(umask)
     lock.release(fd)
-    assert path.stat().st_mode & 0o777 == lock.MODE == 0o664
+    assert path.stat().st_mode & 0o777 == 0o664  # read by all, written by owner and group
     assert path.parent.stat().st_mode & 0o777 == 0o755
 
 
@@ -208,3 +209,146 @@ def test_what_jitk_builds_into_a_cache_only_its_owner_can_write(tmp_path, monkey
     [entry] = (tmp_path / "cache").glob("private_modes_*/")
     for path in (tmp_path / "cache", entry, *entry.iterdir()):
         assert not path.stat().st_mode & 0o022, path
+
+
+# ------------------------------------------------------------------------------ hosts
+# argv: kernels. Loads each module twice, in a random order, checking what each returns.
+HOST_LOADER = textwrap.dedent("""\
+    import json, os, random, socket, sys
+    sys.modules["torch"] = None
+    import jitk
+    from jitk import jit
+    failures = []
+    for _ in range(2):
+        for i in random.sample(range(len(sys.argv) - 1), len(sys.argv) - 1):
+            try:
+                module = jitk.load_jit(f"shared{i}", cpp_files=[sys.argv[1 + i]],
+                                       cpp_wrappers=[("get", "get")])
+                if module.get(0) != 100 + i:
+                    failures.append(f"shared{i} returned {module.get(0)}")
+            except Exception as error:
+                failures.append(f"shared{i}: {type(error).__name__}: {error}")
+    print(json.dumps({"host": socket.gethostname(), "built": jit.build_count(),
+                      "failures": failures}), flush=True)
+""")
+
+# argv: cache, stop file. Prunes every entry, again and again, until the stop file exists.
+PRUNER = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from jitk import cache
+    root, stop = Path(sys.argv[1]), Path(sys.argv[2])
+    removed, failures = 0, []
+    while not stop.exists():
+        everything = cache.select_for_pruning(cache.list_entries(root), older_than_days=0)
+        gone, failed = cache.prune(everything, root)
+        removed, failures = removed + gone, failures + failed
+        time.sleep(1)
+    print("removed", removed, "failures", failures)
+""")
+
+# argv: cache, stop file. Reads every published entry, again and again: one seen at its
+# published place without its record or with a library other than the recorded one is
+# incomplete (a folder moved to the trash is being deleted: not counted).
+WATCHER = textwrap.dedent("""\
+    import hashlib, json, os, sys
+    from pathlib import Path
+    root, stop = Path(sys.argv[1]), Path(sys.argv[2])
+    seen, incomplete = 0, []
+
+    def read(folder, name):
+        with open(os.open(name, os.O_RDONLY, dir_fd=folder), "rb") as file:
+            return file.read()
+
+    while not stop.exists():
+        for entry in root.iterdir() if root.is_dir() else ():
+            if entry.name.startswith(".") or not entry.is_dir():
+                continue
+            try:
+                folder = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                try:
+                    meta = json.loads(read(folder, "jitk-meta.json"))
+                    library = read(folder, meta["library"])
+                    whole = hashlib.sha256(library).hexdigest() == meta["sha256"]
+                except (OSError, ValueError, KeyError) as error:
+                    whole, library = False, repr(error)
+                try:
+                    still_published = os.stat(entry).st_ino == os.fstat(folder).st_ino
+                except OSError:
+                    still_published = False
+                if still_published:
+                    seen += 1
+                    if not whole:
+                        incomplete.append(f"{entry.name}: {library[:80]}")
+            finally:
+                os.close(folder)
+    print("seen", seen, "incomplete", incomplete)
+""")
+
+
+def host_command(local: Path, host: str) -> list[str] | None:
+    """The command prefix that runs a command as on another host: its own mount and UTS
+    namespaces, its own hostname and a private file system at `local` (its temporary
+    folder), with `local`'s staging and lock folders made; None where unshare is refused."""
+    script = (f'mount -t tmpfs tmpfs "{local}" && hostname {host} && '
+              f'mkdir "{local}/staging" "{local}/locks" && exec "$@"')
+    for unshare in (["unshare", "-m", "-u"], ["unshare", "-r", "-m", "-u"]):
+        if shutil.which("unshare") is None:
+            return None
+        probe = subprocess.run([*unshare, "sh", "-c", script, "sh", "hostname"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0 and probe.stdout.strip() == host:
+            return [*unshare, "sh", "-c", script, "sh"]
+    return None
+
+
+def test_two_hosts_share_a_cache_while_a_third_prunes(tmp_path):
+    """Two simulated hosts (separate mount and UTS namespaces: hostnames hostA and hostB,
+    each with its own staging and lock folders on a private tmpfs) share one cache
+    directory; each runs 4 processes that build and load the same 3 modules twice, while a
+    third process prunes every entry every second and a fourth checks every entry it sees.
+    Where unshare is refused, the hosts are simulated by their own staging and lock
+    folders alone (same hostname)."""
+    root, stop = tmp_path / "cache", tmp_path / "stop"
+    kernels = [str(write_kernel(tmp_path / f"shared{i}.cuh", 100 + i)) for i in range(3)]
+    env = {**os.environ, cache.CACHE_ENV: str(root), "JITK_VERBOSE": "1"}
+    hosts = []
+    for host in ("hostA", "hostB"):
+        local = tmp_path / host
+        local.mkdir()
+        prefix = host_command(local, host)
+        if prefix is None:  # no namespaces here: folders of its own, on the same machine
+            (local / "staging").mkdir()
+            (local / "locks").mkdir()
+            prefix = []
+        hosts.append((prefix, {**env, cache.STAGING_ENV: str(local / "staging"),
+                               lock.LOCK_DIR_ENV: str(local / "locks")}))
+    started = time.monotonic()
+    helpers = [subprocess.Popen([sys.executable, "-c", script, str(root), str(stop)],
+                                stdout=subprocess.PIPE, text=True, env=env)
+               for script in (PRUNER, WATCHER)]
+    loaders = [subprocess.Popen([*prefix, sys.executable, "-c", HOST_LOADER, *kernels],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=host_env)
+               for prefix, host_env in hosts for _ in range(4)]
+    try:
+        outputs = [loader.communicate(timeout=240) for loader in loaders]
+    finally:
+        stop.touch()
+        for process in loaders:
+            process.kill()
+        pruned, watched = (helper.communicate(timeout=60)[0] for helper in helpers)
+    reports = [json.loads(out.splitlines()[-1]) for out, _ in outputs if out.strip()]
+    assert len(reports) == 8, outputs
+    assert all(report["failures"] == [] for report in reports), reports
+    namespaces = all(prefix for prefix, _ in hosts)
+    assert sorted({r["host"] for r in reports}) == (["hostA", "hostB"] if namespaces
+                                                    else [os.uname().nodename])
+    assert pruned.startswith("removed ") and pruned.rstrip().endswith("failures []"), pruned
+    assert int(pruned.split()[1]) > 0, pruned  # entries really went while hosts loaded
+    seen = int(watched.split()[1])
+    assert seen > 0 and watched.rstrip().endswith("incomplete []"), watched
+    assert time.monotonic() - started < 240

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ from pathlib import Path
 from . import trust
 from .lock import SUFFIX as LOCK_SUFFIX
 from .lock import JitLockError, lock_folder, lock_path, release, try_lock
+
+logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
 STAGING_ENV = "JITK_STAGING_DIR"
@@ -293,6 +296,8 @@ def publish(private: Path, entry: Path, key: str) -> None:
             if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
         if is_complete(entry, key):
+            logger.info("jitk: %s was published meanwhile (by another host); this build's "
+                        "copy is discarded", entry)
             shutil.rmtree(private, ignore_errors=True)
             return
         discard(entry)
