@@ -186,6 +186,21 @@ def test_the_library_loaded_is_the_one_checked(tmp_path, monkeypatch):
     assert load(good, "swapped").get(0) == 1
 
 
+def test_libraries_loaded_one_after_another_each_run_their_own_code(tmp_path):
+    """A library is loaded as /proc/self/fd/N, and the dynamic loader knows a library by that
+    name: a closed N reused for the next library would be answered with the first one."""
+    cache_dir = tmp_path / "cache"
+    kernels = [write_kernel(tmp_path / f"k{i}.cuh", i) for i in range(3)]
+    for i, kernel in enumerate(kernels):
+        fill(kernel, cache_dir, f"one_of_three_{i}")
+    script = "import sys\n" + "\n".join(
+        f"sys.argv[1:] = [{str(kernel)!r}, 'one_of_three_{i}']\n" + LOAD
+        for i, kernel in enumerate(kernels))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, cache.CACHE_ENV: str(cache_dir)})
+    assert result.stdout.split() == ["0", "1", "2"], result.stdout + result.stderr
+
+
 def test_lock_files_are_not_world_writable(tmp_path):
     path = tmp_path / "locks" / "entry.lock"
     umask = os.umask(0)

@@ -176,6 +176,7 @@ def look_up(entry: Path, key: str) -> Lookup:
 
 
 def is_complete(entry: Path, key: str) -> bool:
+    """Whether `entry` holds a whole, usable build of `key`."""
     found = look_up(entry, key)
     if found.fd is not None:
         os.close(found.fd)
@@ -224,7 +225,7 @@ def staging_root() -> Path:
 
 def _staging_prefix(entry: Path) -> str:
     where = hashlib.sha256(str(entry).encode()).hexdigest()[:8]
-    return f"jitk-{entry.name[:80]}-{where}-"
+    return f"jitk-{re.sub(r'[^A-Za-z0-9_]+', '_', entry.name[:80])}-{where}-"
 
 
 def new_staging(entry: Path) -> Path:
