@@ -6,9 +6,9 @@ build). jitk adds what tvm-ffi leaves to its callers: a cache key over the conte
 header and kernel file, the compiler versions and the target architectures, independent of
 where jitk is installed; a cache that readers use without locks or writes once they have
 checked who could have written it (jitk/trust.py), filled by builds published in one rename
-(jitk/cache.py, jitk/build.py); a mode that never compiles; compile
-errors that show the compiler's own lines; and a load-time check that the library holds
-code for the GPU it is about to run on."""
+(jitk/cache.py, jitk/build.py); a mode that never compiles; compile errors that show the
+compiler's own lines; and a load-time check that the library holds code for the GPU it is
+about to run on."""
 
 from __future__ import annotations
 
@@ -277,8 +277,9 @@ def load_jit(
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
     `build_directory` replaces the cache entry's folder: a new folder, an empty one or one
-    that jitk built before (a folder holding other files is refused). Under JITK_DISABLE_JIT=1 or
-    jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
+    that jitk built before (a folder holding other files is refused). Under
+    JITK_DISABLE_JIT=1 or jitk.disable_jit(), a module not in the cache raises
+    JitCacheMissError.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
