@@ -365,4 +365,6 @@ def test_two_hosts_share_a_cache_while_a_third_prunes(tmp_path):
     assert int(pruned.split()[1]) > 0, pruned  # entries really went while hosts loaded
     seen = int(watched.split()[1])
     assert seen > 0 and watched.rstrip().endswith("incomplete []"), watched
+    # Locks stayed on the hosts; every private copy was published or discarded.
+    assert not list(root.glob("*.lock")) and not cache.staging_folders(root)
     assert time.monotonic() - started < 240
