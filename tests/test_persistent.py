@@ -158,7 +158,7 @@ def test_not_running_refusals(chain):
 
 
 # ------------------------------------------------------------------------------ GPU
-def run_case(name: str, timeout_s: float = 240) -> str:
+def run_case(name: str, timeout_s: float = 90) -> str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run([sys.executable, str(HERE / "persistent_cases.py"), name],
                           capture_output=True, text=True, timeout=timeout_s, env=env)
