@@ -17,16 +17,18 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 
 summary=()
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_persistent.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_persistent.py \
   > "$out/persistent_pytest.log" 2>&1
 summary+=("pytest tests/test_persistent.py: $(tail -n 1 "$out/persistent_pytest.log")")
 grep -E "^(FAILED|ERROR)|Error|assert" "$out/persistent_pytest.log" | head -n 20
 
-for run in memcheck:chain memcheck:exactly_once memcheck:device_push racecheck:chain \
-           synccheck:chain; do
+# tool:case pairs; PERSISTENT_SANITIZE replaces the list ("" skips the sanitizer).
+runs=${PERSISTENT_SANITIZE-memcheck:chain memcheck:exactly_once memcheck:device_push \
+racecheck:chain synccheck:chain}
+for run in $runs; do
   tool=${run%%:*} case=${run#*:}
   log="$out/sanitize_${tool}_${case}.log"
-  timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+  timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 tests/persistent_cases.py "$case" --small > "$log" 2>&1
   status=$?
   summary+=("compute-sanitizer $tool $case: exit $status, $(grep -m1 'ERROR SUMMARY' "$log" ||
@@ -34,7 +36,7 @@ for run in memcheck:chain memcheck:exactly_once memcheck:device_push racecheck:c
   [[ $status -ne 0 ]] && tail -n 8 "$log"
 done
 
-timeout 150 python3 benchmarks/bench_persistent.py "$@" --json "$out/bench_persistent.json" \
+timeout 120 python3 benchmarks/bench_persistent.py "$@" --json "$out/bench_persistent.json" \
   2>&1 | tee "$out/bench_persistent.log"
 echo; echo "== summary =="
 for line in "${summary[@]}"; do echo "$line"; done
