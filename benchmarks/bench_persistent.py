@@ -146,9 +146,22 @@ def main() -> None:
                      "step_us": host_us(one_by_one, max(10, steps // 5))})
         first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0], factor=1.0)),
                         steps)
+        push_only = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            t = worker.push("scale", x=x, y=bufs[0], factor=1.0)
+            push_only.append((time.perf_counter() - start) * 1e6)
+            worker.wait(t)
+        push_us = statistics.median(push_only)
         per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
 
         gemm_idle = event_us(gemm, 20)
+        carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        gemm_carved = None
+        if carveout is not None:  # cuBLAS told to leave the worker's SMs alone
+            carveout(BLOCKS)
+            gemm_carved = event_us(gemm, 20)
+            carveout(None)
         running = threading.Event()
         running.set()
         chains = [0]
@@ -180,16 +193,20 @@ def main() -> None:
                   "slowdown": gemm_idle / gemm_alone - 1},
                  {"gemm": f"beside a busy worker ({chains[0]} chains ran)", "ms": gemm_busy / 1e3,
                   "slowdown": gemm_busy / gemm_alone - 1}]
+    if gemm_carved is not None:
+        gemm_rows.append({"gemm": f"beside an idle worker, sm_carveout={BLOCKS}",
+                          "ms": gemm_carved / 1e3, "slowdown": gemm_carved / gemm_alone - 1})
     print_table("GEMM beside the worker (CUDA events, median of 20)", gemm_rows,
                 ["gemm", "ms", "slowdown"])
     print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us "
           f"(goal <= {GOAL_ITEM_US}); first item, push to host-visible completion: "
-          f"{first:.1f} us")
+          f"{first:.1f} us, of which push() on the host {push_us:.1f} us")
     print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
           f"{GOAL_STEP_VS_GRAPH}); worst GEMM slowdown: "
           f"{max(r['slowdown'] for r in gemm_rows):+.1%} (goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
     write_json(args.json, {"device": device_name(), "steps": rows, "gemm": gemm_rows,
-                           "per_item_us": per_item, "first_item_us": first})
+                           "per_item_us": per_item, "first_item_us": first,
+                           "push_us": push_us})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ for run in $runs; do
   timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 tests/persistent_cases.py "$case" --small > "$log" 2>&1
   status=$?
-  summary+=("compute-sanitizer $tool $case: exit $status, $(grep -m1 'ERROR SUMMARY' "$log" ||
+  summary+=("compute-sanitizer $tool $case: exit $status, $(grep -m1 'SUMMARY' "$log" ||
     echo 'no summary')")
   [[ $status -ne 0 ]] && tail -n 8 "$log"
 done

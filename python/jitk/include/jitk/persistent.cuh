@@ -232,12 +232,12 @@ class TableContext : public BlockContext {
 // ---------------------------------------------------------------------------------------
 // The worker kernel.
 
-// Thread 0's search for the next item; returns false when the block should exit.
-struct Claim {
-  int64_t host_ticket = -1;  // the host ticket this block has claimed and waits for, or -1
-};
+// Host items one block claims at once: a run of items each of which waits for the one before
+// (a chain) goes to one block, which runs them in order with no hand-off between SMs.
+inline constexpr int kMaxRun = 32;
+inline constexpr unsigned kAllLanes = 0xffffffffu;
 
-// A device-ring item, claimed only once published, so no block ever waits on one.
+// A device-ring item (lane 0 of warp 0), claimed only once published.
 __device__ inline bool try_device_item(const Queue& q, Item& out) {
   const int64_t h = load_relaxed_gpu(&q.state[kDeviceHead]);
   const Item* slot = &q.device_items[h & q.mask];
@@ -248,28 +248,53 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
   return true;
 }
 
-__device__ inline bool try_host_item(const Queue& q, Claim& claim, Item& out) {
-  const Item* slot = &q.host_items[claim.host_ticket & q.mask];
-  if (load_acquire_sys(&slot->ticket) != claim.host_ticket) return false;
-  out = *slot;
-  claim.host_ticket = -1;
-  return true;
+// Warp 0 claims the published host items from the head on that form a chain (item k + 1 waits
+// for item k), at most kMaxRun, into items[]. Returns how many, 0 when the head item is not
+// published, -1 when another block claimed first. Only lane 0 polls (one PCIe read); the
+// lanes read the rest of a run in parallel, each ordering its item's words after its ticket.
+__device__ inline int claim_host_run(const Queue& q, Item* items) {
+  const int lane = threadIdx.x;
+  int64_t h = 0;
+  bool published = false;
+  if (lane == 0) {
+    h = load_relaxed_gpu(&q.state[kHostHead]);
+    published = load_acquire_sys(&q.host_items[h & q.mask].ticket) == h;
+  }
+  if (!__shfl_sync(kAllLanes, published, 0)) return 0;
+  h = __shfl_sync(kAllLanes, h, 0);
+  const int64_t t = h + lane;
+  const Item* slot = &q.host_items[t & q.mask];
+  const bool joins =
+      lane == 0 || (load_acquire_sys(&slot->ticket) == t && slot->after == t - 1);
+  const unsigned left_out = __ballot_sync(kAllLanes, !joins);
+  const int run = left_out ? __ffs(left_out) - 1 : kMaxRun;
+  bool won = false;
+  if (lane == 0) won = atomic_cas_gpu(&q.state[kHostHead], h, h + run);
+  if (!__shfl_sync(kAllLanes, won, 0)) return -1;
+  if (lane < run) items[lane] = *slot;
+  return run;
 }
 
-// Follow-up work first (it is usually on the critical path), then the host ring. Host tickets
-// are claimed one at a time in order, so the oldest pushed item is the next one taken.
-__device__ inline bool next_item(const Queue& q, Claim& claim, Item& out) {
+// Warp 0's search for work: follow-up items first (usually on the critical path), then the
+// host ring. Returns the number of items in items[], or 0 when the block should exit.
+__device__ inline int next_run(const Queue& q, Item* items) {
+  const int lane = threadIdx.x;
   Backoff backoff;
+  bool draining = false;
   for (unsigned polls = 0;; ++polls) {
-    if (try_device_item(q, out)) return true;
-    if (claim.host_ticket < 0) claim.host_ticket = atomic_add_gpu(&q.state[kHostHead], 1);
-    if (try_host_item(q, claim, out)) return true;
+    const bool device = lane == 0 && try_device_item(q, items[0]);
+    if (__shfl_sync(kAllLanes, device, 0)) return 1;
+    const int run = claim_host_run(q, items);
+    if (run > 0) return run;
+    if (run < 0) continue;  // another block took those items: look again at once
+    if (draining) return 0;
     // The stop word is a PCIe read: looked at every 16th poll. After a drain order, the items
     // pushed before it are visible (the host released them first): one last look, then exit.
     if (polls % 16 == 15) {
-      const int64_t stop = stop_word(q);
-      if (stop == kAbort) return false;
-      if (stop == kDrain) return try_device_item(q, out) || try_host_item(q, claim, out);
+      const int64_t stop = __shfl_sync(kAllLanes, lane == 0 ? stop_word(q) : 0, 0);
+      if (stop == kAbort) return 0;
+      draining = stop == kDrain;
+      if (draining) continue;
     }
     backoff.sleep();
   }
@@ -299,27 +324,33 @@ __device__ inline void complete(const Queue& q, int64_t ticket) {
 
 template <typename... Ops>
 __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
-  __shared__ Item item;
-  __shared__ bool run;
-  Claim claim;
+  __shared__ Item items[kMaxRun];
+  __shared__ int count;
   while (true) {
-    if (threadIdx.x == 0) {
-      run = next_item(q, claim, item);
+    if (threadIdx.x < kWarpThreads) {
+      const int found = next_run(q, items);
+      if (threadIdx.x == 0) count = found;
+    }
+    __syncthreads();
+    const int found = count;  // read once: warp 0 rewrites it for the next run
+    if (found == 0) return;
+    for (int i = 0; i < found; ++i) {
+      Item& item = items[i];
       // A failed dependency fails this item too; it is still completed so nothing waits on it.
-      if (run && item.after != kNoDependency && !wait_for(q, item.after)) {
+      // (Within a run the dependency is the item before, done by this block: no wait.)
+      if (threadIdx.x == 0 && item.after != kNoDependency && !wait_for(q, item.after)) {
         record_error(q, kDependencyTimeout, item.ticket, item.after);
         item.op = -1;
       }
+      __syncthreads();
+      if (item.op >= 0) {
+        TableContext<Ops...> ctx(q, item.ticket);
+        const bool known = dispatch<Ops...>(item, ctx);
+        if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
+      }
+      __syncthreads();  // every thread's writes, then the release (cumulative) in complete()
+      if (threadIdx.x == 0) complete(q, item.ticket);
     }
-    __syncthreads();
-    if (!run) return;
-    if (item.op >= 0) {
-      TableContext<Ops...> ctx(q, item.ticket);
-      const bool known = dispatch<Ops...>(item, ctx);
-      if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
-    }
-    __syncthreads();  // every thread's writes, then the release (cumulative) in complete()
-    if (threadIdx.x == 0) complete(q, item.ticket);
   }
 }
 
