@@ -22,10 +22,11 @@
 //   because the writer is a CPU thread. No volatile or __ldg: the read-only path may keep a stale
 //   line forever, and volatile alone orders nothing.
 // - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
-// - worker -> host and other streams (completion): the block's threads meet at __syncthreads(),
-//   then thread 0 stores the ticket with st.release.sys. PTX release is cumulative: the writes
-//   the barrier ordered before thread 0 (every thread's part of the op's output) are published
-//   with it. The host reads the counter with an acquire load.
+// - worker -> host, other streams and other blocks (completion): the block's threads meet at
+//   __syncthreads(), then thread 0 runs fence.acq_rel.sys and stores the ticket (a release).
+//   PTX release is cumulative: the writes the barrier ordered before thread 0 (every thread's
+//   part of the op's output) are published with it. The host reads the counter with an acquire
+//   load, other blocks with ld.acquire.gpu.
 // - claims (ticket counters in GPU memory) are relaxed atomics: they order nothing; the slot's
 //   ticket word, read with acquire, says whether the item is there.
 //
@@ -115,15 +116,17 @@ __device__ __forceinline__ void store_release_sys(int64_t* p, int64_t v) {
 __device__ __forceinline__ void store_release_gpu(int64_t* p, int64_t v) {
   asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void store_relaxed(int64_t* p, int64_t v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ int64_t atomic_add_gpu(int64_t* p, int64_t v) {
-  return static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(p),
-                                        static_cast<unsigned long long>(v)));
+  return static_cast<int64_t>(
+      atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v)));
 }
 __device__ __forceinline__ bool atomic_cas_gpu(int64_t* p, int64_t expected, int64_t desired) {
-  return atomicCAS(reinterpret_cast<unsigned long long*>(p),
-                   static_cast<unsigned long long>(expected),
-                   static_cast<unsigned long long>(desired)) ==
-         static_cast<unsigned long long>(expected);
+  return atomicCAS(
+             reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(expected),
+             static_cast<unsigned long long>(desired)) == static_cast<unsigned long long>(expected);
 }
 __device__ __forceinline__ int64_t now_ns() {
   int64_t t;
@@ -264,8 +267,7 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
   h = __shfl_sync(kAllLanes, h, 0);
   const int64_t t = h + lane;
   const Item* slot = &q.host_items[t & q.mask];
-  const bool joins =
-      lane == 0 || (load_acquire_sys(&slot->ticket) == t && slot->after == t - 1);
+  const bool joins = lane == 0 || (load_acquire_sys(&slot->ticket) == t && slot->after == t - 1);
   const unsigned left_out = __ballot_sync(kAllLanes, !joins);
   const int run = left_out ? __ffs(left_out) - 1 : kMaxRun;
   bool won = false;
@@ -303,22 +305,25 @@ __device__ inline int next_run(const Queue& q, Item* items) {
 template <typename... Ops>
 __device__ inline bool dispatch(const Item& item, TableContext<Ops...>& ctx) {
   int index = 0;
-  const bool known = ((item.op == index++
-                           ? (Ops::run(*reinterpret_cast<const typename Ops::Args*>(item.args),
-                                       ctx),
-                              true)
-                           : false) ||
-                      ...);
+  const bool known =
+      ((item.op == index++
+            ? (Ops::run(*reinterpret_cast<const typename Ops::Args*>(item.args), ctx), true)
+            : false) ||
+       ...);
   return known;
 }
 
+// One system-scope fence, then both counters: a fence followed by a relaxed store is a release
+// in PTX, so this publishes the item's results to the host, other streams and other blocks,
+// for one fence where two st.release would cost two.
 __device__ inline void complete(const Queue& q, int64_t ticket) {
   const int64_t t = ticket & ~kDeviceTicket;
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
   if (ticket & kDeviceTicket) {
-    store_release_gpu(&q.device_done[t & q.mask], t);
+    store_relaxed(&q.device_done[t & q.mask], t);
   } else {
-    store_release_gpu(&q.host_done_gpu[t & q.mask], t);
-    store_release_sys(&q.host_done[t & q.mask], t);
+    store_relaxed(&q.host_done_gpu[t & q.mask], t);
+    store_relaxed(&q.host_done[t & q.mask], t);
   }
 }
 
@@ -337,8 +342,10 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
     for (int i = 0; i < found; ++i) {
       Item& item = items[i];
       // A failed dependency fails this item too; it is still completed so nothing waits on it.
-      // (Within a run the dependency is the item before, done by this block: no wait.)
-      if (threadIdx.x == 0 && item.after != kNoDependency && !wait_for(q, item.after)) {
+      // Within a run the dependency is the item before, which this block has just done.
+      const bool waits =
+          item.after != kNoDependency && (i == 0 || item.after != items[i - 1].ticket);
+      if (threadIdx.x == 0 && waits && !wait_for(q, item.after)) {
         record_error(q, kDependencyTimeout, item.ticket, item.after);
         item.op = -1;
       }
@@ -460,8 +467,8 @@ struct Worker {
   static int64_t max_blocks(int64_t device) {
     const DeviceGuard on(static_cast<int>(device));
     int per_sm = 0, sms = 0;
-    RuntimeDeviceCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                     kBlockThreads, 0));
+    RuntimeDeviceCheck(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
     RuntimeDeviceCheck(
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, static_cast<int>(device)));
     return static_cast<int64_t>(per_sm) * sms;
