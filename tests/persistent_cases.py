@@ -175,11 +175,22 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def case_device_push(small: bool) -> None:
-    """An op pushes follow-ups from the GPU: depth 200 leaves the cell at 201; a stream waits on
-    an item's completion counter with jitk.stream_wait_value."""
+    """An op pushes follow-ups from the GPU: depth 200 leaves the cell at 201."""
+    cell = torch.zeros(1, dtype=_I64, device="cuda")
+    worker = test_worker().start(blocks=4)
+    depth = 20 if small else 200
+    worker.wait(worker.push("spawn", cell=cell, depth=depth), timeout=10)
+    worker.stop(timeout=10)  # drains the device ring too
+    assert cell.item() == depth + 1, cell.item()
+    print(f"device push: {depth} follow-ups ran")
+
+
+def case_stream_wait(small: bool) -> None:
+    """Another stream waits for an item with jitk.stream_wait_value on its completion counter,
+    then reads what the item wrote. (Not under compute-sanitizer, which runs one kernel at a
+    time: the copy behind the wait would wait for the worker.)"""
     from jitk.wait_value import stream_wait_value
     cell = torch.zeros(1, dtype=_I64, device="cuda")
-    step_cell = torch.zeros(1, dtype=_I64, device="cuda")
     out = torch.zeros(1, dtype=_I64, device="cuda")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # load these kernels before the worker is resident
@@ -187,18 +198,15 @@ def case_device_push(small: bool) -> None:
         stream_wait_value(torch.zeros(1, dtype=_I64, pin_memory=True), 0, op="geq")
     torch.cuda.synchronize()
     worker = test_worker().start(blocks=4)
-    depth = 20 if small else 200
-    t = worker.push("spawn", cell=cell, depth=depth)
-    worker.wait(t, timeout=10)
-    u = worker.push("step", cell=step_cell, expect=0, next=7)
+    t = worker.push("busy", ns=2_000_000)  # the wait is in place before the step runs
+    u = worker.push("step", cell=cell, expect=0, next=7, after=t)
     with torch.cuda.stream(side):
         stream_wait_value(worker.done_flag(u), u, op="geq")
-        out.copy_(step_cell)
+        out.copy_(cell)
     side.synchronize()
     assert out.item() == 7, out.item()
-    worker.stop(timeout=10)  # drains the device ring too
-    assert cell.item() == depth + 1, cell.item()
-    print(f"device push: {depth} follow-ups ran; a stream waited on an item's counter")
+    worker.stop(timeout=10)
+    print("stream wait: a stream waited on an item's counter and saw its result")
 
 
 def case_errors(small: bool) -> None:

@@ -168,7 +168,8 @@ def run_case(name: str, timeout_s: float = 90) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push", "errors",
+@pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push",
+                                  "stream_wait", "errors",
                                   "stop_timeout", "fault", "refusals"])
 def test_gpu_case(name):
     run_case(name)

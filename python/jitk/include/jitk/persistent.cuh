@@ -22,11 +22,13 @@
 //   because the writer is a CPU thread. No volatile or __ldg: the read-only path may keep a stale
 //   line forever, and volatile alone orders nothing.
 // - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
-// - worker -> host, other streams and other blocks (completion): the block's threads meet at
-//   __syncthreads(), then thread 0 runs fence.acq_rel.sys and stores the ticket (a release).
-//   PTX release is cumulative: the writes the barrier ordered before thread 0 (every thread's
-//   part of the op's output) are published with it. The host reads the counter with an acquire
-//   load, other blocks with ld.acquire.gpu.
+// - worker -> other blocks, later work on this GPU, and the host (completion): the block's
+//   threads meet at __syncthreads(), then a thread runs fence.acq_rel.gpu and stores the
+//   ticket (a release at GPU scope; see complete()). PTX release is cumulative: the writes the
+//   barrier ordered before that thread (every thread's part of the op's output) are published
+//   with it. Other blocks read the counter with ld.acquire.gpu, the host with an acquire load;
+//   what the host then does through CUDA (a copy, a kernel, a stream waiting on the counter)
+//   reads the GPU's memory after it.
 // - claims (ticket counters in GPU memory) are relaxed atomics: they order nothing; the slot's
 //   ticket word, read with acquire, says whether the item is there.
 //
@@ -313,16 +315,22 @@ __device__ inline bool dispatch(const Item& item, TableContext<Ops...>& ctx) {
   return known;
 }
 
-// One system-scope fence, then both counters: a fence followed by a relaxed store is a release
-// in PTX, so this publishes the item's results to the host, other streams and other blocks,
-// for one fence where two st.release would cost two.
+// A completion is a GPU-scope release: fence.acq_rel.gpu, then a relaxed store of the ticket
+// (a fence before a strong store is a release in PTX). Two threads do it, each with its own
+// fence, so the counter in pinned memory (a PCIe write) never holds up the next item's:
+// thread 0 the counter other blocks wait on, thread 32 the host's.
+// Not system scope: a fence.sys waits for earlier PCIe writes to land (with one an item, a
+// chain took 6.1 us an item on an H100). An op whose results the host or another device reads in
+// host memory ends with
+// __syncthreads() and one thread's __threadfence_system().
 __device__ inline void complete(const Queue& q, int64_t ticket) {
   const int64_t t = ticket & ~kDeviceTicket;
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  if (ticket & kDeviceTicket) {
-    store_relaxed(&q.device_done[t & q.mask], t);
-  } else {
-    store_relaxed(&q.host_done_gpu[t & q.mask], t);
+  const bool device = (ticket & kDeviceTicket) != 0;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    store_relaxed((device ? q.device_done : q.host_done_gpu) + (t & q.mask), t);
+  } else if (threadIdx.x == kWarpThreads && !device) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
     store_relaxed(&q.host_done[t & q.mask], t);
   }
 }
@@ -355,8 +363,8 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
         const bool known = dispatch<Ops...>(item, ctx);
         if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
       }
-      __syncthreads();  // every thread's writes, then the release (cumulative) in complete()
-      if (threadIdx.x == 0) complete(q, item.ticket);
+      __syncthreads();  // every thread's writes, then the releases (cumulative) in complete()
+      complete(q, item.ticket);
     }
   }
 }
