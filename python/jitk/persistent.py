@@ -166,6 +166,7 @@ class Worker:
         self.device = _cuda_device(device)
         self.capacity = capacity
         self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
+        self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
         if len(self._ops) != len(ops):
             raise ValueError(f"op names repeat: {[op.name for op in ops]}")
         table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
@@ -210,7 +211,7 @@ class Worker:
         except (KeyError, TypeError):
             raise ValueError(f"unknown op {op_name!r}; this worker has "
                              f"{', '.join(self._ops)}") from None
-        if unknown := set(args) - {a.name for a in op.args}:
+        if unknown := args.keys() - self._arg_names[op_name]:
             raise TypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it takes "
                             f"{[a.name for a in op.args]}")
         sizes: dict[str, int] = {}
@@ -230,25 +231,28 @@ class Worker:
 
     def _check_tensor(self, op: str, arg: TensorArg, value: object,
                       sizes: dict[str, int]) -> torch.Tensor:
-        where = f"{op}: '{arg.name}'"
+        # Messages are built only on failure: this runs for every tensor of every push.
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where} must be a tensor, got {type(value).__name__}")
+            raise TypeError(f"{op}: '{arg.name}' must be a tensor, got {type(value).__name__}")
         if value.dtype != arg.dtype:
-            raise TypeError(f"{where} must be {arg.dtype}, got {value.dtype}")
-        if value.dim() != len(arg.shape):
-            raise ValueError(f"{where} must have {len(arg.shape)} dimension(s) {arg.shape}, got "
-                             f"shape {tuple(value.shape)}")
-        for dim, (rule, size) in enumerate(zip(arg.shape, value.shape)):
+            raise TypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
+        shape = value.shape
+        if len(shape) != len(arg.shape):
+            raise ValueError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
+                             f"{arg.shape}, got shape {tuple(shape)}")
+        for dim, (rule, size) in enumerate(zip(arg.shape, shape)):
             expected = sizes.setdefault(rule, size) if isinstance(rule, str) else rule
             if expected is not None and size != expected:
                 what = f"'{rule}' = {expected} (bound by an earlier tensor)" \
                     if isinstance(rule, str) else expected
-                raise ValueError(f"{where} dimension {dim}: expected {what}, got {size}")
+                raise ValueError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
+                                 f"{size}")
         if not value.is_contiguous():
-            raise ValueError(f"{where} must be contiguous, got strides {value.stride()}")
+            raise ValueError(f"{op}: '{arg.name}' must be contiguous, got strides "
+                             f"{value.stride()}")
         if value.device != self.device:
-            raise ValueError(f"{where} must be on the worker's device {self.device}, got "
-                             f"{value.device}")
+            raise ValueError(f"{op}: '{arg.name}' must be on the worker's device "
+                             f"{self.device}, got {value.device}")
         return value
 
     # ------------------------------------------------------------------ running
@@ -272,6 +276,7 @@ class Worker:
         cap = self.capacity
         self._ring = torch.full((cap * ITEM_WORDS,), -1, dtype=torch.int64, pin_memory=True)
         self._done = torch.full((cap,), -1, dtype=torch.int64, pin_memory=True)
+        self._done_address = self._done.data_ptr()
         self._host_words = torch.zeros(_HOST_WORDS, dtype=torch.int64, pin_memory=True)
         state = torch.full((_STATE_HEADER_WORDS + (2 + ITEM_WORDS) * cap,), -1,
                            dtype=torch.int64, device=self.device)
@@ -315,7 +320,8 @@ class Worker:
             if after is not None and not (isinstance(after, int) and 0 <= after < first):
                 raise ValueError(f"after must be the ticket of an item already pushed (0 to "
                                  f"{first - 1}), got {after!r}")
-            while not self._kernels.publish(self._ring, self._done, batch.words, first,
+            while not self._kernels.publish(self._ring.data_ptr(), self._done_address,
+                                            self.capacity, batch.words, first,
                                             -1 if after is None else after):
                 self.raise_if_failed()
                 if time.monotonic() > deadline:
@@ -341,7 +347,8 @@ class Worker:
         slot = self._slot_of(ticket)
         deadline = time.monotonic() + timeout
         polls = 0
-        while self._kernels.load_word(self._done, slot) < ticket:
+        counter = self._done_address + 8 * slot
+        while self._kernels.load_word(counter) < ticket:
             polls += 1
             if polls % 64 == 0:
                 self.raise_if_failed()
@@ -355,7 +362,7 @@ class Worker:
 
     def raise_if_failed(self) -> None:
         """Raises WorkerError if the worker has recorded an error."""
-        code = self._kernels.load_word(self._host_words, _ERROR)
+        code = self._kernels.load_word(self._host_words.data_ptr() + 8 * _ERROR)
         if code:
             ticket = self._host_words[_ERROR_TICKET].item()
             detail = self._host_words[_ERROR_DETAIL].item()
