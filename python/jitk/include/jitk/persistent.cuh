@@ -349,6 +349,8 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
     if (found == 0) return;
     for (int i = 0; i < found; ++i) {
       Item& item = items[i];
+      // Read before the barriers: once the last one is passed, warp 0 refills items[].
+      const int64_t ticket = item.ticket;
       // A failed dependency fails this item too; it is still completed so nothing waits on it.
       // Within a run the dependency is the item before, which this block has just done.
       const bool waits =
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
         if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
       }
       __syncthreads();  // every thread's writes, then the releases (cumulative) in complete()
-      complete(q, item.ticket);
+      complete(q, ticket);
     }
   }
 }
