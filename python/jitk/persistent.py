@@ -25,22 +25,27 @@ the GPU (TableContext::push), on a second ring in GPU memory that the host does 
 
 Completion: `wait(t)` polls item t's completion counter in pinned memory; `done_flag(t)` is that
 counter as a 1-element int64 tensor, so a stream can wait for item t with
-`jitk.stream_wait_value(worker.done_flag(t), t, op="geq")`. An op that fails
-(BlockContext::fail), a dependency that times out or an unknown op set the worker's error,
-which `wait` and `stop` raise as WorkerError; an op that faults kills the CUDA context, which
-they raise too (the process then needs a restart, as after any fault).
+`jitk.stream_wait_value(worker.done_flag(t), t, op="geq")`. The counter is released at GPU
+scope: what the op wrote to GPU memory is visible to the work that follows on this GPU (other
+items, a stream waiting on the counter, a copy the host starts after wait()); an op whose
+results the host reads in host memory fences at system scope itself (persistent.cuh).
+
+An op that fails (BlockContext::fail), a dependency that times out or an unknown op set the
+worker's error, which `wait` and `stop` raise as WorkerError; an op that faults kills the CUDA
+context, which they raise too (the process then needs a restart, as after any fault).
 
 Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exit, then to
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
 
 What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256 threads
 each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU gets that many
-fewer SMs; a worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy
-module loading (the default) loads a kernel at its first launch, which waits for the GPU's work
-to finish, the resident worker included: a kernel launched for the first time while a worker
-runs blocks the launching thread until the worker stops. Run every kernel you will use beside
-the worker once before `start()` (or set CUDA_MODULE_LOADING=EAGER); `start()` itself loads the
-worker's kernel first.
+fewer SMs (a bf16 GEMM measured 34% slower beside a busy worker of 8 blocks, 209% beside an idle
+one: docs/developer_guide/persistent_kernels.md); a worker started while the GPU is full waits
+for SMs like any kernel. And CUDA's lazy module loading (the default) loads a kernel at its
+first launch, which waits for the GPU's work to finish, the resident worker included: a kernel
+launched for the first time while a worker runs blocks the launching thread until the worker
+stops. Run every kernel you will use beside the worker once before `start()` (or set
+CUDA_MODULE_LOADING=EAGER); `start()` itself loads the worker's kernel first.
 """
 
 from __future__ import annotations
