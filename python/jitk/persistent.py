@@ -42,10 +42,10 @@ each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU ge
 fewer SMs (a bf16 GEMM measured 34% slower beside a busy worker of 8 blocks, 209% beside an idle
 one: docs/developer_guide/persistent_kernels.md); a worker started while the GPU is full waits
 for SMs like any kernel. And CUDA's lazy module loading (the default) loads a kernel at its
-first launch, which waits for the GPU's work to finish, the resident worker included: a kernel
-launched for the first time while a worker runs blocks the launching thread until the worker
-stops. Run every kernel you will use beside the worker once before `start()` (or set
-CUDA_MODULE_LOADING=EAGER); `start()` itself loads the worker's kernel first.
+first launch, and CUDA warns that this loading may wait for the GPU's running work, which a
+resident worker never finishes (jitk.wait_value's docstring measured such hangs behind stream
+waits): run every kernel you will use beside the worker once before `start()`, as the tests
+and the benchmark do. `start()` itself loads the worker's kernel first.
 """
 
 from __future__ import annotations
