@@ -188,7 +188,7 @@ class Worker:
                                  "bytes: declare one 8-byte word (pointer, int64_t, double) "
                                  "per argument, in order")
         self._lock = threading.Lock()
-        self._running = False
+        self._running = self._stopping = False
 
     # ------------------------------------------------------------------ packing
     def prepare(self, items: Iterable[tuple[str, dict]], *, chain: bool = False) -> Batch:
@@ -295,7 +295,7 @@ class Worker:
         self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
                              int(dependency_timeout * 1e9), self._stream.cuda_stream)
         self._ended.record(self._stream)
-        self._running = True
+        self._running, self._stopping = True, False
         return self
 
     def push(self, op: str, *, after: int | None = None, timeout: float = 10.0,
@@ -321,6 +321,8 @@ class Worker:
         if not self._lock.acquire(timeout=timeout):
             raise QueueFullError(f"another thread held the queue for {timeout} s")
         try:
+            if self._stopping:
+                raise RuntimeError("cannot push: the worker is stopping")
             first = self._next
             if after is not None and not (isinstance(after, int) and 0 <= after < first):
                 raise ValueError(f"after must be the ticket of an item already pushed (0 to "
@@ -381,6 +383,12 @@ class Worker:
         second, WorkerError if it failed."""
         if not self._running:
             return
+        # Under the pushers' lock: every item pushed before the drain order is published before
+        # it, and none after. A pusher stuck on a full ring holds the lock at most its timeout.
+        locked = self._lock.acquire(timeout=timeout)
+        self._stopping = True
+        if locked:
+            self._lock.release()
         self._kernels.store_word(self._host_words, _STOP, _DRAIN)
         try:
             if not self._wait_ended(timeout):
