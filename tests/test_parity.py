@@ -96,7 +96,9 @@ def test_an_op_without_reference_or_cases_is_refused():
 
 SHIPPED = ["rmsnorm", "fused_add_rmsnorm", "transfer_hicache_one_layer",
            "transfer_hicache_one_layer_mla", "transfer_hicache_all_layer",
-           "transfer_hicache_all_layer_mla", "stream_wait_value", "stream_write_value"]
+           "transfer_hicache_all_layer_mla", "transfer_hicache_all_layer_staged_lf_pf",
+           "transfer_hicache_all_layer_mla_staged_lf_pf", "stream_wait_value",
+           "stream_write_value"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -113,3 +115,49 @@ def test_every_shipped_op_has_a_reference_and_passes_its_cpu_check(name):
 def test_every_shipped_op_matches_its_reference_on_the_gpu(name):
     reports = check_op(f"jitk::{name}")
     assert reports and all(r.ok for r in reports)
+
+
+def _hicache_reference(name):
+    return jitk.custom_op.find_op(f"jitk::transfer_hicache_{name}").reference
+
+
+def test_hicache_references_move_what_sglang_moves():
+    """Every index one row whatever page_size says; runs of page_size (only their first index
+    read) under index_granularity="page"; a run out of range skipped; a paged cache's slots
+    under two strides; all-layer page strides; the staged write-back a chunk at a time."""
+    src = torch.arange(20.0).view(10, 2)
+    dst = torch.zeros(6, 2)
+    _hicache_reference("one_layer_mla")(dst, torch.tensor([0, 5, 7]), src,
+                                        torch.tensor([9, 1, 2]), page_size=4)
+    assert dst.tolist() == [[18, 19], [0, 0], [0, 0], [0, 0], [0, 0], [2, 3]]  # 7: past the end
+    dst = torch.zeros(8, 2)
+    _hicache_reference("one_layer_mla")(dst, torch.tensor([4, -7, 6, -7]), src,
+                                        torch.tensor([2, -7, 0, -7]), page_size=2,
+                                        index_granularity="page")
+    assert dst[4:].flatten().tolist() == [4, 5, 6, 7, 0, 1, 2, 3] and not dst[:4].any()
+    padded = torch.zeros(2, 6, 2)  # pages of 4 slots, 6 rows apart
+    _hicache_reference("one_layer_mla")(padded[:, :4], torch.tensor([5]), src,
+                                        torch.tensor([3]))
+    assert padded[1, 1].tolist() == [6, 7] and padded.sum() == 13
+
+    layer = torch.arange(120.0).view(30, 4)  # rows of 16 bytes; pages of 2 slots, 3 rows apart
+    out = torch.zeros(8, 4)
+    _hicache_reference("all_layer_mla")(
+        torch.tensor([out.data_ptr()]), torch.tensor([1, 2]), torch.tensor([layer.data_ptr()]),
+        torch.tensor([3, 40]), cache_src_stride_bytes=16, cache_dst_stride_bytes=16,
+        page_size=2, cache_src_page_stride_bytes=48, num_tokens_src=20)
+    assert out[1].tolist() == layer[4].tolist() and out.count_nonzero() == 4  # 40: skipped
+
+    layers = [torch.randn(12, 8) for _ in range(3)]
+    firsts_src, firsts_dst = [4, 0, 8], [2, 0, 4]
+    host, staging = torch.zeros(6, 3, 8), torch.full((3, 3, 8), float("nan"))  # a page of 2
+    _hicache_reference("all_layer_mla_staged_lf_pf")(
+        torch.tensor([t.data_ptr() for t in layers]),
+        torch.tensor([i for first in firsts_src for i in (first, -1)]),
+        torch.tensor([i for first in firsts_dst for i in (first, -1)]), staging, host,
+        page_size=2)
+    for first_src, first_dst in zip(firsts_src, firsts_dst):
+        for j in range(2):
+            assert torch.equal(host[first_dst + j], torch.stack([t[first_src + j]
+                                                                 for t in layers]))
+    assert torch.equal(staging[:2], host[4:6]) and staging[2].isnan().all()  # the last chunk
