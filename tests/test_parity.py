@@ -3,6 +3,7 @@ the CPU: passing, a result never written (poison), a result beyond tolerance, UL
 and every shipped op's CPU check (opcheck in reference mode over its own cases)."""
 
 import functools
+import inspect
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,10 @@ SHIPPED = ["rmsnorm", "fused_add_rmsnorm", "transfer_hicache_one_layer",
 def test_every_shipped_op_has_a_reference_and_passes_its_cpu_check(name):
     info = jitk.custom_op.find_op(f"jitk::{name}")
     assert info.reference is not None and info.cases is not None
+    # the reference takes the op's parameters, kinds and defaults
+    assert [(p.name, p.kind, p.default) for p in inspect.signature(
+        info.reference).parameters.values()] == [(p.name, p.kind, p.default) for p in
+                                                 info.signature.parameters.values()]
     reports = check_op(info, device="cpu")
     assert len(reports) == len(info.cases()) and all(r.ok for r in reports)
     assert any("schema" in r.note for r in reports)

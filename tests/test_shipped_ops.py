@@ -29,17 +29,26 @@ LATENT = 576  # DeepSeek's MLA latent row
 LAYERS = 3
 SHIPPED = ["rmsnorm", "fused_add_rmsnorm", "transfer_hicache_one_layer",
            "transfer_hicache_one_layer_mla", "transfer_hicache_all_layer",
-           "transfer_hicache_all_layer_mla", "stream_wait_value", "stream_write_value"]
+           "transfer_hicache_all_layer_mla", "transfer_hicache_all_layer_staged_lf_pf",
+           "transfer_hicache_all_layer_mla_staged_lf_pf", "stream_wait_value",
+           "stream_write_value"]
 # What each operator declares it writes. The all-layer transfers write through pointers and
 # the wait reads its flag: they declare nothing and are kept as side effects instead.
 WRITES = {"rmsnorm": {"out"}, "fused_add_rmsnorm": {"input", "residual"},
           "transfer_hicache_one_layer": {"k_cache_dst", "v_cache_dst"},
           "transfer_hicache_one_layer_mla": {"cache_dst"}, "transfer_hicache_all_layer": set(),
-          "transfer_hicache_all_layer_mla": set(), "stream_wait_value": set(),
+          "transfer_hicache_all_layer_mla": set(),
+          "transfer_hicache_all_layer_staged_lf_pf": {"staging_k", "staging_v", "dst_k",
+                                                      "dst_v"},
+          "transfer_hicache_all_layer_mla_staged_lf_pf": {"staging", "dst"},
+          "stream_wait_value": set(),
           "stream_write_value": {"flag"}}
 # Operators whose arguments must be the caller's own memory inside a CUDA graph, which
-# Inductor's graphs (mode="reduce-overhead") do not promise: a flag, a pinned host cache.
+# Inductor's graphs (mode="reduce-overhead") do not promise: a flag, a pinned host cache;
+# and the staged write-back, which reads its host indices during the call.
 OUTSIDE_INDUCTOR_GRAPHS = {"transfer_hicache_one_layer", "transfer_hicache_one_layer_mla",
+                           "transfer_hicache_all_layer_staged_lf_pf",
+                           "transfer_hicache_all_layer_mla_staged_lf_pf",
                            "stream_wait_value", "stream_write_value"}
 
 
@@ -55,6 +64,11 @@ def calls(tensor):
     latent_gpu, latent_host = tensor((16, LATENT), bf16, "gpu"), tensor((32, LATENT), bf16, "host")
     k_ptrs_host, v_ptrs_host, k_ptrs_gpu, v_ptrs_gpu = (tensor((LAYERS,), i64, "gpu")
                                                         for _ in range(4))
+    staging_k, staging_v = (tensor((8, LAYERS, ROW), bf16, "gpu") for _ in range(2))
+    pool_k, pool_v = (tensor((32, LAYERS, ROW), bf16, "host") for _ in range(2))
+    staging_latent = tensor((8, LAYERS, LATENT), bf16, "gpu")
+    pool_latent = tensor((32, LAYERS, LATENT), bf16, "host")
+    host_pages = tensor((8,), i64, "host")
     flag = tensor((1,), torch.int32, "gpu")
     strides = {"kv_cache_src_stride_bytes": 2 * ROW, "kv_cache_dst_stride_bytes": 2 * ROW}
     latent_strides = {"cache_src_stride_bytes": 2 * LATENT,
@@ -70,6 +84,12 @@ def calls(tensor):
          (k_ptrs_host, v_ptrs_host, host_slots, k_ptrs_gpu, v_ptrs_gpu, gpu_slots), strides),
         ("transfer_hicache_all_layer_mla", jitk.transfer_hicache_all_layer_mla,
          (k_ptrs_host, host_slots, k_ptrs_gpu, gpu_slots), latent_strides),
+        ("transfer_hicache_all_layer_staged_lf_pf", jitk.transfer_hicache_all_layer_staged_lf_pf,
+         (k_ptrs_gpu, v_ptrs_gpu, gpu_slots, host_pages, staging_k, staging_v, pool_k, pool_v),
+         {"page_size": 4}),
+        ("transfer_hicache_all_layer_mla_staged_lf_pf",
+         jitk.transfer_hicache_all_layer_mla_staged_lf_pf,
+         (k_ptrs_gpu, gpu_slots, host_pages, staging_latent, pool_latent), {"page_size": 4}),
         ("stream_wait_value", jitk.stream_wait_value, (flag, 1), {}),
         ("stream_write_value", jitk.stream_write_value, (flag, 1), {}),
     ]
