@@ -193,7 +193,12 @@ def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
     if index_granularity not in INDEX_GRANULARITIES:
         raise ValueError(f"hicache: index_granularity must be one of {INDEX_GRANULARITIES}, "
                          f"got {index_granularity!r}")
-    return hint, hint if index_granularity == "page" else 1
+    return hint, _slots_per_index(hint, index_granularity)
+
+
+def _slots_per_index(page_size: int | None, index_granularity: str) -> int:
+    """The slots one index names (unchecked: the references use it too)."""
+    return (page_size or 1) if index_granularity == "page" else 1
 
 
 def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int],
@@ -351,7 +356,7 @@ def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
                index_granularity: str) -> None:
     """One cache's transfer, either granularity: the row copy every one-layer op makes."""
     element_dim = _element_dim(dst, element_dim)
-    pages = _pages(page_size, index_granularity)[1]
+    pages = _slots_per_index(page_size, index_granularity)
     dst_rows, dst_slots, dst_page = _slot_rows(dst, element_dim)
     src_rows, src_slots, src_page = _slot_rows(src, element_dim)
     to, take = _moved_slots(indices_dst, indices_src, pages, (dst_slots, dst_page),
@@ -412,7 +417,7 @@ def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_s
                  src_page_stride: int | None, dst_page_stride: int | None,
                  index_granularity: str) -> None:
     """Every all-layer op's copy, either granularity, through the pointer tables."""
-    hint, pages = _pages(page_size, index_granularity)
+    hint, pages = page_size or 1, _slots_per_index(page_size, index_granularity)
     src_layout = _layer_layout(src_stride, src_page_stride, hint)
     dst_layout = _layer_layout(dst_stride, dst_page_stride, hint)
     device = _reference_device()
