@@ -1,13 +1,13 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is tvm-ffi's (ninja); the exports are jitk's (jitk/export.h, on tvm-ffi's
-C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
-build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
-header and kernel file, the compiler versions and the target architectures, independent of
-where jitk is installed; a cache that readers use without locks or writes, filled by builds
-published in one rename (jitk/cache.py, jitk/build.py); a mode that never compiles; compile
-errors that show the compiler's own lines; and a load-time check that the library holds
-code for the GPU it is about to run on."""
+The build is ninja's, from a build file jitk writes (jitk/build.py); the exports are jitk's
+(jitk/export.h, on tvm-ffi's C ABI, which keeps tvm-ffi's C++ headers and their seconds of
+parsing out of every kernel build). jitk adds what tvm-ffi leaves to its callers: a cache
+key over the contents of every header and kernel file, the compiler versions and the target
+architectures, independent of where jitk is installed; a cache that readers use without
+locks or writes, filled by builds published in one rename (jitk/cache.py, jitk/build.py); a
+mode that never compiles; compile errors that show the compiler's own lines; and a
+load-time check that the library holds code for the GPU it is about to run on."""
 
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ PACKAGE_DIR = cache.PACKAGE_DIR
 INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "csrc"
 
-DEFAULT_CFLAGS = ("-std=c++20", "-O3")
-DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr")
+DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
+DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 # Bind every symbol at load: a missing one fails the builder's load, before publication,
 # rather than killing the process at the first call that needs it.
-DEFAULT_LDFLAGS = ("-Wl,-z,now",)
+DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
 DISABLE_ENV = "JITK_DISABLE_JIT"
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
@@ -304,22 +304,20 @@ def load_jit(
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
     if has_cuda:
         sources["cuda.cu"] = _render_source(name, cuda_paths, cuda_exports, True)
-    build_kwargs = {
-        "extra_cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
-        "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
-        "extra_ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
-        "extra_include_paths": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
+    build_flags = {
+        "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
+        "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
+        "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
+        "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
-    compilers = [toolchain.host_compiler_version()]
-    if has_cuda:
-        compilers.append(toolchain.nvcc_version())
+    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda))
     kernel_files = cpp_paths + cuda_paths
     key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
                       "tvm_ffi": tvm_ffi.__version__, "sources": sources,
-                      "build_kwargs": build_kwargs}, kernel_files)
+                      "flags": build_flags}, kernel_files)
     entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
     spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
-                     build_kwargs)
+                     build_flags)
     module, _ = _build_and_load(spec, name_parts[1:])
     if archs:
         toolchain.check_runs_on_current_gpu(name, archs)
