@@ -1,5 +1,6 @@
-"""The build toolchain: where the CUDA toolkit is, which GPU architectures to build for,
-and which compilers are in use (part of every cache key)."""
+"""The build toolchain, each program found once and named by its path: ninja, the
+compilers in use (their versions are part of every cache key), where the CUDA toolkit is,
+and which GPU architectures to build for."""
 
 from __future__ import annotations
 
