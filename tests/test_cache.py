@@ -178,11 +178,34 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
 
 
 def test_lock_timeout_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(lock.TIMEOUT_ENV, "soon")
-    with pytest.raises(jitk.JitLockError, match="JITK_LOCK_TIMEOUT='soon' is not a positive"):
-        lock.lock_timeout()
+    for setting in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv(lock.TIMEOUT_ENV, setting)
+        with pytest.raises(ValueError, match=f"JITK_LOCK_TIMEOUT='{setting}': expected a "
+                           "positive number of seconds"):
+            lock.lock_timeout()
     monkeypatch.setenv(lock.TIMEOUT_ENV, "2.5")
     assert lock.lock_timeout() == 2.5
+
+
+def test_bad_settings_fail_every_load_and_command_with_the_rule(kernel, tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cache_dir))
+    fill(cache_dir, kernel, ["twice"])
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "0")
+    with pytest.raises(ValueError, match="JITK_LOCK_TIMEOUT='0'"):  # a hit checks it too
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    monkeypatch.delenv(lock.TIMEOUT_ENV)
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(a_file))
+    with pytest.raises(ValueError, match=f"JITK_CACHE_DIR='{a_file}' is a file; it must name "
+                       "a folder"):
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    for command in (["cache"], ["cache", "prune", "--keep", "1"]):
+        result = subprocess.run([sys.executable, "-m", "jitk", *command], capture_output=True,
+                                text=True, timeout=120, env=child_env(a_file))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "is a file; it must name a folder" in result.stderr
 
 
 def compilers_under(folder: Path) -> list[str]:
@@ -313,7 +336,10 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
         age(entry.path, days)
 
     dry = jitk_cli(cache_dir, "cache", "prune", "--older-than", "3", "--dry-run")
-    assert dry.returncode == 0, dry.stderr
+    assert dry.returncode == 0, dry.stderr  # twice_b is old, but the only one of its kind
+    assert "would remove 1 cache entry" in dry.stdout and "nothing removed" in dry.stdout
+    dry = jitk_cli(cache_dir, "cache", "prune", "--older-than", "3", "--arch", "host",
+                   "--dry-run")
     assert "would remove 2 cache entries" in dry.stdout and "nothing removed" in dry.stdout
     assert len(cache.list_entries(cache_dir)) == 3
 
@@ -323,13 +349,48 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
     assert sorted(e.module for e in cache.list_entries(cache_dir)) == ["twice", "twice_b"]
 
     newest = cache.list_entries(cache_dir)[0]
-    sized = jitk_cli(cache_dir, "cache", "prune", "--max-size", str(newest.size_bytes))
+    sized = jitk_cli(cache_dir, "cache", "prune", "--max-size", str(newest.size_bytes),
+                     "--arch", "host")
     assert sized.returncode == 0, sized.stderr
     assert [e.path for e in cache.list_entries(cache_dir)] == [newest.path]
     assert not list(cache_dir.glob("*.lock")) and not cache.staging_folders(cache_dir)
 
     usage = jitk_cli(cache_dir, "cache", "prune")
     assert usage.returncode == 2 and "needs --older-than, --keep or --max-size" in usage.stderr
+
+
+def recorded_entry(cache_dir: Path, name: str, archs: list[str], days: float) -> Path:
+    """An entry as list_entries and prune see it (its record), without a build."""
+    entry = cache_dir / f"{name}_{'_'.join(archs)}_{days}".replace(".", "")
+    entry.mkdir(parents=True)
+    cache.write_meta(entry, {"module": name, "archs": archs,
+                             "built_at": time.time() - 86400 * days})
+    return entry
+
+
+def test_prune_counts_versions_per_architecture_and_keeps_each_last_one(tmp_path):
+    cache_dir = tmp_path / "cache"
+    # An image filled with --arch 9.0 --arch 10.0, then rebuilt for 9.0 with a newer jitk.
+    old_90 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["9.0"], 20)
+    only_100 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["10.0"], 19)
+    new_90 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["9.0"], 1)
+    other_size = recorded_entry(cache_dir, "rmsnorm_8192_bf16_t", ["9.0"], 30)
+
+    def left() -> set[Path]:
+        return {e.path for e in cache.list_entries(cache_dir)}
+
+    kept = jitk_cli(cache_dir, "cache", "prune", "--keep", "1")
+    assert kept.returncode == 0, kept.stderr
+    assert left() == {only_100, new_90, other_size}  # one version of each, per architecture
+    aged = jitk_cli(cache_dir, "cache", "prune", "--older-than", "7", "--max-size", "0")
+    assert aged.returncode == 0, aged.stderr
+    assert left() == {only_100, new_90, other_size}  # each is the last of its kind
+    asked = jitk_cli(cache_dir, "cache", "prune", "--older-than", "7", "--arch", "10.0")
+    assert asked.returncode == 0, asked.stderr
+    assert left() == {new_90, other_size}
+    assert old_90.name not in asked.stdout
+    everything = jitk_cli(cache_dir, "cache", "prune", "--keep", "0", "--arch", "9.0")
+    assert everything.returncode == 0 and left() == set(), everything.stderr
 
 
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):

@@ -173,3 +173,20 @@ def test_quoted_errors_are_what_the_call_raises(page):
             eval(call, {"jitk": jitk, "torch": torch})
         assert type(raised.value).__name__ == kind
         assert str(raised.value) == message, f"{page_id(page)} quotes a stale error"
+
+
+def test_readme_says_what_the_in_place_kernels_overwrite():
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `jitk.rmsnorm("))
+    assert "`rmsnorm` overwrites `x` unless `out` is given" in row
+    assert "normalised sum into `x`" in row
+
+
+def test_guide_names_the_torch_library_calls_jitk_op_makes():
+    guide = (ROOT / "docs" / "developer_guide" / "adding_a_kernel.md").read_text()
+    section = guide.split("## 3. A PyTorch operator", 1)[1].split("\n## ", 1)[0]
+    code = (PACKAGE / "custom_op.py").read_text()
+    for call in ("define", "impl", "register_fake"):
+        assert f"`{call}`" in section and f"{call}(" in code
+    assert "custom_op`" not in section.split("What changes:")[0]
+    assert "torch.library.custom_op(" not in code

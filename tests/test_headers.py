@@ -197,7 +197,7 @@ def test_wrong_argument_types_and_counts_are_python_type_errors(probe):
 # Kernels written for tvm-ffi: its headers, types and errors cross jitk's export boundary.
 
 TVM_FFI_PROBE = CSRC / "tvm_ffi_probe.cuh"
-TVM_FFI_FUNCTIONS = ("sum", "numel_or", "describe", "refuse", "rows_of_both")
+TVM_FFI_FUNCTIONS = ("sum", "numel_or", "describe", "refuse", "rows_of_both", "sglang_style")
 
 
 @functools.cache
@@ -223,6 +223,18 @@ def test_tvm_ffi_types_cross_the_boundary(tvm_probe):
     assert tvm_probe.numel_or(None, 7) == 7  # an empty tvm::ffi::Optional
     assert tvm_probe.describe(torch.ones(2, 3)) == "2-d on device type 1"  # a tvm::ffi::String
     assert tvm_probe.rows_of_both(torch.ones(4, 2), torch.ones(4, 5)) == 4
+    assert tvm_probe.sglang_style(torch.ones(3, 5), torch.ones(3, 5)) == 15
+
+
+def test_jitk_matchers_take_tvm_ffi_views_as_they_are(tvm_probe):
+    """TensorMatcher::verify on a tvm::ffi::TensorView or Tensor, unconverted, as SGLang's
+    kernels call it: the same checks and messages as on a jitk::TensorView."""
+    expect_error(lambda: tvm_probe.sglang_style(torch.ones(3, 5), torch.ones(3, 4)),
+                 "Tensor match failed for Tensor<3, 4>",
+                 "Size mismatch for shape#1('cols'): expected 5 but got 4")
+    expect_error(lambda: tvm_probe.sglang_style(torch.ones(3, 5, dtype=torch.float64),
+                                                torch.ones(3, 5)),
+                 line_of(TVM_FFI_PROBE, "sglang"), "DType mismatch")
 
 
 def test_tvm_ffi_errors_keep_their_kind(tvm_probe):

@@ -79,10 +79,16 @@ def test_make_cpp_args_rejects_what_has_no_cpp_form():
 
 # ------------------------------------------------------------------------------ arguments
 def test_load_jit_argument_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="'nope.cuh' not found in .*csrc"):
+    with pytest.raises(FileNotFoundError, match=r"'.*csrc/nope.cuh' not found \(a path that "
+                       "is not absolute names a file in the jitk package; give an absolute "
+                       "path for your own"):
         jitk.load_jit("x", cuda_files=["nope.cuh"], cuda_wrappers=[("f", "f")])
-    with pytest.raises(FileNotFoundError, match="absolute path"):
-        jitk.load_jit("x", cpp_files=[tmp_path / "missing.cuh"], cpp_wrappers=[("f", "f")])
+    missing = tmp_path / "missing.cuh"
+    with pytest.raises(FileNotFoundError, match=f"'{missing}' not found$"):
+        jitk.load_jit("x", cpp_files=[missing], cpp_wrappers=[("f", "f")])
+    with pytest.raises(IsADirectoryError, match=f"'{tmp_path}' is a folder; give the kernel "
+                       "files in it"):
+        jitk.load_jit("x", cuda_files=[tmp_path], cuda_wrappers=[("f", "f")])
     kernel = write_kernel(tmp_path)
     with pytest.raises(ValueError, match="would export nothing"):
         jitk.load_jit("x", cpp_files=[kernel])
@@ -112,6 +118,9 @@ def wrapped(**overrides):
     ({"cpp_files": [None]}, TypeError, "load_jit(cpp_files[0]): expected paths (str or "
      "os.PathLike), got NoneType"),
     ({"cuda_files": 5}, TypeError, "load_jit(cuda_files=...) takes a list of paths"),
+    ({"cuda_wrappers": "axpy"}, TypeError, "load_jit(cuda_wrappers=...) takes a list of "
+     "(export_name, cpp_callable), got str; write cuda_wrappers=[('axpy', '<C++ function or "
+     "static member>')]"),
     ({"cpp_wrappers": [("f",)]}, TypeError, "expected (export_name, cpp_callable) as two"),
     ({"cpp_wrappers": [("f", 3)]}, TypeError, "expected (export_name, cpp_callable) as two"),
     ({"cpp_wrappers": [("f", "")]}, ValueError, "'' for 'f' is not a C++ name"),

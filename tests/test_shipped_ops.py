@@ -7,6 +7,7 @@ operator in a CUDA graph, and a compiled decoder block (reduce-overhead) equal t
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import jitk
 import jitk.hicache
 import jitk.norm
-import jitk.wait_value  # importing a kernel module registers its operators
+import jitk.wait_value
 
 HIDDEN = 256
 ROW = 128  # elements per KV row: 256 bytes in bfloat16
@@ -97,6 +98,35 @@ def test_every_entry_point_is_an_operator_declaring_what_it_writes():
         assert not schema.returns, f"{name} returns something: an operator may not alias"
         unsafe = torch.Tag.cudagraph_unsafe in operator.tags
         assert unsafe == (name in OUTSIDE_INDUCTOR_GRAPHS), name
+
+
+# A fresh process that imports jitk only, with compiling off and an empty cache.
+AFTER_IMPORT = textwrap.dedent("""\
+    import sys, torch, jitk
+    missing = [name for name in sys.argv[2:] if not hasattr(torch.ops.jitk, name)]
+    program = torch.export.load(sys.argv[1])
+    print("missing", missing, "calls", sorted(str(node.target) for node in program.graph.nodes
+                                               if str(node.target).startswith("jitk.")))
+""")
+
+
+class Normed(torch.nn.Module):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        jitk.rmsnorm(x, weight, out=out)
+        return out * 2
+
+
+def test_operators_exist_after_import_jitk_and_a_saved_export_loads(tmp_path):
+    program = torch.export.export(Normed(), (torch.randn(4, HIDDEN), torch.randn(HIDDEN)))
+    torch.export.save(program, tmp_path / "normed.pt2")
+    cache_dir = tmp_path / "cache"
+    env = {**os.environ, "JITK_DISABLE_JIT": "1", "JITK_CACHE_DIR": str(cache_dir)}
+    result = subprocess.run([sys.executable, "-c", AFTER_IMPORT, tmp_path / "normed.pt2",
+                             *SHIPPED], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "missing [] calls ['jitk.rmsnorm.default']"
+    assert not cache_dir.exists()  # definitions only: nothing built or looked up
 
 
 def test_make_fx_over_fake_cuda_tensors_traces_every_operator():

@@ -8,13 +8,15 @@ SGLang 0.5.23's, names, forms and defaults (README.md lists what still differs):
 Rows and pages. A cache is seen as rows ("slots") of `element_dim` contiguous elements, in
 the order of `cache.view(-1, element_dim)`; the slots may sit under one stride (a flat cache,
 rows possibly padded) or two (a paged cache: pages of slots, e.g. the [page, page_size, ...]
-layer view of SGLang's page_first_direct host layout). By default `element_dim` is the last
-dimension, as in SGLang; where that would differ from a whole token's row (every dimension
-after the first, jitk's old default) the call is refused and says which to pass. With
-`page_size` P, the indices come in runs of P consecutive slots and only the first index of
-each run (page) is read: the lists' length must be a multiple of P, and a page may not
-straddle two pages of a paged cache. Rows must be a multiple of 16 bytes and 16-byte aligned.
-A cache lives on the GPU or in pinned host memory (pageable memory is refused).
+layer view of SGLang's page_first_direct host layout). `element_dim` defaults to the last
+dimension, as in SGLang (SGLang's pools pass it). Every index names one slot, whatever
+`page_size` says: as in SGLang, `page_size` is a hint (here: the run of consecutive slots
+"auto" may expect), never a change to which rows move. jitk's pages are asked for by name:
+with `index_granularity="page"` the lists come in runs of `page_size` consecutive slots and
+only the first index of each run is read (their length must be a multiple of `page_size`,
+and a page may not straddle two pages of a paged cache). Rows must be a multiple of 16 bytes
+and 16-byte aligned. A cache lives on the GPU or in pinned host memory (pageable memory is
+refused).
 
 Methods (`method=`), every one selectable:
 - "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
@@ -22,61 +24,83 @@ Methods (`method=`), every one selectable:
   indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
   and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
   GEMM) its blocks wait for SMs, and its bandwidth drops with them.
-- "copy_engine": the GPU's copy engines, one batched submission per call; no SM is used,
-  so the bandwidth holds beside compute. The indices (and all-layer pointer tables) must be
-  CPU tensors: the call reads them on the host and refuses an index it cannot move. Under
-  CUDA graph capture the copies are recorded one node each with the addresses of that
-  moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
-  and `block_quota` do not apply.
-- "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
-  engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
-  packed back to back), else the kernel if the indices are pinned (measured on an H100: a
-  copy costs the engines and the driver about a microsecond whatever its size).
+- "copy_engine": the GPU's copy engines, one batched submission per call (on the legacy
+  default stream, which the batch calls refuse, on a stream of jitk's that waits for it and
+  that it waits for); no SM is used, so the bandwidth holds beside compute. A call whose
+  destination rows overlap its source rows is refused (no order of its copies is defined).
+  All-layer copies join the current stream of the GPU their pointer tables point into. The
+  indices (and all-layer pointer tables) must be CPU tensors: the call reads them on the
+  host and refuses an index it cannot move. Under CUDA graph capture the copies are
+  recorded one node each with the addresses of that moment: replays repeat those pages, at
+  about a third of the eager bandwidth. `unroll` and `block_quota` do not apply.
+- "auto" (default): the method that moves the given tensors fastest on their own (measured
+  on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
+  size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
+  copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
+  half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
+  copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
+  packed rows, SGLang's pages, where the lists' first page is such a run; else one row),
+  else the kernel on a copy of the indices made on the GPU during the call. So under
+  "auto" host indices, pinned or not, are always read during the call; only
+  method="kernel" reads pinned ones in place, in stream order. Where the kernel cannot run
+  (no GPU tensor to place it, or all-layer pointer tables on the host) the copy engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
 used), and so is the upper bound of the indices unless num_tokens_src / num_tokens_dst are
 given. Calls allocate no GPU memory (the copy engines' host-side lists grow once per
-thread and are reused) and never synchronize.
+thread and are reused), except "auto"'s GPU copies of host indices (PyTorch's caching
+allocator), and never synchronize.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from .cpp_args import make_cpp_args
-from .custom_op import op
+from .custom_op import Tolerance, op
 from .jit import load_jit
 from .streams import current_stream
 
 __all__ = [
+    "can_use_hicache_jit_kernel",
+    "can_use_write_back_jit_kernel",
     "precompile_configs",
     "transfer_hicache_all_layer",
     "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+    "transfer_hicache_all_layer_staged_lf_pf",
     "transfer_hicache_one_layer",
     "transfer_hicache_one_layer_mla",
 ]
 
 METHODS = ("auto", "kernel", "copy_engine")
+# What one index names: a slot (SGLang's meaning, whatever page_size is) or a page of
+# page_size slots (jitk's page entry, asked for by name).
+INDEX_GRANULARITIES = ("token", "page")
 # Python's copy of the rules the C++ side (hicache_layout.cuh) holds for the template
 # arguments, applied before any build; tests/test_hicache.py pins the pair.
 VECTOR_BYTES = 16
 MAX_ELEMENT_BYTES = 1 << 20
 UNROLLS = (1, 2, 4, 8)
+_EXACT = Tolerance(0.0, 0.0)  # a transfer moves bytes
 # Four 16-byte vectors per thread, read before any is written: 1024 threads x 4 vectors = 64
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
-# "auto" with host indices: the copy engines from pages of this many bytes (per cache) on.
-COPY_ENGINE_MIN_PAGE_BYTES = 16 << 10
+# "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
+# KiB reaches a pinned copy_; 16 KiB gives 6-34 GB/s against the kernel's 44-50).
+COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
+# "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
+KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
-_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh"]
+_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
 _ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
@@ -101,10 +125,19 @@ def _kernel_module(element_size: int, unroll: int) -> _Entries:
 @functools.cache
 def _copy_module():
     """The copy-engine entry points: one module for every element size."""
-    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported")
+    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
+             "pointer_device")
     return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
+
+
+@functools.cache
+def _staged_module():
+    """The staged write-back (a gather kernel and the copy engines): every element size."""
+    return load_jit("hicache_staged", cuda_files=[_CUDA_FILES[0], *_CUDA_FILES[2:]],
+                    cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
+                                   for name in ("lf_pf", "lf_pf_mla")])
 
 
 @functools.cache
@@ -145,34 +178,75 @@ def _unroll(unroll: object) -> int:
     return value
 
 
-def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
-    """SGLang's default (the last dimension), refused where it would silently differ from a
-    whole token's row (every dimension after the first, jitk's old default)."""
+def _element_dim(cache: torch.Tensor, element_dim: object) -> int:
+    """SGLang's default: the last dimension."""
     if element_dim is not None:
         return _int(element_dim, "element_dim", 1)
-    last = cache.shape[-1] if cache.dim() > 0 else 1
-    whole_row = math.prod(cache.shape[1:])
-    if whole_row != last:
-        raise ValueError(
-            f"hicache: element_dim is ambiguous for '{name}' of shape {tuple(cache.shape)}: "
-            f"SGLang's default is the last dimension ({last}), jitk's was every dimension "
-            f"after the first ({whole_row}); pass element_dim={whole_row} to move whole "
-            f"tokens, or element_dim={last} for rows of the last dimension")
-    return last
+    return cache.shape[-1] if cache.dim() > 0 else 1
 
 
-def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int]) -> str:
-    """The method to run; `copy_bytes()` is what one copy-engine copy would move, asked only
-    where the choice needs it (not on a kernel call's path)."""
+def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
+    """(the page_size hint, the slots one index names) after checking both."""
+    hint = _int(1 if page_size is None else page_size, "page_size", 1)
+    if index_granularity not in INDEX_GRANULARITIES:
+        raise ValueError(f"hicache: index_granularity must be one of {INDEX_GRANULARITIES}, "
+                         f"got {index_granularity!r}")
+    return hint, hint if index_granularity == "page" else 1
+
+
+def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int],
+            kernel_gpu: int | None) -> str:
+    """The method to run: `method` itself, or "auto"'s choice. `copy_bytes()` is what one
+    copy-engine copy would move, asked only where the choice needs it; `kernel_gpu` the GPU
+    the kernel would run on, None where it cannot run."""
     if method not in METHODS:
         raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     if indices.is_cuda:
         return "kernel"
-    if not indices.is_pinned() or copy_bytes() >= COPY_ENGINE_MIN_PAGE_BYTES:
+    return _auto(copy_bytes(), kernel_gpu is not None)
+
+
+def _auto(copy_bytes: int, kernel_runs: bool) -> str:
+    """"auto" for host indices: the copy engines where their copies are large enough to
+    reach the link's bandwidth, else the kernel (on GPU copies of the indices) if it can
+    run; tests/test_hicache.py holds the decision table."""
+    if copy_bytes >= COPY_ENGINE_MIN_COPY_BYTES or not kernel_runs:
         return "copy_engine"
-    return "kernel"
+    return KERNEL_ON_COPIED_INDICES
+
+
+def _run(indices_dst: torch.Tensor, indices_src: torch.Tensor, hint: int) -> int:
+    """The run of consecutive slots "auto" expects of host indices: the page_size hint where
+    the first page of both lists is such a run (SGLang's pages), else 1 (token indices, as
+    HiSparse passes them with page_size=64). Only the first page is read: a hint the rest of
+    the lists break still misleads "auto"."""
+    if hint == 1 or indices_dst.numel() < hint:
+        return 1
+    for indices in (indices_dst, indices_src):
+        first = indices[:hint]
+        if not torch.equal(first - first[0], torch.arange(hint, dtype=indices.dtype)):
+            return 1
+    return hint
+
+
+def _on_gpu(tensors: tuple, positions: tuple[int, int], gpu: int) -> tuple:
+    """`tensors` with the index lists at `positions` replaced by copies on `gpu`, read now:
+    from pageable memory the copy returns once the host has read the source; a pinned one
+    is first copied to pageable memory, so that it is read now too, not in stream order."""
+    moved = list(tensors)
+    for at in positions:
+        indices = moved[at]
+        if indices.is_pinned():
+            indices = torch.empty_like(indices, pin_memory=False).copy_(indices)
+        moved[at] = indices.to(f"cuda:{gpu}", non_blocking=True)
+    return tuple(moved)
+
+
+def _gpu_of(*tensors: torch.Tensor) -> int | None:
+    """The GPU of the first tensor on one, or None."""
+    return next((t.device.index for t in tensors if t.is_cuda), None)
 
 
 def _packed(cache: torch.Tensor, element_dim: int) -> bool:
@@ -186,6 +260,17 @@ def _packed(cache: torch.Tensor, element_dim: int) -> bool:
     return True
 
 
+def _tables_gpu(tensors: tuple, caches: int) -> int | None:
+    """The GPU the first layer of the copy engines' pointer tables (host tensors) points
+    into, source first; None (the current GPU) where neither points into a GPU's memory."""
+    for table in (tensors[caches + 1], tensors[0]):
+        if table.numel() > 0 and not table.is_cuda:
+            device = _copy_module().pointer_device(int(table[0]))
+            if device >= 0:
+                return device
+    return None
+
+
 def _stream(*tensors: torch.Tensor) -> int:
     """The handle of PyTorch's current stream on the GPU of the first GPU tensor (the
     current GPU if none): the copy engines' calls may have no GPU tensor to tell. Without a
@@ -194,8 +279,144 @@ def _stream(*tensors: torch.Tensor) -> int:
     return current_stream(devices[0] if devices else None)[1]
 
 
+# ---------------------------------------------------------------------------- references
+# Plain torch, as the docstrings above define the transfers (the parity harness and reference
+# mode run them). A page whose run leaves its cache, or straddles a paged cache's pages, is
+# skipped, as the kernel skips it. One small function per entry point; the argument checks
+# stay the kernels'.
+def _page_slots(indices: torch.Tensor, page_size: int | None) -> torch.Tensor:
+    """Each transfer row's slot: its page's first index, plus its place in the page."""
+    indices = indices.to(torch.int64)
+    pages = page_size or 1
+    place = torch.arange(indices.numel(), device=indices.device)
+    return indices[place - place % pages] + place % pages
+
+
+def _runs_held(first: torch.Tensor, pages: int, slots: int | None,
+               page_rows: int | None) -> torch.Tensor:
+    """Which page runs lie inside a cache of `slots` slots (None: unbounded), within one of
+    its pages of `page_rows` slots (None: not paged)."""
+    held = first >= 0
+    if slots is not None:
+        held &= first <= slots - pages
+    if page_rows is not None:
+        held &= first % page_rows + pages <= page_rows
+    return held
+
+
+def _slot_rows(cache: torch.Tensor, element_dim: int) -> tuple[torch.Tensor, int, int | None]:
+    """(rows, slots, page_rows): the cache as [slot, element] rows in view order (a view, so
+    writes land in the cache), its slot count, and the slots of one page where the slots
+    step with two strides (None: one)."""
+    trailing = next(k for k in range(cache.dim() + 1)
+                    if math.prod(cache.shape[k:]) == element_dim)
+    leading = cache.flatten(trailing) if trailing < cache.dim() else cache.unsqueeze(-1)
+    slots = math.prod(cache.shape[:trailing])
+    try:
+        return leading.view(slots, element_dim), slots, None
+    except RuntimeError:  # a paged cache: pages of [page_rows, element_dim] rows
+        page_rows = slots // leading.shape[0]
+        return leading.view(leading.shape[0], page_rows, element_dim), slots, page_rows
+
+
+def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
+               indices_src: torch.Tensor, element_dim: int | None,
+               page_size: int | None) -> None:
+    element_dim = element_dim or dst.shape[-1]
+    pages = page_size or 1
+    (dst_rows, dst_slots, dst_page), (src_rows, src_slots, src_page) = (
+        _slot_rows(dst, element_dim), _slot_rows(src, element_dim))
+    to = _page_slots(indices_dst, pages)
+    take = _page_slots(indices_src, pages).to(to.device)
+    place = torch.arange(to.numel(), device=to.device) % pages
+    held = (_runs_held(to - place, pages, dst_slots, dst_page)
+            & _runs_held(take - place, pages, src_slots, src_page))
+    to, take = to[held].to(dst.device), take[held].to(src.device)
+    values = (src_rows[take] if src_page is None else
+              src_rows[take // src_page, take % src_page]).to(dst.device)
+    if dst_page is None:
+        dst_rows[to] = values
+    else:
+        dst_rows[to // dst_page, to % dst_page] = values
+
+
+def _one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+                         indices_src, *, element_dim=None, unroll=None, block_quota=None,
+                         page_size=None, method="auto") -> None:
+    for dst, src in ((k_cache_dst, k_cache_src), (v_cache_dst, v_cache_src)):
+        _copy_rows(dst, indices_dst, src, indices_src, element_dim, page_size)
+
+
+def _one_layer_mla_reference(cache_dst, indices_dst, cache_src, indices_src, *,
+                             element_dim=None, unroll=None, block_quota=None, page_size=None,
+                             method="auto") -> None:
+    _copy_rows(cache_dst, indices_dst, cache_src, indices_src, element_dim, page_size)
+
+
+def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
+    """`size` bytes at a raw address as a uint8 tensor on `device` (a pinned host address is
+    reached from the GPU through unified addressing)."""
+    storage = torch._C._construct_storage_from_data_pointer(address, device, size)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _byte_offsets(slots: torch.Tensor, stride: int, page_stride: int | None,
+                  pages: int) -> torch.Tensor:
+    if page_stride is None:
+        return slots * stride
+    return slots // pages * page_stride + slots % pages * stride
+
+
+def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_stride: int,
+                 dst_stride: int, element_size: int | None, page_size: int | None,
+                 num_tokens_src: int | None, num_tokens_dst: int | None,
+                 src_page_stride: int | None, dst_page_stride: int | None) -> None:
+    size, pages = element_size or src_stride, page_size or 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    to, take = _page_slots(indices_dst, pages).to(device), _page_slots(indices_src, pages).to(
+        device)
+    place = torch.arange(to.numel(), device=device) % pages
+    held = (_runs_held(to - place, pages, num_tokens_dst,
+                       pages if dst_page_stride is not None else None)
+            & _runs_held(take - place, pages, num_tokens_src,
+                         pages if src_page_stride is not None else None))
+    if not held.any():
+        return
+    row = torch.arange(size, device=device)
+    to_at = (_byte_offsets(to[held], dst_stride, dst_page_stride, pages)[:, None] + row)
+    take_at = (_byte_offsets(take[held], src_stride, src_page_stride, pages)[:, None] + row)
+    for table_dst, table_src in zip(ptrs_dst, ptrs_src):
+        for dst_base, src_base in zip(table_dst.tolist(), table_src.tolist()):
+            src = _bytes_at(src_base, int(take_at.max()) + 1, device)
+            _bytes_at(dst_base, int(to_at.max()) + 1, device)[to_at] = src[take_at]
+
+
+def _all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
+                         indices_src, *, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
+                         element_size=None, unroll=None, block_quota=None, page_size=None,
+                         num_tokens_src=None, num_tokens_dst=None,
+                         kv_cache_src_page_stride_bytes=None,
+                         kv_cache_dst_page_stride_bytes=None, method="auto") -> None:
+    _copy_layers([k_ptr_dst, v_ptr_dst], indices_dst, [k_ptr_src, v_ptr_src], indices_src,
+                 kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, page_size,
+                 num_tokens_src, num_tokens_dst, kv_cache_src_page_stride_bytes,
+                 kv_cache_dst_page_stride_bytes)
+
+
+def _all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
+                             cache_src_stride_bytes, cache_dst_stride_bytes, element_size=None,
+                             unroll=None, block_quota=None, page_size=None, num_tokens_src=None,
+                             num_tokens_dst=None, cache_src_page_stride_bytes=None,
+                             cache_dst_page_stride_bytes=None, method="auto") -> None:
+    _copy_layers([ptr_dst], indices_dst, [ptr_src], indices_src, cache_src_stride_bytes,
+                 cache_dst_stride_bytes, element_size, page_size, num_tokens_src,
+                 num_tokens_dst, cache_src_page_stride_bytes, cache_dst_page_stride_bytes)
+
+
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
+    reference=_one_layer_reference, tolerance=_EXACT, cases=lambda: _one_layer_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
@@ -210,13 +431,17 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """k_cache_dst[indices_dst[i]] = k_cache_src[indices_src[i]], the same for V."""
     _one_layer(2, (k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-                   indices_src), element_dim, unroll, block_quota, page_size, method)
+                   indices_src), element_dim, unroll, block_quota, page_size, method,
+               index_granularity)
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
+    reference=_one_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _one_layer_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
@@ -229,24 +454,29 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """cache_dst[indices_dst[i]] = cache_src[indices_src[i]]: one cache (MLA's latent KV)."""
     _one_layer(1, (cache_dst, indices_dst, cache_src, indices_src), element_dim, unroll,
-               block_quota, page_size, method)
+               block_quota, page_size, method, index_granularity)
 
 
 def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
-               block_quota: object, page_size: object, method: object) -> None:
+               block_quota: object, page_size: object, method: object,
+               index_granularity: object) -> None:
     """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
-    dst_name = "k_cache_dst" if caches == 2 else "cache_dst"
-    element_dim = _element_dim(dst, element_dim, dst_name)
+    element_dim = _element_dim(dst, element_dim)
     element_size = _element_size(element_dim * dst.element_size(),
                                  f"element_dim {element_dim} of {dst.dtype}")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
+    hint, pages = _pages(page_size, index_granularity)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(dst, src)
     chosen = _method(method, indices_dst, lambda: element_size * (
-        pages if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
+        _run(tensors[caches], tensors[2 * caches + 1], hint)
+        if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -258,7 +488,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
 
 
 # ---------------------------------------------------------------------------- all layers
-@op("jitk::transfer_hicache_all_layer", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_reference, tolerance=_EXACT, cases=lambda: _all_layer_cases(False))
 def transfer_hicache_all_layer(
     k_ptr_dst: torch.Tensor,
     v_ptr_dst: torch.Tensor,
@@ -278,6 +509,7 @@ def transfer_hicache_all_layer(
     kv_cache_src_page_stride_bytes: int | None = None,
     kv_cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """For every layer l, in one call: slot indices_dst[i] of layer l's K (and V) cache at
     k_ptr_dst[l] gets slot indices_src[i] of the cache at k_ptr_src[l]. The pointer tables
@@ -293,10 +525,12 @@ def transfer_hicache_all_layer(
                ("kv_cache_src_page_stride_bytes", kv_cache_src_page_stride_bytes),
                ("kv_cache_dst_page_stride_bytes", kv_cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
-@op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer_mla", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _all_layer_cases(True))
 def transfer_hicache_all_layer_mla(
     ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -314,6 +548,7 @@ def transfer_hicache_all_layer_mla(
     cache_src_page_stride_bytes: int | None = None,
     cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """transfer_hicache_all_layer for one cache per layer (MLA)."""
     _all_layer(1, (ptr_dst, indices_dst, ptr_src, indices_src),
@@ -322,13 +557,13 @@ def transfer_hicache_all_layer_mla(
                ("cache_src_page_stride_bytes", cache_src_page_stride_bytes),
                ("cache_dst_page_stride_bytes", cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
 def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple,
                src_page_stride: tuple, dst_page_stride: tuple, element_size: object,
                unroll: object, block_quota: object, page_size: object, num_tokens_src: object,
-               num_tokens_dst: object, method: object) -> None:
+               num_tokens_dst: object, method: object, index_granularity: object) -> None:
     """The all-layer call; the strides come as (Python name, value)."""
     strides = [_int(value, name, 1) for name, value in (src_stride, dst_stride)]
     if element_size is None:
@@ -338,14 +573,18 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         size = _element_size(strides[0], src_stride[0])
     else:
         size = _element_size(_int(element_size, "element_size", 1), "element_size")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
-    layout = (*strides, size, pages, *(_optional(value, name, 1)
+    hint, pages = _pages(page_size, index_granularity)
+    layout = (*strides, size, pages, hint, *(_optional(value, name, 1)
                                        for name, value in (src_page_stride, dst_page_stride)),
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(tensors[0])  # the pointer tables': the kernel reads them there
     chosen = _method(method, tensors[caches],
-                     lambda: size * (pages if strides[0] == size == strides[1] else 1))
+                     lambda: size * (_run(tensors[caches], tensors[2 * caches + 1], hint)
+                                     if strides[0] == size == strides[1] else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
@@ -353,7 +592,93 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
     else:
         entries = _copy_entries()
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
-        entry(*tensors, *layout, _stream())
+        entry(*tensors, *layout, current_stream(_tables_gpu(tensors, caches))[1])
+
+
+
+# ---------------------------------------------------------------------------- parity cases
+def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0):
+    """A bf16 cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain
+    CPU memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
+    on_gpu = where == "gpu" or device.type == "cpu"
+    if paged:
+        whole = torch.randn(tokens // paged, paged + 3, *row, device=device if on_gpu else "cpu")
+        cache = whole.to(torch.bfloat16)[:, :paged]
+    else:
+        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(torch.bfloat16)
+    return cache if on_gpu else cache.pin_memory()
+
+
+def _runs(slots: int, count: int, pages: int, device: torch.device,
+          out_of_range: bool = False) -> torch.Tensor:
+    """`count` distinct page runs of `pages` slots as an index list: each run's first index,
+    then garbage (-7) that the transfer must not read."""
+    firsts = torch.randperm(slots // pages)[:count] * pages
+    if out_of_range:
+        firsts[0] = slots  # a page past the end: skipped
+    indices = torch.full((count, pages), -7, dtype=torch.int64)
+    indices[:, 0] = firsts
+    return indices.flatten().to(device)
+
+
+# (label, dst, src, pages, paged cache, out of range, indices on the host)
+_ONE_LAYER = (("host->gpu", "gpu", "host", 1, 0, False, False),
+              ("gpu->host", "host", "gpu", 1, 0, False, False),
+              ("gpu->gpu pages of 4", "gpu", "gpu", 4, 0, False, False),
+              ("host->gpu paged cache", "gpu", "host", 4, 8, False, False),
+              ("gpu->gpu a page out of range", "gpu", "gpu", 2, 0, True, False),
+              ("host->gpu indices on the host", "gpu", "host", 1, 0, False, True))
+
+
+def _one_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    cases = []
+    for label, dst_at, src_at, pages, paged, out_of_range, host_indices in _ONE_LAYER:
+        def make(device, dst_at=dst_at, src_at=src_at, pages=pages, paged=paged,
+                 out_of_range=out_of_range, host_indices=host_indices):
+            row = (576,) if mla else (2, 64)
+            where = torch.device("cpu") if host_indices else device
+            dst_indices = _runs(64, 12, pages, where)
+            src_indices = _runs(96, 12, pages, where, out_of_range)
+            caches = [(_cache(64, row, dst_at, device, paged), _cache(96, row, src_at, device))
+                      for _ in range(1 if mla else 2)]
+            kwargs = {"page_size": pages, "element_dim": None if mla else 128}
+            return (*(dst for dst, _ in caches), dst_indices, *(src for _, src in caches),
+                    src_indices), kwargs
+        cases.append(Case(label, make))
+    return cases
+
+
+def _all_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, pages: int, paged: bool):
+        layers, row = 3, 256 if mla else 128  # bf16 elements
+        caches = {f"{side}{c}[{layer}]": _cache(64 if side == "dst" else 96, (row,),
+                                                "gpu" if side == "dst" else "host", device)
+                  for side in ("dst", "src") for c in range(1 if mla else 2)
+                  for layer in range(layers)}
+
+        def table(side: str, c: int) -> torch.Tensor:
+            return torch.tensor([caches[f"{side}{c}[{layer}]"].data_ptr()
+                                 for layer in range(layers)], device=device)
+
+        tables = [(table("dst", c), table("src", c)) for c in range(1 if mla else 2)]
+        prefix = "cache" if mla else "kv_cache"
+        stride = 2 * row
+        kwargs = {f"{prefix}_src_stride_bytes": stride, f"{prefix}_dst_stride_bytes": stride,
+                  "page_size": pages, "num_tokens_src": 96, "num_tokens_dst": 64}
+        if paged:
+            kwargs[f"{prefix}_src_page_stride_bytes"] = stride * pages
+        args = (*(d for d, _ in tables), _runs(64, 8, pages, device),
+                *(s for _, s in tables), _runs(96, 8, pages, device, out_of_range=True))
+        watched = {name: cache for name, cache in caches.items() if name.startswith("dst")}
+        return args, kwargs, watched
+
+    return [Case("host->gpu, 3 layers", lambda device: make(device, 1, False)),
+            Case("host->gpu, 3 layers, pages of 4, page stride",
+                 lambda device: make(device, 4, True))]
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what
@@ -365,4 +690,114 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) for the copy engines and the kernel of each common element size."""
     kernels = [(f"element_size={size}", functools.partial(_kernel_module, size, DEFAULT_UNROLL))
                for size in _COMMON_ELEMENT_SIZES]
-    return [("copy engines", _copy_module), *kernels]
+    return [("copy engines", _copy_module), ("staged write-back", _staged_module), *kernels]
+
+
+# ------------------------------------------------------------------ staged write-back
+@op("jitk::transfer_hicache_all_layer_staged_lf_pf",
+    mutates_args=("staging_k", "staging_v", "dst_k", "dst_v"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_staged_lf_pf(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """SGLang's staged write-back: whole pages of every layer of a GPU pool (K and V layers
+    at k_ptr_src[l] / v_ptr_src[l], rows of element_size bytes back to back) to a pinned host
+    pool in page_first layout (dst_k / dst_v: [tokens, layers, ...]), through the GPU staging
+    buffers staging_k / staging_v ([tokens, layers, ...], any number of whole pages).
+
+    Page p is named by its first index: src_indices[p * page_size] (a GPU tensor) and
+    dst_indices[p * page_size] (a CPU int64 tensor, read during the call and checked
+    against the host pool). Per chunk of pages the staging buffers hold, a kernel gathers
+    the pages into them, then the copy engines move each page (one copy per run of
+    consecutive host pages) to the host, on PyTorch's current stream. `element_size` defaults
+    to a staging row; `block_quota` caps the gather's blocks; `unroll` is accepted for
+    SGLang's signature and has nothing to tune here."""
+    _staged(2, (k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v, dst_k,
+                dst_v), page_size, element_size, unroll, block_quota)
+
+
+@op("jitk::transfer_hicache_all_layer_mla_staged_lf_pf", mutates_args=("staging", "dst"),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_mla_staged_lf_pf(
+    ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """transfer_hicache_all_layer_staged_lf_pf for one cache per layer (MLA, or one side of
+    a pool whose K and V rows differ)."""
+    _staged(1, (ptr_src, src_indices, dst_indices, staging, dst), page_size, element_size,
+            unroll, block_quota)
+
+
+def _staged(caches: int, tensors: tuple, page_size: object, element_size: object,
+            unroll: object, block_quota: object) -> None:
+    """The staged call: `tensors` in the entry point's order, caches and staging buffers
+    seen as [tokens, layers, row] as SGLang views them."""
+    pages = _int(page_size, "page_size", 1)
+    _unroll(unroll)
+    quota = _optional(block_quota, "block_quota", 1)
+    first_staging = caches + 2
+    buffers = list(tensors)
+    for at in range(first_staging, len(buffers)):
+        cache = buffers[at]
+        if cache.dim() < 2:
+            raise ValueError(f"hicache: the staging buffers and host pools are [tokens, layers, "
+                             f"...]; got a tensor of shape {tuple(cache.shape)}")
+        buffers[at] = cache.view(cache.shape[0], cache.shape[1], -1)
+    staging = buffers[first_staging]
+    row_bytes = staging.shape[2] * staging.element_size()
+    size = row_bytes if element_size is None else _int(element_size, "element_size", 1)
+    _element_size(size, "element_size" if element_size is not None else "a staging row")
+    entry = _staged_module().lf_pf if caches == 2 else _staged_module().lf_pf_mla
+    entry(*buffers, pages, size, quota)
+
+
+# ------------------------------------------------------------------------------ gates
+# SGLang's pools ask these before they pick the JIT path: False (with a warning logged)
+# where a module cannot be built or loaded, never an exception.
+def can_use_hicache_jit_kernel(*, element_size: int, unroll: int | None = None,
+                               block_quota: int | None = None,
+                               page_size: int | None = None) -> bool:
+    """Whether transfers of rows of `element_size` bytes can run (page_size: any hint)."""
+    return _can_build(lambda: (_kernel_module(_element_size(element_size, "element_size"),
+                                              _unroll(unroll)),
+                               _optional(block_quota, "block_quota", 1),
+                               _int(1 if page_size is None else page_size, "page_size", 1),
+                               _copy_module()), element_size)
+
+
+def can_use_write_back_jit_kernel(*, element_size: int, unroll: int | None = None,
+                                  block_quota: int | None = None) -> bool:
+    """Whether the staged write-back can run for rows of `element_size` bytes."""
+    return _can_build(lambda: (_element_size(element_size, "element_size"), _unroll(unroll),
+                               _optional(block_quota, "block_quota", 1), _staged_module()),
+                      element_size)
+
+
+def _can_build(build: Callable[[], object], element_size: object) -> bool:
+    try:
+        build()
+    except Exception as error:  # noqa: BLE001 - a gate answers, whatever the build raised
+        logging.getLogger(__name__).warning(
+            "hicache: no JIT kernel for element_size=%r: %s", element_size, error)
+        return False
+    return True

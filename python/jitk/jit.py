@@ -17,17 +17,15 @@ import json
 import logging
 import os
 import re
-import shlex
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import tvm_ffi
 
-from . import cache, toolchain
+from . import cache, precompile, toolchain
 from .build import BuildSpec, JitCompileError, build_and_publish
-from .lock import build_lock
+from .lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 
@@ -99,11 +97,14 @@ def _module_name(parts: tuple[object, ...]) -> str:
     return name
 
 
-def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str) -> list:
+def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str,
+            one: str = "{!r}") -> list:
     """A list argument: a list or tuple of `kinds` (a bare string is refused: it would be
-    read one character at a time)."""
+    read one character at a time). `one` writes a single item from a bare string, for the
+    hint."""
     if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Iterable):
-        hint = f"; write {parameter}=[{value!r}]" if isinstance(value, str | os.PathLike) else ""
+        hint = f"; write {parameter}=[{one.format(str(value))}]" \
+            if isinstance(value, str | os.PathLike) else ""
         raise TypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
                         f"{type(value).__name__}{hint}")
     items = list(value)
@@ -119,19 +120,26 @@ def _resolve_sources(files: object, parameter: str) -> list[Path]:
     for file in _listed(files, parameter, (str, os.PathLike), "paths (str or os.PathLike)"):
         path = Path(file)
         found = path if path.is_absolute() else KERNEL_DIR / path
+        if found.is_dir():
+            raise IsADirectoryError(f"load_jit({parameter}=...): '{found}' is a folder; give "
+                                    "the kernel files in it, each by its path")
         if not found.is_file():
-            where = "" if path.is_absolute() else f" in {KERNEL_DIR}"
-            raise FileNotFoundError(
-                f"load_jit({parameter}=...): '{file}' not found{where}; "
-                "give an absolute path for a file outside the jitk package"
-            )
+            where = " (a path that is not absolute names a file in the jitk package; give " \
+                "an absolute path for your own)" if not path.is_absolute() else ""
+            raise FileNotFoundError(f"load_jit({parameter}=...): '{found}' not found{where}")
         resolved.append(found.resolve())
     return resolved
 
 
+def _as_given(path: Path) -> str:
+    """A resolved kernel file as load_jit takes it: a name in jitk/csrc, else absolute."""
+    return str(path.relative_to(KERNEL_DIR)) if path.is_relative_to(KERNEL_DIR) else str(path)
+
+
 def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:
     checked = []
-    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)"):
+    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)",
+                           one="({!r}, '<C++ function or static member>')"):
         if len(wrapper) != 2 or not all(isinstance(part, str) for part in wrapper):
             raise TypeError(f"load_jit({parameter}=...): expected (export_name, cpp_callable) "
                             f"as two strings, got {wrapper!r}")
@@ -188,34 +196,17 @@ def _cache_key(material: dict, sources: list[Path]) -> str:
 
 
 # ------------------------------------------------------------------------------ loading
-def _caller_module() -> str | None:
-    """The module that called load_jit, for the hint of a cache miss."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") in (__name__, "functools"):
-        frame = frame.f_back
-    return frame.f_globals.get("__name__") if frame is not None else None
-
-
-def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
+def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
                 problem: str | None) -> JitCacheMissError:
-    caller = _caller_module()
-    has_configs = callable(getattr(sys.modules.get(caller or ""), "precompile_configs", None))
-    arch = f" --arch {shlex.quote(';'.join(spec.archs))}" if spec.archs else ""
-    if has_configs:
-        extra = "" if caller.startswith("jitk.") else f"JITK_PRECOMPILE_MODULES={caller} "
-        fill = (f"`{extra}python -m jitk precompile{arch} --module {caller}` (its common "
-                "configurations; add this one to its precompile_configs() if it is not there)")
-    else:
-        fill = (f"one run of this call with compiling allowed, or `JITK_PRECOMPILE_MODULES="
-                f"<your module> python -m jitk precompile{arch}` once your module's "
-                "precompile_configs() lists it")
     why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
     return JitCacheMissError(
         f"jitk: module '{spec.name}' (template arguments: "
         f"{', '.join(map(str, template_args)) or 'none'}; architectures: "
         f"{', '.join(toolchain.sm_name(a) for a in spec.archs) or 'host only'}) is needed, "
         f"but {why} ({spec.entry}) and JIT compilation is disabled ({DISABLE_ENV}=1 or "
-        f"jitk.disable_jit()). Fill the cache where compiling is allowed, with {fill}.")
+        f"jitk.disable_jit()). Fill the cache where compiling is allowed with this entry: "
+        f"`{precompile.call_command(call, spec.archs)}` (or, for a kernel module's common "
+        "configurations, `python -m jitk precompile`).")
 
 
 def _load_published(library: Path) -> tvm_ffi.Module | None:
@@ -228,19 +219,20 @@ def _load_published(library: Path) -> tvm_ffi.Module | None:
         return None
 
 
-def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
+def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict
                     ) -> tuple[tvm_ffi.Module, bool]:
     """The module of `spec` and whether this call built it. A complete, intact entry is
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
+    lock_timeout()
     found = cache.look_up(spec.entry)
     if found.problem:  # perhaps read while another process replaced the entry: look again
         found = cache.look_up(spec.entry)
     if found.library and (module := _load_published(found.library)):
         return module, False
     if disabled:
-        raise _miss_error(spec, template_args, found.problem)
+        raise _miss_error(spec, template_args, call, found.problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
     with build_lock(spec.entry):
@@ -318,7 +310,15 @@ def load_jit(
     entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
     spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
                      build_flags)
-    module, _ = _build_and_load(spec, name_parts[1:])
+    # The call as `python -m jitk precompile --call` replays it: the arguments given, with
+    # include folders made absolute (a kernel file's relative name is the package's own).
+    call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
+            "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
+            "cuda_wrappers": cuda_exports, **flags,
+            "extra_include_paths": build_flags["include_dirs"][1:],
+            "build_directory": str(build_dir) if build_dir else None}
+    call = {key: value for key, value in call.items() if value}
+    module, _ = _build_and_load(spec, name_parts[1:], call)
     if archs:
         toolchain.check_runs_on_current_gpu(name, archs)
     return module

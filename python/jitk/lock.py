@@ -38,7 +38,8 @@ def lock_timeout() -> float:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise JitLockError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds "
+                         f"(how long to wait for a build; default {DEFAULT_TIMEOUT:g})")
     return seconds
 
 
