@@ -114,14 +114,14 @@ def test_loading_takes_no_lock_and_writes_nothing(kernel, tmp_path):
 
 def test_a_lock_that_cannot_be_created_fails_at_once_naming_path_and_reason(kernel, tmp_path):
     entry = tmp_path / "mine"
-    lock.lock_path(entry).mkdir()
+    cache.build_lock_path(entry, in_place=True).mkdir(parents=True)
     started = time.perf_counter()
     with pytest.raises(jitk.JitLockError, match=f"cannot create the build lock "
-                       f"{lock.lock_path(entry)}: Is a directory"):
+                       f"{cache.build_lock_path(entry, in_place=True)}: Is a directory"):
         jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
                       build_directory=entry)
     assert time.perf_counter() - started < 5
-    assert not entry.exists()
+    assert not (entry / cache.META_FILE).exists()
 
 
 # ------------------------------------------------------------------------------ locks
@@ -157,7 +157,7 @@ WAIT_FOR_LOCK = textwrap.dedent("""\
 
 def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
     entry = tmp_path / "mine"
-    holder = hold_lock(lock.lock_path(entry))
+    holder = hold_lock(cache.build_lock_path(entry, in_place=True))
     try:
         # The waiter runs in its own process, under a timeout: a regression hangs no test.
         waiter = subprocess.run([sys.executable, "-c", WAIT_FOR_LOCK, str(kernel), str(entry)],
@@ -241,30 +241,31 @@ def write_heavy_kernel(folder: Path) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
 def test_a_build_past_the_time_limit_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(cache.STAGING_ENV, str(tmp_path / "staging"))
     monkeypatch.setenv(lock.TIMEOUT_ENV, "0.2")
     with pytest.raises(jitk.JitCompileError) as info:
         jitk.load_jit("heavy", cpp_files=[write_heavy_kernel(tmp_path)],
                       cpp_wrappers=[("twice", "twice")])
     assert info.value.errors == ["jitk: the build ran longer than 0.2 s (JITK_LOCK_TIMEOUT) "
                                  "and was stopped"]
-    assert_no_compilers_soon(tmp_path / "cache")
+    assert_no_compilers_soon(tmp_path / "staging")
     assert not published(tmp_path / "cache")
 
 
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
 def test_a_killed_build_leaves_no_compiler_running(tmp_path):
-    cache_dir = tmp_path / "cache"
+    cache_dir, staging = tmp_path / "cache", tmp_path / "staging"
     heavy = write_heavy_kernel(tmp_path)
     builder = subprocess.Popen([sys.executable, "-c", LOAD, str(heavy), "heavy", "1"],
-                               env=child_env(cache_dir), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               env=child_env(cache_dir, JITK_STAGING_DIR=str(staging)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while not any("cc1plus" in c for c in compilers_under(cache_dir)):
+    while not any("cc1plus" in c for c in compilers_under(staging)):
         assert time.monotonic() < deadline and builder.poll() is None, "no compiler started"
         time.sleep(0.02)
     builder.send_signal(signal.SIGKILL)
     builder.wait()
-    assert_no_compilers_soon(cache_dir)
+    assert_no_compilers_soon(staging)
     assert not published(cache_dir)
 
 
@@ -393,20 +394,38 @@ def test_prune_counts_versions_per_architecture_and_keeps_each_last_one(tmp_path
     assert everything.returncode == 0 and left() == set(), everything.stderr
 
 
+# argv: entry. Holds the entry's lock and publishes nothing: a build between its copy onto
+# the cache's file system and the rename that publishes it.
+PUBLISHING = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from jitk import cache, lock
+    entry = Path(sys.argv[1])
+    fd = lock.try_lock(lock.lock_path(entry))
+    print(cache.copy_in(cache.new_staging(entry), entry), flush=True)
+    time.sleep(60)
+""")
+
+
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
     cache_dir = tmp_path / "cache"
     fill(cache_dir, kernel, ["twice"])
-    staging = cache.new_staging(cache_dir / "building_0123")
-    holder = hold_lock(lock.lock_path(cache_dir / "building_0123"))
+    building = cache_dir / "building_0123"
+    holder = subprocess.Popen([sys.executable, "-c", PUBLISHING, str(building)],
+                              stdout=subprocess.PIPE, text=True,
+                              env=child_env(cache_dir, JITK_STAGING_DIR=str(tmp_path)))
     try:
+        private = Path(holder.stdout.readline().strip())
         cleared = jitk_cli(cache_dir, "cache", "clear")
     finally:
         holder.kill()
         holder.wait()
     assert cleared.returncode == 0 and "removed 1 cache entry" in cleared.stdout
-    assert staging.is_dir() and lock.lock_path(cache_dir / "building_0123").exists()
+    assert private.parent == cache_dir / cache.STAGING_DIR
+    assert private.is_dir() and lock.lock_path(building).exists()
     again = jitk_cli(cache_dir, "cache", "clear")  # its builder is gone now
-    assert again.returncode == 0 and not staging.exists()
+    assert again.returncode == 0 and not private.exists()
+    assert not lock.lock_path(building).exists()
 
 
 def test_clear_of_a_read_only_cache_exits_1_naming_what_stayed(kernel, tmp_path):

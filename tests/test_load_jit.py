@@ -289,6 +289,7 @@ def test_concurrent_processes_build_once(tmp_path):
 
 def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITK_STAGING_DIR", str(tmp_path / "staging"))
     broken = tmp_path / "broken.cuh"
     broken.write_text("#include <jitk/utils.h>\nint64_t f(int64_t x) { return x + undeclared; }\n")
     for _ in range(2):  # the second attempt compiles again: nothing was remembered
@@ -302,7 +303,8 @@ def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeyp
     # Nothing published; the failed build stays for inspection until the next build of it.
     assert list_entries(tmp_path / "cache") == []
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name[0] != "."]
-    [build_dir] = (tmp_path / "cache" / ".staging").iterdir()
+    assert not (tmp_path / "cache" / ".staging").exists()  # it stays on the builder's host
+    [build_dir] = (tmp_path / "staging").iterdir()
     assert (build_dir / "main.cpp").is_file() and str(build_dir) in error.command
     assert not list(build_dir.glob("*.so")) and not (build_dir / META_FILE).exists()
 

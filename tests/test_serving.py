@@ -68,7 +68,7 @@ def test_disable_jit_context_and_a_damaged_entry(kernel, tmp_path, monkeypatch):
                            "is damaged"):
             load(kernel)
     assert load(kernel).twice(3) == 6  # enabled again: rebuilt
-    assert not cache.look_up(library.parent).problem
+    assert cache.is_complete(library.parent, cache.read_meta(library.parent)["key"])
 
 
 def test_disable_jit_setting_is_checked(kernel, monkeypatch):

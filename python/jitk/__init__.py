@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _CORE = {
     "load_jit": "jit", "disable_jit": "jit",
     "JitCompileError": "jit", "JitCacheMissError": "jit", "JitLockError": "lock",
+    "JitCacheTrustError": "trust",
     "make_cpp_args": "cpp_args", "CppArgs": "cpp_args",
     "ToolchainError": "toolchain",
     "op": "custom_op", "reference_mode": "custom_op", "Tolerance": "custom_op",

@@ -4,6 +4,8 @@
   demo          run jitk's demo
   cache         list the module cache; `cache clear` empties it, `cache prune` trims it
   precompile    build the kernels' common configurations into the cache ahead of time
+  replay        run a call dumped at JITK_LOGLEVEL=10 again and check its outputs
+  fib export    write FlashInfer-Bench Definitions (and jitk's Solutions) of the ops
   check         run ops against their references (python -m jitk check [OP ...])
   tune          time the ops' launch choices on this GPU, record the fastest
 
@@ -226,6 +228,43 @@ def run_precompile(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    from . import replay
+
+    try:
+        call, runs = replay.replay(args.dump, args.device)
+    except replay.DumpError as error:
+        raise UsageError(str(error)) from None
+    status = "raised " + call["raised"] if call.get("raised") else \
+        "never returned (no outputs dumped)" if call.get("outputs") is None else \
+        f"{len(call['outputs'])} output(s) dumped"
+    print(f"{call['op']} call {call['call']} of pid {call['pid']}: {status}")
+    for run in runs:
+        if run.passed:
+            against = f"matches the {run.compared} dumped output(s)" if run.compared else \
+                "ran (nothing dumped to compare with)"
+            print(f"  {run.what}: {against}")
+        else:
+            print(f"  {run.what}: FAILED")
+            for line in run.failures:
+                print(f"    {line}")
+    return EXIT_OK if all(run.passed for run in runs) else EXIT_FAILURE
+
+
+def run_fib_export(args: argparse.Namespace) -> int:
+    from . import fib
+
+    try:
+        written = fib.export(args.out_dir, args.op or None)
+    except fib.FibUnavailableError as error:
+        raise CommandError(str(error)) from None
+    except (KeyError, ValueError) as error:
+        raise UsageError(error.args[0]) from None
+    for path in written:
+        print(path)
+    return EXIT_OK
+
+
 def selected_ops(names: list[str]) -> list:
     """The OpInfo of each named op (bare or qualified), or of every registered op: the
     shipped kernel modules' and those in $JITK_PRECOMPILE_MODULES."""
@@ -426,6 +465,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help="build exactly the entry of this load_jit call, as a cache miss's "
                             "message records it; repeat for more")
     build.set_defaults(handler=run_precompile)
+
+    replay = commands.add_parser(
+        "replay", help="run a dumped call again and compare its outputs",
+        description="Run a call dumped at JITK_LOGLEVEL=10 again from its input tensors and "
+                    "compare what it writes and returns with the dumped outputs, then the "
+                    "same for the op's reference, if it has one. Exits 1 when a run differs "
+                    "or raises.")
+    replay.add_argument("dump", type=Path, metavar="DUMP",
+                        help="a dump folder (JITK_DUMP_DIR/<op>_pid<pid>_call<n>)")
+    replay.add_argument("--device", metavar="DEVICE",
+                        help="run on this device (e.g. cpu) instead of the recorded one")
+    replay.set_defaults(handler=run_replay)
+
+    fib_parser = commands.add_parser(
+        "fib", help="FlashInfer-Bench: fib export writes the ops' Definitions",
+        usage="%(prog)s [-h] export OUT_DIR [OP ...]",
+        description="FlashInfer-Bench (pip install jitk[fib]).")
+    fib_actions = fib_parser.add_subparsers(title="actions", metavar="ACTION",
+                                            prog=fib_parser.prog, required=True)
+    export = fib_actions.add_parser(
+        "export", help="write Definitions and jitk's Solutions as JSON",
+        description="Write a FlashInfer-Bench Definition (OUT_DIR/definitions/<op>/<name>.json) "
+                    "for each shipped op's example shapes and for each jitk.op with a "
+                    "reference, and a Solution (OUT_DIR/solutions/...) for each of jitk's "
+                    "kernels.")
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    export.add_argument("op", nargs="*", metavar="OP",
+                        help="op names (e.g. rmsnorm or jitk::rmsnorm); default: all")
+    export.set_defaults(handler=run_fib_export)
 
     check = commands.add_parser(
         "check", help="run ops against their references",

@@ -1,9 +1,12 @@
-"""One build: a module compiled by ninja in a private staging folder, published as a cache entry.
+"""One build: a module compiled by ninja in a private folder on this host, published as a
+cache entry.
 
 The caller holds the entry's build lock (jitk/lock.py). The build never touches the
-published entry: it happens in a staging folder of its own (jitk/cache.py), is loaded from
-there, and only then becomes the entry, in one rename. So a reader never sees half a build,
-and a `cache clear` cannot pull a library from under the process that built it.
+published entry: it happens in a folder of its own on the builder's host (jitk/cache.py), is
+copied onto the cache's file system, loaded from that copy, and only then becomes the entry,
+in one rename. So a reader never sees half a build, a `cache clear` cannot pull a library
+from under the process that built it, and a cache on a network file system never holds a
+build in progress.
 
 jitk writes build.ninja itself rather than calling `tvm_ffi.cpp.build`: tvm-ffi takes the
 compilers, the CUDA root and the target architectures from process-wide environment
@@ -32,7 +35,7 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from . import cache, toolchain
+from . import cache, loader, toolchain
 from .lock import lock_timeout
 
 logger = logging.getLogger("jitk")
@@ -84,6 +87,8 @@ def compile_error(module: str, log: str, folder: Path, ninja: list[str]) -> JitC
 class BuildSpec:
     name: str
     entry: Path  # the published folder
+    key: str  # the cache key, recorded in the entry
+    in_place: bool  # entry is a build_directory (jitk/cache.py)
     archs: tuple[str, ...]
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key
@@ -204,12 +209,12 @@ def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
 
 
 def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
-    """Builds `spec` in a fresh staging folder, loads it, publishes it as `spec.entry` and
-    returns the loaded module. A failed build raises JitCompileError and leaves its folder
-    for inspection until the next build of the same entry."""
-    for stale in cache.staging_folders(spec.entry.parent):
-        if cache.entry_of(stale) == spec.entry.name:  # we hold the lock: its builder is gone
-            shutil.rmtree(stale, ignore_errors=True)
+    """Builds `spec` in a fresh folder on this host, copies it onto the cache's file system,
+    loads it from there, publishes it as `spec.entry` and returns the loaded module. A failed
+    build raises JitCompileError and leaves its folder for inspection until the next build
+    of the same entry."""
+    for stale in cache.old_stagings(spec.entry):  # we hold the lock: their builders are gone
+        shutil.rmtree(stale, ignore_errors=True)
     staging = cache.new_staging(spec.entry)
     for file_name, text in spec.sources.items():
         (staging / file_name).write_text(text)
@@ -218,16 +223,33 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     _run_ninja(spec.name, staging)
     seconds = time.perf_counter() - started
     library = staging / f"{spec.name}.so"
-    try:
-        module = tvm_ffi.load_module(str(library))  # before publication: it cannot vanish
-    except Exception as error:
-        raise JitCompileError(spec.name, f"dlopen {library}", [str(error)], str(error)) from None
+    sha256 = cache.digest(library)
     cache.write_meta(staging, {
-        "module": spec.name, "library": library.name, "archs": list(spec.archs),
-        "build_seconds": round(seconds, 3), "built_at": time.time(),
-        "sha256": cache.digest(library), "headers": _own_headers(spec, staging)})
-    cache.publish(staging, spec.entry)
+        "module": spec.name, "key": spec.key, "library": library.name,
+        "archs": list(spec.archs), "build_seconds": round(seconds, 3), "built_at": time.time(),
+        "sha256": sha256, "headers": _own_headers(spec, staging)})
+    private = cache.copy_in(staging, spec.entry, spec.in_place)
+    shutil.rmtree(staging)
+    try:  # before publication: it cannot vanish, and a library that does not load stays out
+        module = _load_copy(private / library.name, sha256)
+    except Exception as error:
+        shutil.rmtree(private, ignore_errors=True)
+        raise JitCompileError(spec.name, f"dlopen {private / library.name}", [str(error)],
+                              str(error)) from None
+    if spec.in_place:
+        cache.publish_in_place(private, spec.entry)
+    else:
+        cache.publish(private, spec.entry, spec.key)
     logger.info("jitk: built %s for %s in %.2f s (%s)", spec.name,
                 ", ".join(toolchain.sm_name(a) for a in spec.archs) or "host only", seconds,
                 spec.entry)
     return module
+
+
+def _load_copy(library: Path, sha256: str) -> tvm_ffi.Module:
+    """Loads the copied library from the descriptor that shows it is the one built."""
+    fd = os.open(library, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    if cache.digest_fd(fd) != sha256:
+        os.close(fd)
+        raise OSError(f"{library} differs from the library built (copied wrongly)")
+    return loader.load_from_fd(fd)

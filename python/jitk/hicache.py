@@ -57,11 +57,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from . import api_log
 from .cpp_args import make_cpp_args
 from .custom_op import Tolerance, op
 from .jit import load_jit
@@ -279,6 +281,14 @@ def _stream(*tensors: torch.Tensor) -> int:
     return current_stream(devices[0] if devices else None)[1]
 
 
+def _instantiation(method: str, element_size: int, unroll: int, quota: int | None) -> dict:
+    """What a call's log notes about the code it runs (JITK_LOGLEVEL=3)."""
+    if method != "kernel":
+        return {"module": "hicache_copy"}
+    return {"kernel": f"jitk::hicache::HiCache<{element_size}, {unroll}>",
+            "block_quota": "default" if quota is None else quota}
+
+
 # ---------------------------------------------------------------------------- references
 # Plain torch, as the docstrings above define the transfers (the parity harness and reference
 # mode run them). A page whose run leaves its cache, or straddles a paged cache's pages, is
@@ -477,6 +487,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
         if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -585,6 +597,8 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
                                      if strides[0] == size == strides[1] else 1), gpu)
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla

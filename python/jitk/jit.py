@@ -4,10 +4,11 @@ The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
 build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
 header and kernel file, the compiler versions and the target architectures, independent of
-where jitk is installed; a cache that readers use without locks or writes, filled by builds
-published in one rename (jitk/cache.py, jitk/build.py); a mode that never compiles; compile
-errors that show the compiler's own lines; and a load-time check that the library holds
-code for the GPU it is about to run on."""
+where jitk is installed; a cache that readers use without locks or writes once they have
+checked who could have written it (jitk/trust.py), filled by builds published in one rename
+(jitk/cache.py, jitk/build.py); a mode that never compiles; compile errors that show the
+compiler's own lines; and a load-time check that the library holds code for the GPU it is
+about to run on."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import tvm_ffi
 
-from . import cache, precompile, toolchain
+from . import cache, loader, precompile, toolchain, trust
 from .build import BuildSpec, JitCompileError, build_and_publish
 from .lock import build_lock, lock_timeout
 
@@ -160,7 +161,9 @@ def _check_build_directory(value: object) -> Path | None:
     if not isinstance(value, str | os.PathLike) or not str(value):
         raise TypeError(f"load_jit(build_directory=...): expected a path or None, got "
                         f"{type(value).__name__} {value!r:.60}")
-    return Path(value).expanduser().resolve()
+    folder = Path(value).expanduser().resolve()
+    cache.check_build_directory(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------ the key
@@ -192,7 +195,7 @@ def _cache_key(material: dict, sources: list[Path]) -> str:
     for path in sources:
         digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ loading
@@ -209,14 +212,12 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
         "configurations, `python -m jitk precompile`).")
 
 
-def _load_published(library: Path) -> tvm_ffi.Module | None:
-    """The loaded library, or None when its entry vanished meanwhile (a cache clear)."""
-    try:
-        return tvm_ffi.load_module(str(library))
-    except Exception:
-        if library.exists():
-            raise
-        return None
+def _look_up(spec: BuildSpec) -> cache.Lookup:
+    """The entry's checked library, after checking who may have written the cache."""
+    root = spec.entry if spec.in_place else spec.entry.parent
+    if root.exists():
+        trust.check(root, "the build directory" if spec.in_place else "the cache")
+    return cache.look_up(spec.entry, spec.key)
 
 
 def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict
@@ -226,19 +227,19 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
-    found = cache.look_up(spec.entry)
+    found = _look_up(spec)
     if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = cache.look_up(spec.entry)
-    if found.library and (module := _load_published(found.library)):
-        return module, False
+        found = _look_up(spec)
+    if found.fd is not None:
+        return loader.load_from_fd(found.fd), False
     if disabled:
         raise _miss_error(spec, template_args, call, found.problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
-    with build_lock(spec.entry):
-        found = cache.look_up(spec.entry)  # another process may have built it meanwhile
-        if found.library and (module := _load_published(found.library)):
-            return module, False
+    with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
+        found = _look_up(spec)  # another process may have built it meanwhile
+        if found.fd is not None:
+            return loader.load_from_fd(found.fd), False
         if found.problem:
             logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry,
                            found.problem)
@@ -267,8 +268,10 @@ def load_jit(
     files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
-    `build_directory` replaces the cache entry's folder. Under JITK_DISABLE_JIT=1 or
-    jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
+    `build_directory` replaces the cache entry's folder: a new folder, an empty one or one
+    that jitk built before (a folder holding other files is refused). Under
+    JITK_DISABLE_JIT=1 or jitk.disable_jit(), a module not in the cache raises
+    JitCacheMissError.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -307,9 +310,9 @@ def load_jit(
     key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
                       "tvm_ffi": tvm_ffi.__version__, "sources": sources,
                       "flags": build_flags}, kernel_files)
-    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
-    spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
-                     build_flags)
+    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key[:16]}"
+    spec = BuildSpec(name, entry, key, build_dir is not None, archs, sources,
+                     tuple(kernel_files), INCLUDE_DIR, build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import api_log
 from .autotune import TuningSpace
 from .cpp_args import make_cpp_args
 from .custom_op import Tolerance, op
@@ -128,7 +129,20 @@ def _bucket(function: str, input: torch.Tensor) -> tuple:
     except IndexError:
         raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
                          "(the hidden size)") from None
-    return hidden, input.dtype, _rows_bucket(input, hidden)
+    bucket = hidden, input.dtype, _rows_bucket(input, hidden)
+    if api_log.noting:
+        _note_choice(function, bucket)
+    return bucket
+
+
+def _note_choice(function: str, bucket: tuple) -> None:
+    """The call log's note (JITK_LOGLEVEL=3): the instantiation and the knobs it runs with."""
+    hidden, dtype, rows = bucket
+    space = _RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE
+    knobs = space.config(bucket)
+    api_log.note(kernel=f"jitk::norm::RMSNorm<{make_cpp_args(hidden, dtype)}>",
+                 rows_bucket=rows, tuning="default" if knobs == _default_knobs(bucket) else
+                 "/".join(f"{name}={value}" for name, value in knobs.items()))
 
 
 # The references: float32 throughout, rounded once to the dtype, as the kernel does. The
@@ -243,13 +257,17 @@ def _cases(entry: str) -> list:
     return cases
 
 
+# Common model widths in bfloat16, plus the head dimension that q/k norms use: what
+# precompile builds and what `python -m jitk fib export` describes.
+COMMON_SIZES = ((128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
+                (8192, torch.bfloat16), (4096, torch.float16))
+
+
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """Common model widths in bfloat16 (each module holds both entry points), plus the
     head dimension that q/k norms use; then every choice the tuning file records."""
-    configs = [(128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
-               (8192, torch.bfloat16), (4096, torch.float16)]
     defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
-                 functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]
+                 functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
     tuned = {}
     for space in (_RMSNORM_SPACE, _FUSED_SPACE):
         for (hidden, dtype, rows), knobs in space.recorded():
