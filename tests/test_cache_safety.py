@@ -253,8 +253,11 @@ PRUNER = textwrap.dedent("""\
     from jitk import cache
     root, stop = Path(sys.argv[1]), Path(sys.argv[2])
     removed, failures = 0, []
+    (root.parent / "pruner-ready").touch()  # importing jitk (and torch) takes seconds
     while not stop.exists():
-        everything = cache.select_for_pruning(cache.list_entries(root), older_than_days=0)
+        entries = cache.list_entries(root)  # every architecture's last entry goes too
+        everything = cache.select_for_pruning(entries, older_than_days=0,
+                                              targets=[e.archs for e in entries])
         gone, failed = cache.prune(everything, root)
         removed, failures = removed + gone, failures + failed
         time.sleep(0.5)
@@ -344,6 +347,10 @@ def test_two_hosts_share_a_cache_while_a_third_prunes(tmp_path):
     helpers = [subprocess.Popen([sys.executable, "-c", script, str(root), str(stop)],
                                 stdout=subprocess.PIPE, text=True, env=env)
                for script in (PRUNER, WATCHER)]
+    ready = root.parent / "pruner-ready"
+    while not ready.exists() and time.monotonic() - started < 120:
+        time.sleep(0.1)
+    assert ready.exists(), "the pruner did not start within 120 s"
     loaders = [subprocess.Popen([*prefix, sys.executable, "-c", HOST_LOADER, *kernels],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=host_env)
