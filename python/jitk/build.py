@@ -1,17 +1,26 @@
-"""One build: tvm-ffi's ninja build in a private folder on this host, published as a cache entry.
+"""One build: a module compiled by ninja in a private folder on this host, published as a
+cache entry.
 
 The caller holds the entry's build lock (jitk/lock.py). The build never touches the
 published entry: it happens in a folder of its own on the builder's host (jitk/cache.py), is
 copied onto the cache's file system, loaded from that copy, and only then becomes the entry,
 in one rename. So a reader never sees half a build, a `cache clear` cannot pull a library
-from under the process that built it, a cache on a network file system never holds a build
-in progress, and tvm-ffi's own lock, taken inside the build folder, is never contended.
-ninja runs under jitk/ninja_guard.py, which stops the compilers when the builder dies or the
-build runs past JITK_LOCK_TIMEOUT."""
+from under the process that built it, and a cache on a network file system never holds a
+build in progress.
+
+jitk writes build.ninja itself rather than calling `tvm_ffi.cpp.build`: tvm-ffi takes the
+compilers, the CUDA root and the target architectures from process-wide environment
+variables and runs the `ninja` on PATH, so two threads building at once would have to
+share (and fight over) one environment; and it writes paths into build.ninja unescaped, so
+a cache folder with a space in its name broke every build. Here everything is explicit:
+the programs are found once (jitk/toolchain.py) and named by absolute path, every path
+and flag is quoted for the shell and escaped for ninja, and nothing in the process's
+environment changes. From tvm-ffi jitk takes its headers' and its library's locations
+(tvm_ffi.libinfo). ninja runs, by its path, under jitk/ninja_guard.py, which stops the
+compilers when the builder dies or the build runs past JITK_LOCK_TIMEOUT."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -19,15 +28,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import tvm_ffi
-import tvm_ffi.cpp
-from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path
+from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
 from . import cache, loader, toolchain
 from .lock import lock_timeout
@@ -35,14 +41,12 @@ from .lock import lock_timeout
 logger = logging.getLogger("jitk")
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
-GUARD_DIR = ".jitk-bin"  # inside the staging folder; removed before publication
-# Builds change process-wide environment variables that tvm-ffi reads; one at a time.
-_env_lock = threading.Lock()
 # The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
-# nvcc's file(line)), fatal errors (nvcc fatal), the linker's and the loader's.
+# nvcc's file(line)), fatal errors (nvcc fatal), the linker's, the loader's and ninja's own.
 _DECISIVE = re.compile(r"\bfatal\b|\berror\b|undefined (reference|symbol)|multiple definition"
                        r"|^jitk: ", re.IGNORECASE)
-_NOT_DECISIVE = re.compile(r"^(ninja|FAILED:|\[\d+/\d+\]|stdout:|stderr:)|^\d+ errors? detected")
+_NOT_DECISIVE = re.compile(r"^(ninja: build stopped|FAILED:|\[\d+/\d+\])"
+                           r"|^\d+ errors? detected")
 
 
 class JitCompileError(RuntimeError):
@@ -63,15 +67,20 @@ def decisive_lines(log: str) -> list[str]:
             if _DECISIVE.search(line) and not _NOT_DECISIVE.search(line)]
 
 
-def compile_error(module: str, log: str) -> JitCompileError:
+def compile_error(module: str, log: str, folder: Path, ninja: list[str]) -> JitCompileError:
+    """The error of a build that failed in `folder`: the failing compiler command, or
+    ninja's when no compiler failed (a missing input fails before any compiler runs), as a
+    command to run again; the decisive lines, else the log's last line."""
     lines = log.splitlines()
-    command = ""
+    failed = shlex.join(ninja)
     for i, line in enumerate(lines):
         if line.startswith("FAILED:") and i + 1 < len(lines):
-            command = lines[i + 1].strip()
+            failed = lines[i + 1].strip()
             break
-    errors = [line for line in decisive_lines(log) if line.strip() != command]
-    return JitCompileError(module, command, errors, log)
+    errors = [line for line in decisive_lines(log) if line.strip() != failed]
+    if not errors:
+        errors = [line for line in lines if line.strip()][-1:] or ["the build printed nothing"]
+    return JitCompileError(module, f"cd {shlex.quote(str(folder))} && {failed}", errors, log)
 
 
 @dataclass(frozen=True)
@@ -84,44 +93,79 @@ class BuildSpec:
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key
     include_dir: Path  # jitk's headers, hashed into the key
-    build_kwargs: dict
+    flags: dict[str, list[str]]  # "cflags", "cuda_cflags", "ldflags", "include_dirs"
 
 
-def _write_guard(staging: Path) -> Path:
-    """A `ninja` first on PATH that runs the real one under jitk/ninja_guard.py."""
-    real = shutil.which("ninja")
-    if real is None:
-        raise toolchain.ToolchainError("jitk builds with ninja, which is not on PATH "
-                                       "(pip install ninja)")
-    folder = staging / GUARD_DIR
-    folder.mkdir()
-    command = [sys.executable or "python3", "-I", str(GUARD), str(os.getpid()),
-               str(lock_timeout()), real]
-    script = folder / "ninja"
-    script.write_text(f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n')
-    script.chmod(0o755)
-    return folder
+def _object(source: str) -> str:
+    """The object file, and with `.d` its dependency file, of a generated source."""
+    return f"{Path(source).stem}.o"
 
 
-@contextlib.contextmanager
-def _build_env(archs: tuple[str, ...], guard: Path) -> Iterator[None]:
-    """tvm-ffi takes the CUDA root and target architectures from the environment, and
-    runs the `ninja` it finds on PATH."""
-    with _env_lock:
-        settings = {"PATH": f"{guard}{os.pathsep}{os.environ.get('PATH', '')}"}
-        if archs:
-            settings["CUDA_HOME"] = str(toolchain.cuda_home())
-            settings["TVM_FFI_CUDA_ARCH_LIST"] = " ".join(archs)
-        saved = {key: os.environ.get(key) for key in settings}
-        os.environ.update(settings)
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+def _ninja_value(text: str) -> str:
+    """`text` as the value of a ninja variable ('$' is ninja's escape character)."""
+    if "\n" in text:
+        raise ValueError(f"jitk cannot build with a line break in a path or flag: {text!r}")
+    return text.replace("$", "$$")
+
+
+def _arguments(*words: object) -> str:
+    """Words for the shell that ninja runs each command with, quoted one by one."""
+    return _ninja_value(shlex.join(str(word) for word in words))
+
+
+def build_file(spec: BuildSpec) -> str:
+    """build.ninja for `spec`: the sources are compiled to objects and linked into
+    `<name>.so`. Build statements name only generated files, relative to the build folder
+    (nvcc hands its input's path to a shell unescaped); every outside path is in a variable,
+    quoted for the shell and escaped for ninja."""
+    flags = spec.flags
+    includes = [f"-I{path}" for path in dict.fromkeys(
+        [*flags["include_dirs"], find_include_path(), find_dlpack_include_path()])]
+    tvm_ffi_lib = Path(find_libtvm_ffi())
+    ldflags = [f"-L{tvm_ffi_lib.parent}", "-l" + tvm_ffi_lib.stem.removeprefix("lib")]
+    lines = ["ninja_required_version = 1.3",
+             f"cxx = {_arguments(toolchain.host_compiler())}",
+             f"cxxflags = {_arguments(*flags['cflags'], *includes)}"]
+    # Each build is a fresh one, so ninja needs no record of the headers; jitk reads the
+    # compilers' dependency files itself (_headers_read).
+    rules = ["rule compile",
+             "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out", ""]
+    if spec.archs:
+        gencode = [f"-gencode=arch=compute_{a.replace('.', '')},code={toolchain.sm_name(a)}"
+                   for a in spec.archs]
+        cuda_cflags = ["-ccbin", toolchain.nvcc_host_compiler(), *gencode,
+                       *flags["cuda_cflags"], *includes]
+        lines += [f"nvcc = {_arguments(toolchain.nvcc_path())}",
+                  f"cuda_cflags = {_arguments(*cuda_cflags)}"]
+        rules += ["rule compile_cuda",
+                  "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
+                  "$out.d $cuda_cflags -c $in -o $out", ""]
+        ldflags += [f"-L{toolchain.cuda_home() / 'lib64'}", "-lcudart"]
+    lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
+    rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
+    objects = {file_name: _object(file_name) for file_name in spec.sources}
+    builds = [f"build {obj}: {'compile_cuda' if src.endswith('.cu') else 'compile'} {src}"
+              for src, obj in objects.items()]
+    library = f"{spec.name}.so"
+    builds += [f"build {library}: link {' '.join(objects.values())}", f"default {library}"]
+    return "\n".join([*lines, "", *rules, *builds, ""])
+
+
+def _run_ninja(module: str, staging: Path) -> None:
+    """Runs ninja in `staging` under the guard; raises JitCompileError when the build fails."""
+    timeout = lock_timeout()
+    ninja = [toolchain.ninja(), "-v"]
+    guarded = [sys.executable or "python3", "-I", str(GUARD), str(os.getpid()), str(timeout),
+               *ninja]
+    try:  # the guard stops the build at `timeout`; this only bounds a guard gone wrong
+        done = subprocess.run(guarded, cwd=staging, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace",
+                              timeout=timeout + 60, check=False)
+    except subprocess.TimeoutExpired as stopped:
+        reason = f"jitk: the build guard did not stop the build within {timeout + 60:g} s"
+        raise JitCompileError(module, shlex.join(guarded), [reason], str(stopped)) from None
+    if done.returncode != 0:
+        raise compile_error(module, done.stdout, staging, ninja)
 
 
 def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
@@ -129,26 +173,37 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
     or by a version in the key (tvm-ffi's, the CUDA toolkit's, the host compiler's), as
     path prefixes, both as given and with links resolved."""
     roots = [staging, spec.include_dir, Path(find_include_path()),
-             Path(find_dlpack_include_path()), *toolchain.host_system_include_dirs()]
+             Path(find_dlpack_include_path())]
+    for compiler in toolchain.compilers(cuda=bool(spec.archs)):
+        roots += toolchain.system_include_dirs(compiler)
     if spec.archs:
         roots.append(toolchain.cuda_home())
     spellings = {os.path.normpath(p) for root in roots for p in (root, os.path.realpath(root))}
     return tuple(spelling.rstrip(os.sep) + os.sep for spelling in spellings)
 
 
+def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
+    """The files each compiler read, from the make-style dependency file it wrote beside
+    its object: a backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
+    paths = []
+    for source in sources:
+        text = (staging / f"{_object(source)}.d").read_text().replace("\\\n", " ")
+        words = re.findall(r"(?:\\.|[^\s\\])+", text.partition(":")[2])
+        for word in words:
+            path = re.sub(r"\\([ #])", r"\1", word)
+            paths.append(path if source.endswith(".cu") else path.replace("$$", "$"))
+    return paths
+
+
 def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
     """Digests of the headers the build read that nothing in the key covers: the kernel's
     own includes, checked on every load so that editing one rebuilds."""
-    out = subprocess.run([shutil.which("ninja") or "ninja", "-t", "deps"], cwd=staging,
-                         capture_output=True, text=True, timeout=60, check=True)
     covered = _covered_by_key(spec, staging)
     listed = {os.path.realpath(path) for path in spec.kernel_files}
     headers = {}
-    for line in out.stdout.splitlines():
-        path = os.path.normpath(line.strip())
-        if not line.startswith("    ") or path.startswith(covered):
-            continue
-        if os.path.realpath(path) not in listed:
+    for read in _headers_read(staging, spec.sources):
+        path = os.path.normpath(staging / read)  # the sources are named relative to it
+        if not path.startswith(covered) and os.path.realpath(path) not in listed:
             headers[cache.portable(path)] = cache.digest(Path(path))
     return dict(sorted(headers.items()))
 
@@ -163,17 +218,10 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     staging = cache.new_staging(spec.entry)
     for file_name, text in spec.sources.items():
         (staging / file_name).write_text(text)
-    guard = _write_guard(staging)
+    (staging / "build.ninja").write_text(build_file(spec))
     started = time.perf_counter()
-    try:
-        with _build_env(spec.archs, guard):
-            tvm_ffi.cpp.build(spec.name, build_directory=str(staging),
-                              sources=[str(staging / f) for f in spec.sources],
-                              **spec.build_kwargs)
-    except RuntimeError as error:
-        raise compile_error(spec.name, str(error)) from None
+    _run_ninja(spec.name, staging)
     seconds = time.perf_counter() - started
-    shutil.rmtree(guard)
     library = staging / f"{spec.name}.so"
     sha256 = cache.digest(library)
     cache.write_meta(staging, {

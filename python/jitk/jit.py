@@ -1,6 +1,6 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is tvm-ffi's (ninja); the exports are jitk's (jitk/export.h, on tvm-ffi's
+The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export.h, on tvm-ffi's
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
 build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
 header and kernel file, the compiler versions and the target architectures, independent of
@@ -36,11 +36,11 @@ PACKAGE_DIR = cache.PACKAGE_DIR
 INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "csrc"
 
-DEFAULT_CFLAGS = ("-std=c++20", "-O3")
-DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr")
+DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
+DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 # Bind every symbol at load: a missing one fails the builder's load, before publication,
 # rather than killing the process at the first call that needs it.
-DEFAULT_LDFLAGS = ("-Wl,-z,now",)
+DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
 DISABLE_ENV = "JITK_DISABLE_JIT"
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
@@ -299,28 +299,26 @@ def load_jit(
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
     if has_cuda:
         sources["cuda.cu"] = _render_source(name, cuda_paths, cuda_exports, True)
-    build_kwargs = {
-        "extra_cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
-        "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
-        "extra_ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
-        "extra_include_paths": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
+    build_flags = {
+        "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
+        "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
+        "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
+        "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
-    compilers = [toolchain.host_compiler_version()]
-    if has_cuda:
-        compilers.append(toolchain.nvcc_version())
+    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda))
     kernel_files = cpp_paths + cuda_paths
     key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
                       "tvm_ffi": tvm_ffi.__version__, "sources": sources,
-                      "build_kwargs": build_kwargs}, kernel_files)
+                      "flags": build_flags}, kernel_files)
     entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key[:16]}"
     spec = BuildSpec(name, entry, key, build_dir is not None, archs, sources,
-                     tuple(kernel_files), INCLUDE_DIR, build_kwargs)
+                     tuple(kernel_files), INCLUDE_DIR, build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
             "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
             "cuda_wrappers": cuda_exports, **flags,
-            "extra_include_paths": build_kwargs["extra_include_paths"][1:],
+            "extra_include_paths": build_flags["include_dirs"][1:],
             "build_directory": str(build_dir) if build_dir else None}
     call = {key: value for key, value in call.items() if value}
     module, _ = _build_and_load(spec, name_parts[1:], call)
