@@ -37,7 +37,7 @@ import torch
 from . import __version__
 from .cache import cache_root
 from .custom_op import OpInfo, find_op
-from .lock import build_lock
+from .lock import build_lock, lock_path
 from .timing import captured_graph
 
 __all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
@@ -111,7 +111,7 @@ def record(entries: Iterable[dict], path: Path | None = None) -> None:
     (an entry of the same op, bucket and environment is replaced), then an atomic rename."""
     path = path or tuning_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(path):
+    with build_lock(lock_path(path), path):
         merged = {_identity(e): e for e in _read(path)[0]}
         merged.update({_identity(e): e for e in entries})
         staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
