@@ -386,12 +386,6 @@ def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def _reference_device() -> torch.device:
-    """Where the references reach memory behind raw pointers: the current GPU, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-
 def _layer_layout(stride: int, page_stride: int | None, hint: int) -> tuple[int, int | None, int]:
     """(row stride, slots per page or None, page stride) of an all-layer side, read as the
     kernel reads it: pages of `hint` slots, unless the page stride is the row stride's run."""
@@ -420,7 +414,9 @@ def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_s
     hint, pages = page_size or 1, _slots_per_index(page_size, index_granularity)
     src_layout = _layer_layout(src_stride, src_page_stride, hint)
     dst_layout = _layer_layout(dst_stride, dst_page_stride, hint)
-    device = _reference_device()
+    # The memory behind the pointers is reached from where the tables are: the kernel's GPU
+    # (pinned host memory through unified addressing), or the CPU for CPU tensors' addresses.
+    device = ptrs_dst[0].device
     to, take = _moved_slots(indices_dst, indices_src, pages, (num_tokens_dst, dst_layout[1]),
                             (num_tokens_src, src_layout[1]), device)
     if not to.numel():
