@@ -103,12 +103,15 @@ def _write_guard(staging: Path) -> Path:
 @contextlib.contextmanager
 def _build_env(archs: tuple[str, ...], guard: Path) -> Iterator[None]:
     """tvm-ffi takes the CUDA root and target architectures from the environment, and
-    runs the `ninja` it finds on PATH."""
+    runs the `ninja` it finds on PATH; the linker finds libcudart on LIBRARY_PATH too."""
     with _env_lock:
         settings = {"PATH": f"{guard}{os.pathsep}{os.environ.get('PATH', '')}"}
         if archs:
             settings["CUDA_HOME"] = str(toolchain.cuda_home())
             settings["TVM_FFI_CUDA_ARCH_LIST"] = " ".join(archs)
+            toolchain.link_cudart(guard)  # a wheel-installed toolkit's libcudart
+            library_path = [str(guard), os.environ.get("LIBRARY_PATH")]
+            settings["LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
         saved = {key: os.environ.get(key) for key in settings}
         os.environ.update(settings)
         try:

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ARCH_ENV = "JITK_CUDA_ARCH"
@@ -18,8 +19,26 @@ class ToolchainError(RuntimeError):
     """The CUDA toolkit, a compiler or the target architecture could not be determined."""
 
 
+# ------------------------------------------------------------------ the CUDA toolkit
+# Where nvcc comes from, first found wins: $JITK_NVCC; $CUDA_HOME (or $CUDA_PATH); the nvcc
+# on PATH; the CUDA 13 wheels of `pip install 'jitk[cuda]'`; /usr/local/cuda.
+NVCC_ENV = "JITK_NVCC"
+ROOT_ENVS = ("CUDA_HOME", "CUDA_PATH")
+WHEEL_ROOT = Path("nvidia", "cu13")  # nvidia-cuda-nvcc/-runtime/-crt/-cccl install here
+DEFAULT_ROOT = Path("/usr/local/cuda")
+
+
 def _is_cuda_root(path: Path) -> bool:
     return (path / "include" / "cuda_runtime.h").is_file() and (path / "bin" / "nvcc").exists()
+
+
+def wheel_root() -> Path | None:
+    """The toolkit the nvidia-cuda-* wheels installed (under site-packages), if any."""
+    for folder in sys.path:
+        root = Path(folder or ".", WHEEL_ROOT)
+        if (root / "bin" / "nvcc").is_file():
+            return root
+    return None
 
 
 def _root_reported_by_nvcc(nvcc: str) -> Path | None:
@@ -37,11 +56,16 @@ def _root_reported_by_nvcc(nvcc: str) -> Path | None:
     return None
 
 
-@functools.cache
-def cuda_home() -> Path:
-    """The CUDA toolkit root: $CUDA_HOME or $CUDA_PATH, else the one nvcc on PATH belongs to,
-    else /usr/local/cuda. Raises ToolchainError saying what was tried."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
+def _explicit_nvcc() -> str | None:
+    value = os.environ.get(NVCC_ENV)
+    if value and not (os.path.isfile(value) and os.access(value, os.X_OK)):
+        raise ToolchainError(f"${NVCC_ENV}={value} is not an executable file; point it at nvcc")
+    return value or None
+
+
+def _root_env() -> tuple[str, Path] | None:
+    """$CUDA_HOME or $CUDA_PATH, checked, when set."""
+    for var in ROOT_ENVS:
         value = os.environ.get(var)
         if value:
             if not _is_cuda_root(Path(value)):
@@ -49,22 +73,62 @@ def cuda_home() -> Path:
                     f"${var}={value} is not a CUDA toolkit (no bin/nvcc and "
                     "include/cuda_runtime.h there); point it at the toolkit root"
                 )
-            return Path(value)
+            return var, Path(value)
+    return None
+
+
+@functools.cache
+def cuda_home() -> Path:
+    """The root of the toolkit whose nvcc builds run (see find_nvcc()). Raises
+    ToolchainError saying what was tried."""
+    explicit = _explicit_nvcc()
+    if not explicit and (found := _root_env()):
+        return found[1]
     tried = []
-    nvcc = shutil.which("nvcc")
+    nvcc = explicit or shutil.which("nvcc")
     if nvcc:
         for candidate in (Path(nvcc).resolve().parent.parent, _root_reported_by_nvcc(nvcc)):
             if candidate is not None and _is_cuda_root(candidate):
                 return candidate
             tried.append(str(candidate))
-    default = Path("/usr/local/cuda")
-    if _is_cuda_root(default):
-        return default
-    tried.append(str(default))
+        if explicit:
+            raise ToolchainError(f"${NVCC_ENV}={explicit} belongs to no CUDA toolkit root "
+                                 f"(tried {', '.join(tried)}: no include/cuda_runtime.h)")
+    for root in (wheel_root(), DEFAULT_ROOT):
+        if root is not None and _is_cuda_root(root):
+            return root
+    tried.append(f"the nvidia-cuda-* wheels, {DEFAULT_ROOT}")
     raise ToolchainError(
         "jitk could not find the CUDA toolkit (looked for nvcc on PATH and at "
-        f"{', '.join(tried)}); install it or set CUDA_HOME to its root"
+        f"{', '.join(tried)}); install one (pip install 'jitk[cuda]' for CUDA 13), or set "
+        "CUDA_HOME to its root"
     )
+
+
+def find_nvcc() -> tuple[Path, str]:
+    """The nvcc that builds run and where it came from: $JITK_NVCC, else $CUDA_HOME's (or
+    $CUDA_PATH's), else the one on PATH, else the nvidia-cuda-nvcc wheel's, else
+    /usr/local/cuda's. Runs no process (unlike cuda_home() on a wrapper script)."""
+    if explicit := _explicit_nvcc():
+        return Path(explicit), NVCC_ENV
+    if found := _root_env():
+        return found[1] / "bin" / "nvcc", found[0]
+    if on_path := shutil.which("nvcc"):
+        return Path(on_path), "PATH"
+    if wheels := wheel_root():
+        return wheels / "bin" / "nvcc", "the nvidia-cuda-nvcc wheel"
+    return cuda_home() / "bin" / "nvcc", str(DEFAULT_ROOT)
+
+
+def link_cudart(folder: Path) -> None:
+    """The linker looks for libcudart.so in the toolkit's lib64; the wheels have only
+    lib/libcudart.so.13. Links that one into `folder`, for a build's LIBRARY_PATH."""
+    root = cuda_home()
+    if (root / "lib64" / "libcudart.so").exists():
+        return
+    for library in sorted((root / "lib").glob("libcudart.so.*")):
+        (folder / "libcudart.so").symlink_to(library)
+        return
 
 
 def parse_archs(text: str) -> tuple[str, ...]:
@@ -164,12 +228,7 @@ def host_compiler_version() -> str:
 
 
 def nvcc_path() -> str:
-    """The nvcc that builds run: $CUDA_HOME's (or $CUDA_PATH's), else the one on PATH, else
-    /usr/local/cuda's. Cheaper than cuda_home(), which may have to ask a wrapper script."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return str(cuda_home() / "bin" / "nvcc")
-    return shutil.which("nvcc") or str(cuda_home() / "bin" / "nvcc")
+    return str(find_nvcc()[0])
 
 
 @functools.cache
