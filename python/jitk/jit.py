@@ -3,10 +3,11 @@
 The build itself is tvm-ffi's (ninja); the exports are jitk's (jitk/export.h, on tvm-ffi's
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
 build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
-header and kernel file, the compiler versions and the target architectures, independent of
-where jitk is installed; a cache that readers use without locks or writes, filled by builds
-published in one rename (jitk/cache.py, jitk/build.py); a mode that never compiles; compile
-errors that show the compiler's own lines; and a load-time check that the library holds
+header and kernel file and the compiler versions, independent of where jitk is installed,
+with the target architectures named after it (a lookup takes an entry built for more); a
+cache that readers use without locks or writes, filled by builds published in one rename
+(jitk/cache.py, jitk/build.py); a mode that never compiles; compile errors that show the
+compiler's own lines; and a load-time check that the library holds
 code for the GPU it is about to run on."""
 
 from __future__ import annotations
@@ -228,32 +229,77 @@ def _load_published(library: Path) -> tvm_ffi.Module | None:
         return None
 
 
-def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...]
-                    ) -> tuple[tvm_ffi.Module, bool]:
-    """The module of `spec` and whether this call built it. A complete, intact entry is
-    loaded without a lock or a write; anything else is built under the entry's lock."""
+def _usable(entry: Path) -> cache.Lookup:
+    found = cache.look_up(entry)
+    if found.problem:  # perhaps read while another process replaced the entry: look again
+        found = cache.look_up(entry)
+    return found
+
+
+def _covering_entries(spec: BuildSpec) -> list[tuple[Path, tuple[str, ...]]]:
+    """Entries of the same build for other sets of architectures (same folder name up to
+    the architectures' tag) that serve every architecture of `spec`, those with machine
+    code for all of them first. Read only when the exact entry is missing."""
+    prefix = spec.entry.name.rsplit("_", 1)[0] + "_"
+    try:
+        names = sorted(name for name in os.listdir(spec.entry.parent) if name.startswith(prefix)
+                       and "." not in name and name != spec.entry.name)
+    except OSError:
+        return []
+    ranked = []
+    for name in names:
+        meta = cache.read_meta(spec.entry.parent / name) or {}
+        try:
+            built = toolchain.parse_archs(";".join(map(str, meta.get("archs") or ())))
+        except toolchain.ToolchainError:
+            continue  # not an entry of this build; look_up would refuse it anyway
+        ways = [toolchain.serves(built, wanted) for wanted in spec.archs]
+        if all(ways):
+            ranked.append(("ptx" in ways, name, built))
+    return [(spec.entry.parent / name, built) for _, name, built in sorted(ranked)]
+
+
+def _load_cached(spec: BuildSpec, any_archs: bool
+                 ) -> tuple[tvm_ffi.Module | None, tuple[str, ...], str | None]:
+    """The module from the exact entry, else (when `any_archs`) from an entry for more
+    architectures that covers these; with the architectures it holds, or why the exact
+    entry cannot be used."""
+    found = _usable(spec.entry)
+    if found.library and (module := _load_published(found.library)):
+        return module, spec.archs, None
+    for entry, built in _covering_entries(spec) if any_archs and spec.archs else ():
+        other = _usable(entry)
+        if other.library and (module := _load_published(other.library)):
+            logger.info("jitk: %s for %s served by %s", spec.name, ", ".join(spec.archs), entry)
+            return module, built, None
+    return None, spec.archs, found.problem
+
+
+def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], any_archs: bool
+                    ) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
+    """The module of `spec`, the architectures it holds code for and whether this call built
+    it. A complete, intact entry is loaded without a lock or a write; anything else is built
+    under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
-    found = cache.look_up(spec.entry)
-    if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = cache.look_up(spec.entry)
-    if found.library and (module := _load_published(found.library)):
-        return module, False
+    module, archs, problem = _load_cached(spec, any_archs)
+    if module:
+        return module, archs, False
     if disabled:
-        raise _miss_error(spec, template_args, found.problem)
+        raise _miss_error(spec, template_args, problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
     with build_lock(spec.entry):
-        found = cache.look_up(spec.entry)  # another process may have built it meanwhile
-        if found.library and (module := _load_published(found.library)):
-            return module, False
-        if found.problem:
-            logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry,
-                           found.problem)
+        # another process may have built it meanwhile
+        module, archs, problem = _load_cached(spec, any_archs)
+        if module:
+            return module, archs, False
+        if problem:
+            logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry, problem)
         module = build_and_publish(spec)
     with _state_lock:
         _builds += 1
-    return module, True
+    return module, spec.archs, True
 
 
 def load_jit(
@@ -267,6 +313,7 @@ def load_jit(
     extra_ldflags: Iterable[str] = (),
     extra_include_paths: Iterable[str | os.PathLike] = (),
     build_directory: str | os.PathLike | None = None,
+    min_arch: str | None = None,
 ) -> tvm_ffi.Module:
     """Build (or find in the cache) and load a module.
 
@@ -275,7 +322,11 @@ def load_jit(
     files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
-    `build_directory` replaces the cache entry's folder. Under JITK_DISABLE_JIT=1 or
+    `build_directory` replaces the cache entry's folder. `min_arch` (e.g. "9.0") is the
+    oldest GPU architecture the CUDA code builds for: an older target is refused, naming
+    the module, before anything is compiled. A cached entry built for more architectures
+    than the targets (precompile --arch "8.0 9.0 10.0") serves them when it holds machine
+    code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     """
     name = _module_name(name_parts)
@@ -295,10 +346,16 @@ def load_jit(
     includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
+    if min_arch is not None and not (isinstance(min_arch, str)
+                                     and re.fullmatch(r"\d+\.\d+", min_arch)):
+        raise ValueError(f"load_jit(min_arch=...): expected one architecture such as '9.0', "
+                         f"got {min_arch!r}")
 
     has_cpp = bool(cpp_paths or cpp_exports)
     has_cuda = bool(cuda_paths or cuda_exports)
-    archs = toolchain.target_archs() if has_cuda else ()
+    archs = toolchain.canonical_archs(toolchain.target_archs()) if has_cuda else ()
+    if archs and min_arch is not None:
+        toolchain.check_min_arch(name, archs, min_arch)
     sources = {}  # generated file name -> text: main.cpp for the host compiler, cuda.cu for nvcc
     if has_cpp:
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
@@ -314,13 +371,16 @@ def load_jit(
     if has_cuda:
         compilers.append(toolchain.nvcc_version())
     kernel_files = cpp_paths + cuda_paths
-    key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
-                      "tvm_ffi": tvm_ffi.__version__, "sources": sources,
-                      "build_kwargs": build_kwargs}, kernel_files)
-    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key}"
+    # The architectures are not in the key but in the folder's name, after it, so that a
+    # process can find an entry built for more architectures than it asks for.
+    key = _cache_key({"name": name, "compilers": compilers, "tvm_ffi": tvm_ffi.__version__,
+                      "sources": sources, "build_kwargs": build_kwargs}, kernel_files)
+    folder = f"{name}_{key}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
+    entry = build_dir or cache.cache_root().expanduser().resolve() / folder
+    build_kwargs["extra_cuda_cflags"] += toolchain.ptx_flags(archs)  # named by the tag
     spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
                      build_kwargs)
-    module, _ = _build_and_load(spec, name_parts[1:])
-    if archs:
-        toolchain.check_runs_on_current_gpu(name, archs)
+    module, held, _ = _build_and_load(spec, name_parts[1:], any_archs=build_dir is None)
+    if held:
+        toolchain.check_runs_on_current_gpu(name, held)
     return module

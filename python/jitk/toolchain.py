@@ -4,12 +4,15 @@ and which compilers are in use (part of every cache key)."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+logger = logging.getLogger("jitk")
 
 ARCH_ENV = "JITK_CUDA_ARCH"
 _ARCH_PATTERN = re.compile(r"^(\d+)\.(\d+)([af]?)$")
@@ -170,15 +173,45 @@ def sm_name(arch: str) -> str:
     return "sm_" + arch.replace(".", "")
 
 
-def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
-    """Whether machine code built for `archs` runs on a GPU of `capability`.
+def _split(arch: str) -> tuple[int, int, str]:
+    major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
+    return int(major), int(minor), suffix
 
-    jitk embeds machine code only (no PTX): plain sm_XY code runs on the same major
-    version with an equal or newer minor; 'a' code runs on exactly that GPU, 'f' code on
-    the same major version."""
+
+def canonical_archs(archs: tuple[str, ...]) -> tuple[str, ...]:
+    """Each architecture once, oldest first: '9.0;8.0;9.0' and '8.0 9.0' build one entry."""
+    return tuple(sorted(set(archs), key=_split))
+
+
+def archs_tag(archs: tuple[str, ...]) -> str:
+    """('8.0', '9.0a') -> 'sm80-90a': the part of an entry's folder name that says what it
+    holds (the cache key leaves the architectures out, so that lookups can match sets)."""
+    return "sm" + "-".join(arch.replace(".", "") for arch in canonical_archs(archs))
+
+
+def ptx_arch(archs: tuple[str, ...]) -> str | None:
+    """The architecture whose PTX a multi-architecture ("fat") build also embeds: its newest
+    generic one, so that a GPU newer than the list still runs the module, compiled by the
+    driver. A single-architecture build holds machine code only."""
+    listed = canonical_archs(archs)
+    generic = [arch for arch in listed if not _split(arch)[2]]
+    return generic[-1] if len(listed) > 1 and generic else None
+
+
+def ptx_flags(archs: tuple[str, ...]) -> list[str]:
+    ptx = ptx_arch(archs)
+    if ptx is None:
+        return []
+    number = ptx.replace(".", "")
+    return [f"-gencode=arch=compute_{number},code=compute_{number}"]
+
+
+def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
+    """Whether machine code built for `archs` runs on a GPU of `capability`: plain sm_XY
+    code runs on the same major version with an equal or newer minor; 'a' code on exactly
+    that GPU, 'f' code on the same major version. (PTX: see serves().)"""
     for arch in archs:
-        major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
-        major, minor = int(major), int(minor)
+        major, minor, suffix = _split(arch)
         if suffix == "a" and (major, minor) == capability:
             return True
         if suffix in ("", "f") and major == capability[0] and minor <= capability[1]:
@@ -186,11 +219,37 @@ def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
     return False
 
 
+def serves(archs: tuple[str, ...], wanted: str) -> str | None:
+    """How a module built for `archs` serves a process that targets `wanted`: 'sass'
+    (machine code for it), 'ptx' (the embedded PTX, compiled by the driver at load) or
+    None. An architecture-specific target ('9.0a', '10.0f') is served only by itself."""
+    major, minor, suffix = _split(wanted)
+    if suffix:
+        return "sass" if wanted in archs else None
+    if runs_on(archs, (major, minor)):
+        return "sass"
+    ptx = ptx_arch(archs)
+    if ptx is not None and _split(ptx)[:2] <= (major, minor):
+        return "ptx"
+    return None
+
+
+@functools.cache
+def _notice_ptx(module: str, ptx: str, capability: tuple[int, int]) -> None:
+    logger.warning("jitk: module '%s' has no machine code for sm_%d%d; the driver compiles "
+                   "its compute_%s PTX on each process start (add %d.%d to %s or precompile's "
+                   "--arch to skip that)", module, *capability, ptx.replace(".", ""),
+                   *capability, ARCH_ENV)
+
+
 def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
     """Fail at load, naming both architectures, rather than at the first launch with
-    'no kernel image is available'."""
+    'no kernel image is available'. Code that runs only through PTX says so, once."""
     capability = current_gpu_capability()
     if capability is None or runs_on(archs, capability):
+        return
+    if serves(archs, f"{capability[0]}.{capability[1]}") == "ptx":
+        _notice_ptx(module, ptx_arch(archs), capability)
         return
     import torch
 
@@ -252,6 +311,17 @@ def _supported_archs(nvcc: str) -> tuple[str, ...]:
 def supported_archs() -> tuple[str, ...]:
     """The compute capabilities the installed nvcc can build for ('7.5', ..., '12.1')."""
     return _supported_archs(nvcc_path())
+
+
+def check_min_arch(module: str, archs: tuple[str, ...], min_arch: str) -> None:
+    """Refuses, before any build, to build `module` for an architecture older than the
+    oldest it supports."""
+    too_old = [arch for arch in archs if _split(arch)[:2] < _split(min_arch)[:2]]
+    if too_old:
+        raise ToolchainError(
+            f"jitk module '{module}' cannot be built for "
+            f"{', '.join(sm_name(a) for a in too_old)}: it needs {sm_name(min_arch)} or newer "
+            f"(drop those from {ARCH_ENV} or precompile's --arch)")
 
 
 def check_buildable(archs: tuple[str, ...]) -> None:
