@@ -234,12 +234,17 @@ def serves(archs: tuple[str, ...], wanted: str) -> str | None:
     return None
 
 
-@functools.cache
-def _notice_ptx(module: str, ptx: str, capability: tuple[int, int]) -> None:
+_ptx_noted: list[str] = []  # the first module this process runs through PTX
+
+
+def _note_ptx(module: str, ptx: str, capability: tuple[int, int]) -> None:
+    if _ptx_noted:
+        return
+    _ptx_noted.append(module)
     logger.warning("jitk: module '%s' has no machine code for sm_%d%d; the driver compiles "
-                   "its compute_%s PTX on each process start (add %d.%d to %s or precompile's "
-                   "--arch to skip that)", module, *capability, ptx.replace(".", ""),
-                   *capability, ARCH_ENV)
+                   "its compute_%s PTX when it loads (so may other modules; noted once). Add "
+                   "%d.%d to %s, or to precompile's --arch, for machine code", module,
+                   *capability, ptx.replace(".", ""), *capability, ARCH_ENV)
 
 
 def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
@@ -249,7 +254,7 @@ def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
     if capability is None or runs_on(archs, capability):
         return
     if serves(archs, f"{capability[0]}.{capability[1]}") == "ptx":
-        _notice_ptx(module, ptx_arch(archs), capability)
+        _note_ptx(module, ptx_arch(archs), capability)
         return
     import torch
 
