@@ -29,6 +29,8 @@ def no_toolkit_visible(monkeypatch, tmp_path):
     empty_bin.mkdir()
     monkeypatch.setenv("PATH", str(empty_bin))
     monkeypatch.setattr(toolchain, "DEFAULT_ROOT", tmp_path / "no-usr-local-cuda")
+    # Looked up afresh, not the root this process already found.
+    monkeypatch.setattr(toolchain, "cuda_home", toolchain.cuda_home.__wrapped__)
     site = tmp_path / "site-packages"
     site.mkdir()
     monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
@@ -44,22 +46,22 @@ def test_nothing_found_says_what_to_install(no_toolkit_visible):
 def test_the_wheels_toolkit_is_found_last(no_toolkit_visible, tmp_path, monkeypatch):
     wheels = fake_toolkit(no_toolkit_visible / "nvidia" / "cu13")
     assert toolchain.find_nvcc() == (wheels / "bin" / "nvcc", "the nvidia-cuda-nvcc wheel")
-    assert toolchain.cuda_home.__wrapped__() == wheels
+    assert toolchain.cuda_home() == wheels
 
     on_path = fake_toolkit(tmp_path / "path-cuda")
     monkeypatch.setenv("PATH", str(on_path / "bin"))
     assert toolchain.find_nvcc() == (on_path / "bin" / "nvcc", "PATH")
-    assert toolchain.cuda_home.__wrapped__() == on_path
+    assert toolchain.cuda_home() == on_path
 
     home = fake_toolkit(tmp_path / "home-cuda")
     monkeypatch.setenv("CUDA_HOME", str(home))
     assert toolchain.find_nvcc() == (home / "bin" / "nvcc", "CUDA_HOME")
-    assert toolchain.cuda_home.__wrapped__() == home
+    assert toolchain.cuda_home() == home
 
     explicit = fake_toolkit(tmp_path / "explicit-cuda")
     monkeypatch.setenv("JITK_NVCC", str(explicit / "bin" / "nvcc"))
     assert toolchain.find_nvcc() == (explicit / "bin" / "nvcc", "JITK_NVCC")
-    assert toolchain.cuda_home.__wrapped__() == explicit
+    assert toolchain.cuda_home() == explicit
 
 
 def test_bad_jitk_nvcc_is_named(no_toolkit_visible, tmp_path, monkeypatch):
@@ -72,7 +74,7 @@ def test_bad_jitk_nvcc_is_named(no_toolkit_visible, tmp_path, monkeypatch):
     lone.chmod(0o755)
     monkeypatch.setenv("JITK_NVCC", str(lone))
     with pytest.raises(jitk.ToolchainError, match="belongs to no CUDA toolkit root"):
-        toolchain.cuda_home.__wrapped__()
+        toolchain.cuda_home()
 
 
 def test_wheels_libcudart_is_linked_for_the_linker(no_toolkit_visible, tmp_path, monkeypatch):

@@ -43,10 +43,10 @@ def _nvcc() -> dict:
 
 def _host_compiler() -> dict:
     found = dict.fromkeys(HOST_COMPILER_KEYS)
-    name = toolchain.host_compiler()
-    found["path"] = shutil.which(name) or name
-    found["source"] = "CXX" if os.environ.get("CXX") else f"default: {name} on PATH"
+    found["source"] = "CXX" if os.environ.get("CXX") else "default: c++ on PATH"
     try:
+        name = toolchain.host_compiler()
+        found["path"] = shutil.which(name) or name
         found["version"] = toolchain.host_compiler_version()
     except toolchain.ToolchainError as error:
         found["error"] = str(error)
