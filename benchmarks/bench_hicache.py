@@ -11,6 +11,12 @@ Tables:
   another on a side stream alone (GB/s), the same beside the GEMMs (GB/s, counting only the
   layers done before the GEMMs end) and the GEMMs' slowdown, per method, at 4096 and 32768
   tokens x 256 B / 1 KiB / 4 KiB, pages of 1 / 16 / 64 tokens.
+  Besides jitk's methods ("auto" with host indices included): a gathered write-back (GPU
+  gather, one copy-engine block into consecutive host slots), a CPU-gathered load-back
+  (torch's threads, one copy into consecutive GPU slots), and with --peers SGLang 0.5.23's
+  register and TMA kernels from .peers/sgl523 (PYTHONPATH); --pages picks the page sizes.
+- staged (--staged): the staged write-back (layer_first GPU -> page_first host), alone and
+  beside the GEMMs, pages of 1 / 16 / 64.
 - sweep (--sweep): the kernel's bandwidth per block quota, which picks its default.
 Transfers run on side streams (the copy engines' batch submission refuses the legacy default
 stream). --quick measures a subset.
@@ -48,6 +54,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter runs")
     parser.add_argument("--sweep", action="store_true", help="block quota sweep")
     parser.add_argument("--skip-solo", action="store_true", help="overlap table only")
+    parser.add_argument("--pages", default=None,
+                        help="overlap table: page sizes, e.g. 1,16 (default 64,16,1)")
+    parser.add_argument("--staged", action="store_true",
+                        help="the staged write-back (layer_first GPU -> page_first host), alone "
+                             "and beside the GEMMs, pages of 1 / 16 / 64")
+    parser.add_argument("--peers", action="store_true",
+                        help="overlap table: SGLang 0.5.23's kernels too (PYTHONPATH with "
+                             ".peers/sgl523, see ../shared/peers/README.md)")
     return parser.parse_args()
 
 
@@ -67,19 +81,33 @@ def random_rows(rows: int, row_bytes: int, where: str) -> torch.Tensor:
 @dataclass
 class Variant:
     """A way to run one layer's transfer: a jitk method with its options, indices on the
-    GPU or pinned on the host."""
+    GPU or pinned on the host; `transfer` replaces jitk's call (SGLang's kernels)."""
     label: str
     method: str
     host_indices: bool = False
     options: dict = field(default_factory=dict)
+    transfer: object = None
 
 
-def variants(sms: int) -> list[Variant]:
-    """The kernel as jitk runs it by default and on every SM (its old default), and the copy
-    engines."""
-    return [Variant("kernel", "kernel"),
-            Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
-            Variant("copy_engine", "copy_engine", host_indices=True)]
+def variants(sms: int, peers: bool) -> list[Variant]:
+    """The kernel as jitk runs it by default and on every SM (its old default), the copy
+    engines, "auto" with host indices (the kernel on GPU copies of them below 64 KiB pages),
+    and SGLang 0.5.23's register and TMA kernels (GPU indices, its defaults) with --peers."""
+    found = [Variant("kernel", "kernel"),
+             Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
+             Variant("copy_engine", "copy_engine", host_indices=True),
+             Variant("auto, host indices", "auto", host_indices=True)]
+    if peers:
+        try:
+            import sgl523
+        except ImportError as error:
+            print(f"SGLang 0.5.23's kernels did not load: {error}", flush=True)
+            return found
+        found += [Variant("sglang 0.5.23 register", "sglang",
+                          transfer=sgl523.transfer_hicache_one_layer),
+                  Variant("sglang 0.5.23 tma", "sglang",
+                          transfer=sgl523.transfer_hicache_one_layer_tma)]
+    return found
 
 
 @functools.cache
@@ -123,9 +151,62 @@ def caches_calls(variant: Variant, dst: list, src: list, tokens: int, page: int)
             idx = [i.pin_memory() for i in idx]
         else:
             idx = [i.cuda() for i in idx]
+        if variant.transfer is not None:
+            calls.append(lambda i=idx: variant.transfer(dst[0], dst[1], i[0], src[0], src[1],
+                                                        i[1], element_dim=element_dim))
+            continue
         calls.append(lambda i=idx: hicache.transfer_hicache_one_layer(
             dst[0], dst[1], i[0], src[0], src[1], i[1], page_size=page,
             element_dim=element_dim, method=variant.method, **variant.options))
+    return calls
+
+
+def gathered_write_back_calls(pools: Pools, tokens: int, page: int):
+    """A write-back as a GPU gather of the pages into a staging buffer (the kernel, GPU to
+    GPU) and one copy-engine copy per cache into host slots that follow each other (as a
+    host allocator hands out fresh slots): the copy engines move one large block."""
+    row = pools.row_bytes // 2
+    staging = [torch.empty(tokens, row, dtype=torch.float16, device="cuda") for _ in range(2)]
+    staged = torch.arange(tokens)
+    staged_gpu = staged.cuda()
+    calls = []
+    for _ in range(INDEX_SETS):
+        src_idx = page_indices(tokens, GPU_POOL, page).cuda()
+        first = int(torch.randint(0, HOST_POOL - tokens, ()))
+        host_idx = torch.arange(first, first + tokens)
+
+        def call(src_idx=src_idx, host_idx=host_idx):
+            hicache.transfer_hicache_one_layer(staging[0], staging[1], staged_gpu,
+                                               pools.gpu[0], pools.gpu[1], src_idx,
+                                               method="kernel", block_quota=8)
+            hicache.transfer_hicache_one_layer(pools.host[0], pools.host[1], host_idx,
+                                               staging[0], staging[1], staged,
+                                               method="copy_engine")
+        calls.append(call)
+    return calls
+
+
+def cpu_gathered_load_calls(pools: Pools, tokens: int, page: int):
+    """A load-back as a gather of the host pages by CPU threads (torch's index_select) into
+    a pinned staging buffer, then one copy-engine copy per cache into GPU slots that follow
+    each other. A staging buffer is rewritten only after its last copy has finished."""
+    row = pools.row_bytes // 2
+    calls = []
+    for _ in range(INDEX_SETS):
+        host_idx = page_indices(tokens, HOST_POOL, page)
+        first = int(torch.randint(0, GPU_POOL - tokens, ()))
+        staging = [torch.empty(tokens, row, dtype=torch.float16, pin_memory=True)
+                   for _ in range(2)]
+        done = torch.cuda.Event()
+        done.record()
+
+        def call(host_idx=host_idx, first=first, staging=staging, done=done):
+            done.synchronize()
+            for cache in range(2):
+                torch.index_select(pools.host[cache], 0, host_idx, out=staging[cache])
+                pools.gpu[cache][first:first + tokens].copy_(staging[cache], non_blocking=True)
+            done.record()
+        calls.append(call)
     return calls
 
 
@@ -204,8 +285,9 @@ def overlap_table(args, sms) -> list[dict]:
     gemm_ms = gemm_alone_ms(gemm)
     print(f"GEMM alone: {GEMM[0]} x bf16 {GEMM[1]}^3 = {gemm_ms:.2f} ms", flush=True)
     streams = [torch.cuda.Stream()]
-    shapes = ([(4096, 1024, p) for p in (64, 1)] if args.quick else
-              list(itertools.product((4096, 32768), (1024, 4096, 256), (64, 16, 1))))
+    pages = [int(p) for p in args.pages.split(",")] if args.pages else None
+    shapes = ([(4096, 1024, p) for p in pages or (64, 1)] if args.quick else
+              list(itertools.product((4096, 32768), (1024, 4096, 256), pages or (64, 16, 1))))
     rows = []
     for row_bytes in dict.fromkeys(b for _, b, _ in shapes):  # the headline sizes first
         pools = pools_for(row_bytes)
@@ -213,8 +295,15 @@ def overlap_table(args, sms) -> list[dict]:
             for tokens, _, page in [s for s in shapes if s[1] == row_bytes]:
                 layer_bytes = 2 * tokens * row_bytes
                 todo = [(v.label, layer_calls(v, pools, direction, tokens, page))
-                        for v in variants(sms)]
-                if page == 1:  # once per shape: the contiguous copy_ reference
+                        for v in variants(sms, args.peers)]
+                if direction == "d2h":
+                    todo.append(("gather + copy_engine (host slots in one run)",
+                                 gathered_write_back_calls(pools, tokens, page)))
+                else:
+                    todo.append((f"CPU gather ({torch.get_num_threads()} threads) + copy_ "
+                                 "(GPU slots in one run)",
+                                 cpu_gathered_load_calls(pools, tokens, page)))
+                if page == min(s[2] for s in shapes):  # once per shape: the copy_ reference
                     todo.append(("copy_ contiguous", contiguous_calls(pools, direction, tokens)))
                 for label, calls in todo:
                     shape = {"direction": direction, "tokens": tokens,
@@ -226,6 +315,41 @@ def overlap_table(args, sms) -> list[dict]:
                         row = {"method": label, "error": str(error)[:300]}
                     rows.append({**shape, **row})
                     print("  ", _short(rows[-1]), flush=True)
+    return rows
+
+
+STAGED_LAYERS, STAGED_TOKENS, STAGED_HOST, STAGED_CAPACITY = 8, 4096, 32768, 1024
+
+
+def staged_table(args) -> list[dict]:
+    """SGLang's default backup for page_first hosts: K+V rows of 1 KiB, 8 layers, 4096
+    tokens a call (64 MiB), random whole pages on both sides, staging of 1024 tokens."""
+    gemm = make_gemm()
+    gemm_ms = gemm_alone_ms(gemm)
+    row = 512  # fp16
+    device = [[random_rows(GPU_POOL // 4, 2 * row, "cuda") for _ in range(STAGED_LAYERS)]
+              for _ in range(2)]
+    host = [torch.empty(STAGED_HOST, STAGED_LAYERS, row, dtype=torch.float16, pin_memory=True)
+            for _ in range(2)]
+    staging = [torch.empty(STAGED_CAPACITY, STAGED_LAYERS, row, dtype=torch.float16,
+                           device="cuda") for _ in range(2)]
+    tables = [torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).cuda()
+              for layers in device]
+    rows = []
+    for page in (1, 16, 64):
+        calls = []
+        for _ in range(INDEX_SETS):
+            src = page_indices(STAGED_TOKENS, GPU_POOL // 4, page).cuda()
+            dst = page_indices(STAGED_TOKENS, STAGED_HOST, page)
+            calls.append(lambda src=src, dst=dst, page=page:
+                         hicache.transfer_hicache_all_layer_staged_lf_pf(
+                             tables[0], tables[1], src, dst, staging[0], staging[1], host[0],
+                             host[1], page_size=page))
+        layer_bytes = 2 * STAGED_TOKENS * STAGED_LAYERS * 2 * row
+        row_ = overlap_row("staged write-back", calls, layer_bytes, [torch.cuda.Stream()],
+                           gemm, gemm_ms, 2 if args.quick else 3)
+        rows.append({"page": page, **row_})
+        print("  ", _short(rows[-1]), flush=True)
     return rows
 
 
@@ -401,6 +525,10 @@ def main():
     result = {"device": common.device_name(), "device_copy_gbps": device_copy,
               "pinned_h2d_gbps": h2d, "pinned_d2h_gbps": d2h}
     with torch.cuda.stream(torch.cuda.Stream()):  # the GEMMs' stream
+        if args.staged:
+            result["staged"] = staged_table(args)
+            common.print_table("staged write-back, 64 MiB a call (GB/s of K+V data)",
+                               result["staged"], list(result["staged"][0]))
         result["overlap"] = overlap_table(args, sms)
     common.write_json(args.json, result)
     with torch.cuda.stream(torch.cuda.Stream()):

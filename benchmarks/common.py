@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from jitk.timing import median_us
+from jitk.timing import captured_graph, median_us
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -38,23 +38,6 @@ def time_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100
     if do_bench is not None:
         return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
     return median_us(fn, repeats=50, warmup=10)
-
-
-def captured_graph(fn: Callable[[], object], calls_per_graph: int = 100) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of calls_per_graph calls of fn, warmed up on a side stream, replayed once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
 
 
 def time_graph_us(fn: Callable[[], object], calls_per_graph: int = 100, replays: int = 20) -> float:

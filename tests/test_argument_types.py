@@ -27,7 +27,9 @@ GOT = {"None": "None", "numpy": "numpy.ndarray", "int": "int 3", "list": "list",
        "str": "str '4'", "bool": "bool True"}
 
 HICACHE = {"unroll": OPTIONAL_INT, "block_quota": OPTIONAL_INT, "page_size": OPTIONAL_INT,
-           "method": STR}
+           "method": STR, "index_granularity": STR}
+STAGED = {"src_indices": TENSOR, "dst_indices": TENSOR, "page_size": INT,
+          "element_size": OPTIONAL_INT, "unroll": OPTIONAL_INT, "block_quota": OPTIONAL_INT}
 ONE_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "element_dim": OPTIONAL_INT,
              **HICACHE}
 ALL_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "element_size": OPTIONAL_INT,
@@ -47,6 +49,11 @@ PARAMETERS = {
         "ptr_dst": TENSOR, "ptr_src": TENSOR, "cache_src_stride_bytes": INT,
         "cache_dst_stride_bytes": INT, "cache_src_page_stride_bytes": OPTIONAL_INT,
         "cache_dst_page_stride_bytes": OPTIONAL_INT, **ALL_LAYER},
+    "transfer_hicache_all_layer_staged_lf_pf": {
+        "k_ptr_src": TENSOR, "v_ptr_src": TENSOR, "staging_k": TENSOR, "staging_v": TENSOR,
+        "dst_k": TENSOR, "dst_v": TENSOR, **STAGED},
+    "transfer_hicache_all_layer_mla_staged_lf_pf": {
+        "ptr_src": TENSOR, "staging": TENSOR, "dst": TENSOR, **STAGED},
     "stream_wait_value": {"flag": TENSOR, "value": INT, "op": STR},
     "stream_write_value": {"flag": TENSOR, "value": INT},
 }

@@ -114,14 +114,14 @@ def test_loading_takes_no_lock_and_writes_nothing(kernel, tmp_path):
 
 def test_a_lock_that_cannot_be_created_fails_at_once_naming_path_and_reason(kernel, tmp_path):
     entry = tmp_path / "mine"
-    lock.lock_path(entry).mkdir()
+    cache.build_lock_path(entry, in_place=True).mkdir(parents=True)
     started = time.perf_counter()
     with pytest.raises(jitk.JitLockError, match=f"cannot create the build lock "
-                       f"{lock.lock_path(entry)}: Is a directory"):
+                       f"{cache.build_lock_path(entry, in_place=True)}: Is a directory"):
         jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")],
                       build_directory=entry)
     assert time.perf_counter() - started < 5
-    assert not entry.exists()
+    assert not (entry / cache.META_FILE).exists()
 
 
 # ------------------------------------------------------------------------------ locks
@@ -157,7 +157,7 @@ WAIT_FOR_LOCK = textwrap.dedent("""\
 
 def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
     entry = tmp_path / "mine"
-    holder = hold_lock(lock.lock_path(entry))
+    holder = hold_lock(cache.build_lock_path(entry, in_place=True))
     try:
         # The waiter runs in its own process, under a timeout: a regression hangs no test.
         waiter = subprocess.run([sys.executable, "-c", WAIT_FOR_LOCK, str(kernel), str(entry)],
@@ -178,11 +178,34 @@ def test_a_lock_held_too_long_fails_naming_its_holder(kernel, tmp_path):
 
 
 def test_lock_timeout_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(lock.TIMEOUT_ENV, "soon")
-    with pytest.raises(jitk.JitLockError, match="JITK_LOCK_TIMEOUT='soon' is not a positive"):
-        lock.lock_timeout()
+    for setting in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv(lock.TIMEOUT_ENV, setting)
+        with pytest.raises(ValueError, match=f"JITK_LOCK_TIMEOUT='{setting}': expected a "
+                           "positive number of seconds"):
+            lock.lock_timeout()
     monkeypatch.setenv(lock.TIMEOUT_ENV, "2.5")
     assert lock.lock_timeout() == 2.5
+
+
+def test_bad_settings_fail_every_load_and_command_with_the_rule(kernel, tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cache_dir))
+    fill(cache_dir, kernel, ["twice"])
+    monkeypatch.setenv(lock.TIMEOUT_ENV, "0")
+    with pytest.raises(ValueError, match="JITK_LOCK_TIMEOUT='0'"):  # a hit checks it too
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    monkeypatch.delenv(lock.TIMEOUT_ENV)
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(a_file))
+    with pytest.raises(ValueError, match=f"JITK_CACHE_DIR='{a_file}' is a file; it must name "
+                       "a folder"):
+        jitk.load_jit("twice", cpp_files=[kernel], cpp_wrappers=[("twice", "twice")])
+    for command in (["cache"], ["cache", "prune", "--keep", "1"]):
+        result = subprocess.run([sys.executable, "-m", "jitk", *command], capture_output=True,
+                                text=True, timeout=120, env=child_env(a_file))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "is a file; it must name a folder" in result.stderr
 
 
 def compilers_under(folder: Path) -> list[str]:
@@ -218,30 +241,31 @@ def write_heavy_kernel(folder: Path) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
 def test_a_build_past_the_time_limit_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(cache.STAGING_ENV, str(tmp_path / "staging"))
     monkeypatch.setenv(lock.TIMEOUT_ENV, "0.2")
     with pytest.raises(jitk.JitCompileError) as info:
         jitk.load_jit("heavy", cpp_files=[write_heavy_kernel(tmp_path)],
                       cpp_wrappers=[("twice", "twice")])
     assert info.value.errors == ["jitk: the build ran longer than 0.2 s (JITK_LOCK_TIMEOUT) "
                                  "and was stopped"]
-    assert_no_compilers_soon(tmp_path / "cache")
+    assert_no_compilers_soon(tmp_path / "staging")
     assert not published(tmp_path / "cache")
 
 
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
 def test_a_killed_build_leaves_no_compiler_running(tmp_path):
-    cache_dir = tmp_path / "cache"
+    cache_dir, staging = tmp_path / "cache", tmp_path / "staging"
     heavy = write_heavy_kernel(tmp_path)
     builder = subprocess.Popen([sys.executable, "-c", LOAD, str(heavy), "heavy", "1"],
-                               env=child_env(cache_dir), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               env=child_env(cache_dir, JITK_STAGING_DIR=str(staging)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while not any("cc1plus" in c for c in compilers_under(cache_dir)):
+    while not any("cc1plus" in c for c in compilers_under(staging)):
         assert time.monotonic() < deadline and builder.poll() is None, "no compiler started"
         time.sleep(0.02)
     builder.send_signal(signal.SIGKILL)
     builder.wait()
-    assert_no_compilers_soon(cache_dir)
+    assert_no_compilers_soon(staging)
     assert not published(cache_dir)
 
 
@@ -313,7 +337,10 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
         age(entry.path, days)
 
     dry = jitk_cli(cache_dir, "cache", "prune", "--older-than", "3", "--dry-run")
-    assert dry.returncode == 0, dry.stderr
+    assert dry.returncode == 0, dry.stderr  # twice_b is old, but the only one of its kind
+    assert "would remove 1 cache entry" in dry.stdout and "nothing removed" in dry.stdout
+    dry = jitk_cli(cache_dir, "cache", "prune", "--older-than", "3", "--arch", "host",
+                   "--dry-run")
     assert "would remove 2 cache entries" in dry.stdout and "nothing removed" in dry.stdout
     assert len(cache.list_entries(cache_dir)) == 3
 
@@ -323,7 +350,8 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
     assert sorted(e.module for e in cache.list_entries(cache_dir)) == ["twice", "twice_b"]
 
     newest = cache.list_entries(cache_dir)[0]
-    sized = jitk_cli(cache_dir, "cache", "prune", "--max-size", str(newest.size_bytes))
+    sized = jitk_cli(cache_dir, "cache", "prune", "--max-size", str(newest.size_bytes),
+                     "--arch", "host")
     assert sized.returncode == 0, sized.stderr
     assert [e.path for e in cache.list_entries(cache_dir)] == [newest.path]
     assert not list(cache_dir.glob("*.lock")) and not cache.staging_folders(cache_dir)
@@ -332,20 +360,72 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
     assert usage.returncode == 2 and "needs --older-than, --keep or --max-size" in usage.stderr
 
 
+def recorded_entry(cache_dir: Path, name: str, archs: list[str], days: float) -> Path:
+    """An entry as list_entries and prune see it (its record), without a build."""
+    entry = cache_dir / f"{name}_{'_'.join(archs)}_{days}".replace(".", "")
+    entry.mkdir(parents=True)
+    cache.write_meta(entry, {"module": name, "archs": archs,
+                             "built_at": time.time() - 86400 * days})
+    return entry
+
+
+def test_prune_counts_versions_per_architecture_and_keeps_each_last_one(tmp_path):
+    cache_dir = tmp_path / "cache"
+    # An image filled with --arch 9.0 --arch 10.0, then rebuilt for 9.0 with a newer jitk.
+    old_90 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["9.0"], 20)
+    only_100 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["10.0"], 19)
+    new_90 = recorded_entry(cache_dir, "rmsnorm_4096_bf16_t", ["9.0"], 1)
+    other_size = recorded_entry(cache_dir, "rmsnorm_8192_bf16_t", ["9.0"], 30)
+
+    def left() -> set[Path]:
+        return {e.path for e in cache.list_entries(cache_dir)}
+
+    kept = jitk_cli(cache_dir, "cache", "prune", "--keep", "1")
+    assert kept.returncode == 0, kept.stderr
+    assert left() == {only_100, new_90, other_size}  # one version of each, per architecture
+    aged = jitk_cli(cache_dir, "cache", "prune", "--older-than", "7", "--max-size", "0")
+    assert aged.returncode == 0, aged.stderr
+    assert left() == {only_100, new_90, other_size}  # each is the last of its kind
+    asked = jitk_cli(cache_dir, "cache", "prune", "--older-than", "7", "--arch", "10.0")
+    assert asked.returncode == 0, asked.stderr
+    assert left() == {new_90, other_size}
+    assert old_90.name not in asked.stdout
+    everything = jitk_cli(cache_dir, "cache", "prune", "--keep", "0", "--arch", "9.0")
+    assert everything.returncode == 0 and left() == set(), everything.stderr
+
+
+# argv: entry. Holds the entry's lock and publishes nothing: a build between its copy onto
+# the cache's file system and the rename that publishes it.
+PUBLISHING = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from jitk import cache, lock
+    entry = Path(sys.argv[1])
+    fd = lock.try_lock(lock.lock_path(entry))
+    print(cache.copy_in(cache.new_staging(entry), entry), flush=True)
+    time.sleep(60)
+""")
+
+
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
     cache_dir = tmp_path / "cache"
     fill(cache_dir, kernel, ["twice"])
-    staging = cache.new_staging(cache_dir / "building_0123")
-    holder = hold_lock(lock.lock_path(cache_dir / "building_0123"))
+    building = cache_dir / "building_0123"
+    holder = subprocess.Popen([sys.executable, "-c", PUBLISHING, str(building)],
+                              stdout=subprocess.PIPE, text=True,
+                              env=child_env(cache_dir, JITK_STAGING_DIR=str(tmp_path)))
     try:
+        private = Path(holder.stdout.readline().strip())
         cleared = jitk_cli(cache_dir, "cache", "clear")
     finally:
         holder.kill()
         holder.wait()
     assert cleared.returncode == 0 and "removed 1 cache entry" in cleared.stdout
-    assert staging.is_dir() and lock.lock_path(cache_dir / "building_0123").exists()
+    assert private.parent == cache_dir / cache.STAGING_DIR
+    assert private.is_dir() and lock.lock_path(building).exists()
     again = jitk_cli(cache_dir, "cache", "clear")  # its builder is gone now
-    assert again.returncode == 0 and not staging.exists()
+    assert again.returncode == 0 and not private.exists()
+    assert not lock.lock_path(building).exists()
 
 
 def test_clear_of_a_read_only_cache_exits_1_naming_what_stayed(kernel, tmp_path):

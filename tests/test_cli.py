@@ -2,6 +2,7 @@
 temporary directory. (Only the pure argparse checks call main() in this process.)"""
 
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import jitk
 from jitk import clangd, precompile
 from jitk.__main__ import main as jitk_main
 
@@ -136,7 +138,11 @@ BAD_USAGE = [["nonsense"], ["cache", "nonsense"], ["--force", "cache"],
              ["cache", "prune"], ["cache", "prune", "--keep", "x"],
              ["cache", "prune", "--max-size", "lots"], ["cache", "prune", "--older-than", "-1"],
              ["precompile", "--arch", "nine"], ["precompile", "--arch", "7.0"],
-             ["precompile", "-j", "0"], ["precompile", "--module", "no.such.module"]]
+             ["precompile", "-j", "0"], ["precompile", "--module", "no.such.module"],
+             ["precompile", "--call", "{"], ["precompile", "--call", '["twice"]'],
+             ["precompile", "--call", '{"name_parts": ["twice"], "cuda_file": ["a.cuh"]}'],
+             ["precompile", "--call", '{"name_parts": ["twice"]}', "--module", PROBE_MODULE],
+             ["cache", "prune", "--keep", "1", "--arch", "nine"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -154,6 +160,11 @@ def test_bad_usage_exits_2(command, capsys, monkeypatch):
         jitk_main(command)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_recorded_call_names_load_jits_own_keyword_parameters():
+    parameters = inspect.signature(jitk.load_jit).parameters
+    assert precompile.CALL_PARAMETERS == tuple(p for p in parameters if p != "name_parts")
 
 
 def test_kernels_are_declared_once_in_their_modules():
@@ -263,6 +274,21 @@ def test_precompile_failure_exits_1_naming_the_config(tmp_path):
     assert "broken_kernels bad (sm_90): FAILED" in result.stdout
     assert "this configuration does not build" in result.stderr
     assert "1 build(s) failed: broken_kernels bad (sm_90)" in result.stderr
+    assert "broken_kernels: " in result.stdout
+    assert "over 2 configuration(s) (0 built, 1 cached, 1 failed)" in result.stdout
+
+
+@pytest.mark.parametrize("returned", ["None", "[('label',)]", "[(1, print)]", "'abc'"])
+def test_precompile_configs_of_the_wrong_form_are_named_not_a_traceback(returned, tmp_path):
+    (tmp_path / "odd_kernels.py").write_text(f"def precompile_configs():\n    return {returned}\n")
+    env = child_env([tmp_path], JITK_CACHE_DIR=str(tmp_path),
+                    **{precompile.MODULES_ENV: "odd_kernels"})
+    result = jitk_cli("precompile", "--arch", "9.0", "--module", "odd_kernels", cwd=tmp_path,
+                      env=env)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert ("odd_kernels.precompile_configs() must return a list of (label: str, thunk: "
+            "callable) pairs") in result.stderr
 
 
 def test_precompile_without_an_architecture_says_what_to_pass(tmp_path):
@@ -273,6 +299,29 @@ def test_precompile_without_an_architecture_says_what_to_pass(tmp_path):
     assert result.returncode == 2
     assert "--arch" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_cache_commands_do_not_import_torch(tmp_path):
+    """`import jitk` defines the operators, which needs torch; `python -m jitk cache` skips
+    that and stays fast (0.1 s against 2 s with torch here)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = child_env([tmp_path], JITK_CACHE_DIR=str(tmp_path / "cache"))
+    for command in (["cache"], ["cache", "prune", "--keep", "1"], ["cache", "clear"]):
+        result = jitk_cli(*command, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr
+
+
+def test_no_numpy_warning_where_numpy_is_not_installed(tmp_path):
+    (tmp_path / "numpy").mkdir()  # as after `pip install jitk`: torch does not need numpy
+    (tmp_path / "numpy" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    env = child_env([tmp_path], JITK_CACHE_DIR=str(tmp_path / "cache"))
+    for command in (["-m", "jitk", "precompile", "--list"], ["-c", "import jitk"]):
+        result = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "NumPy" not in result.stderr, result.stderr
 
 
 def test_cache_lists_entries_and_clear_empties_it(probe_cache, tmp_path):
@@ -288,3 +337,22 @@ def test_cache_lists_entries_and_clear_empties_it(probe_cache, tmp_path):
     assert "removed 2 cache entries" in cleared.stdout
     empty = jitk_cli("cache", cwd=tmp_path, env=env)
     assert empty.returncode == 0 and "no modules cached" in empty.stdout
+
+
+# ------------------------------------------------------------------------- check / tune
+def test_check_runs_the_named_ops_cpu_check_and_refuses_unknown_ops(tmp_path):
+    result = jitk_cli("check", "stream_write_value", "--device", "cpu", cwd=tmp_path,
+                      timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "jitk::stream_write_value: 3 of 3 cases pass opcheck in reference mode" in \
+        result.stdout
+    unknown = jitk_cli("check", "no_such_op", cwd=tmp_path, timeout=300)
+    assert unknown.returncode == 2 and "no jitk op named 'no_such_op'" in unknown.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_tune_without_a_gpu_fails_in_one_line(tmp_path):
+    result = jitk_cli("tune", "rmsnorm", "--shapes", "16x4096", cwd=tmp_path, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("jitk: error: tune times kernels on a GPU, and none is "
+                                     "visible")

@@ -173,3 +173,78 @@ def test_quoted_errors_are_what_the_call_raises(page):
             eval(call, {"jitk": jitk, "torch": torch})
         assert type(raised.value).__name__ == kind
         assert str(raised.value) == message, f"{page_id(page)} quotes a stale error"
+
+
+def test_readme_says_what_the_in_place_kernels_overwrite():
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `jitk.rmsnorm("))
+    assert "`rmsnorm` overwrites `x` unless `out` is given" in row
+    assert "normalised sum into `x`" in row
+
+
+def test_guide_names_the_torch_library_calls_jitk_op_makes():
+    guide = (ROOT / "docs" / "developer_guide" / "adding_a_kernel.md").read_text()
+    section = guide.split("## 3. A PyTorch operator", 1)[1].split("\n## ", 1)[0]
+    code = (PACKAGE / "custom_op.py").read_text()
+    for call in ("define", "impl", "register_fake"):
+        assert f"`{call}`" in section and f"{call}(" in code
+    assert "custom_op`" not in section.split("What changes:")[0]
+    assert "torch.library.custom_op(" not in code
+
+
+# ------------------------------------------------------------------ call logging and FIB
+GUIDE = ROOT / "docs" / "developer_guide"
+
+
+def table_first_cells(page: Path, heading: str) -> list[str]:
+    """The first column's `code` in the rows of the table under `## heading`."""
+    section = page.read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = section.split("| --- |", 1)[1]
+    return re.findall(r"^\| `([^`]+)`", rows, flags=re.M)
+
+
+def test_logging_page_lists_every_level_and_setting_with_its_default():
+    from jitk import api_log
+
+    page = GUIDE / "debugging_a_serving_process.md"
+    assert table_first_cells(page, "Levels") == [str(level) for level in api_log.LEVELS]
+    settings = {value for name, value in vars(api_log).items() if name.endswith("_ENV")}
+    assert set(table_first_cells(page, "Settings")) == settings
+    text = page.read_text()
+    assert f"(default `{api_log.DEFAULT_DUMP_DIR}`)" in text
+    assert f"(default {api_log.DEFAULT_DUMP_MAX_GB:g})" in text
+    assert f"(default {api_log.DEFAULT_DUMP_MAX_COUNT})" in text
+    for name in (api_log.CALL_FILE, api_log.INPUTS_FILE, api_log.OUTPUTS_FILE):
+        assert f"`{name}`" in text
+
+
+def test_logging_page_shows_the_line_format_the_code_writes():
+    from jitk import api_log
+
+    page = (GUIDE / "debugging_a_serving_process.md").read_text()
+    shown = re.search(r"```\n(\[jitk pid .*?)```", page, flags=re.S).group(1).splitlines()
+    assert re.fullmatch(r"\[jitk pid \d+ [\d:]+\] jitk::rmsnorm call 1", shown[0])
+    import torch
+    assert shown[1].startswith("  input: " + api_log.describe_tensor(
+        torch.empty(4, 128, dtype=torch.bfloat16)).split(", device")[0])
+    assert shown[-1] == ("  note: kernel=jitk::norm::RMSNorm<128, bf16_t>, rows_bucket=4, "
+                         "tuning=default")
+
+
+def test_fib_page_example_and_quoted_error_hold():
+    pytest.importorskip("flashinfer_bench")
+    import torch
+
+    import jitk.fib  # the example's names
+
+    page = (GUIDE / "flashinfer_bench.md").read_text()
+    quoted = re.search(r"BuildError: (jitk failed to compile Solution )'\w+':", page).group(1)
+    assert f'"{quoted}' in (PACKAGE / "fib_builder.py").read_text()
+    example = re.search(r"```python\n(definition = .*?)```", page, flags=re.S).group(1)
+    x, out = torch.empty(2, 4096, dtype=torch.bfloat16), torch.empty(2, 4096, dtype=torch.bfloat16)
+    namespace = {"jitk": jitk, "x": x, "weight": torch.empty(4096, dtype=torch.bfloat16),
+                 "out": out}
+    exec(example, namespace)  # noqa: S102
+    made = namespace["definition"]
+    assert made.name == "rmsnorm_hidden_size4096"
+    assert made.axes["hidden_size"].value == 4096 and made.axes["batch_size"].type == "var"

@@ -26,7 +26,8 @@ def fake_entry(cache_dir, name="m_0123456789abcdef_sm90"):
 def assert_stable_keys(report):
     assert tuple(report) == env.KEYS
     assert tuple(report["nvcc"]) == env.NVCC_KEYS
-    assert tuple(report["host_compiler"]) == env.HOST_COMPILER_KEYS
+    assert tuple(report["host_compiler"]) == env.COMPILER_KEYS
+    assert tuple(report["nvcc_host_compiler"]) == env.COMPILER_KEYS
     assert tuple(report["target_archs"]) == env.TARGET_KEYS
     assert tuple(report["cache"]) == env.CACHE_KEYS
     assert all(tuple(gpu) == env.GPU_KEYS for gpu in report["gpus"])
@@ -42,9 +43,12 @@ def test_json_report(tmp_path):
     assert report["python"] == sys.version.split()[0]
     assert report["torch"] and report["tvm_ffi"]
     assert report["nvcc"]["error"] is None
-    assert report["nvcc"]["version"] == toolchain.nvcc_version()
+    assert report["nvcc"]["version"] == toolchain.compiler_versions([toolchain.nvcc_path()])[0]
     assert os.path.isfile(report["nvcc"]["path"])
-    assert report["host_compiler"]["version"] == toolchain.host_compiler_version()
+    for key, compiler in (("host_compiler", toolchain.host_compiler()),
+                          ("nvcc_host_compiler", toolchain.nvcc_host_compiler())):
+        assert report[key]["path"] == compiler
+        assert report[key]["version"] == toolchain.compiler_versions([compiler])[0]
     assert report["target_archs"] == {"archs": ["8.0", "9.0"], "source": "JITK_CUDA_ARCH",
                                       "error": None}
     assert report["cache"] == {"dir": str(tmp_path / "cache"), "entries": 1,

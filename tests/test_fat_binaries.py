@@ -12,7 +12,7 @@ import time
 import pytest
 
 import jitk
-from jitk import cache, precompile, toolchain
+from jitk import build, cache, precompile, toolchain
 
 FLEET = "8.0 9.0 10.0 12.0"  # A100, H100/H200, B200, RTX Blackwell
 
@@ -61,7 +61,10 @@ def test_architecture_sets_and_what_serves_what():
     assert toolchain.archs_tag(("10.0", "8.0", "9.0a")) == "sm80-90a-100"
     assert toolchain.ptx_arch(("8.0", "10.0a", "9.0")) == "9.0"  # the newest generic one
     assert toolchain.ptx_arch(("9.0",)) is None  # one architecture: machine code only
-    assert toolchain.ptx_flags(("8.0", "12.0")) == ["-gencode=arch=compute_120,code=compute_120"]
+    assert build.gencode_flags(("8.0", "12.0")) == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_120,code=sm_120",
+        "-gencode=arch=compute_120,code=compute_120"]  # PTX of the newest, for newer GPUs
+    assert build.gencode_flags(("9.0",)) == ["-gencode=arch=compute_90,code=sm_90"]
     fat = ("8.0", "9.0", "10.0")
     assert toolchain.serves(fat, "9.0") == "sass"
     assert toolchain.serves(fat, "8.6") == "sass"  # sm_80 code runs on 8.x

@@ -3,7 +3,6 @@ g++ and with nvcc, called with CPU tensors from torch and numpy."""
 
 import functools
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -198,7 +197,7 @@ def test_wrong_argument_types_and_counts_are_python_type_errors(probe):
 # Kernels written for tvm-ffi: its headers, types and errors cross jitk's export boundary.
 
 TVM_FFI_PROBE = CSRC / "tvm_ffi_probe.cuh"
-TVM_FFI_FUNCTIONS = ("sum", "numel_or", "describe", "refuse", "rows_of_both")
+TVM_FFI_FUNCTIONS = ("sum", "numel_or", "describe", "refuse", "rows_of_both", "sglang_style")
 
 
 @functools.cache
@@ -224,6 +223,18 @@ def test_tvm_ffi_types_cross_the_boundary(tvm_probe):
     assert tvm_probe.numel_or(None, 7) == 7  # an empty tvm::ffi::Optional
     assert tvm_probe.describe(torch.ones(2, 3)) == "2-d on device type 1"  # a tvm::ffi::String
     assert tvm_probe.rows_of_both(torch.ones(4, 2), torch.ones(4, 5)) == 4
+    assert tvm_probe.sglang_style(torch.ones(3, 5), torch.ones(3, 5)) == 15
+
+
+def test_jitk_matchers_take_tvm_ffi_views_as_they_are(tvm_probe):
+    """TensorMatcher::verify on a tvm::ffi::TensorView or Tensor, unconverted, as SGLang's
+    kernels call it: the same checks and messages as on a jitk::TensorView."""
+    expect_error(lambda: tvm_probe.sglang_style(torch.ones(3, 5), torch.ones(3, 4)),
+                 "Tensor match failed for Tensor<3, 4>",
+                 "Size mismatch for shape#1('cols'): expected 5 but got 4")
+    expect_error(lambda: tvm_probe.sglang_style(torch.ones(3, 5, dtype=torch.float64),
+                                                torch.ones(3, 5)),
+                 line_of(TVM_FFI_PROBE, "sglang"), "DType mismatch")
 
 
 def test_tvm_ffi_errors_keep_their_kind(tvm_probe):
@@ -256,13 +267,12 @@ def test_a_tvm_ffi_style_cuda_kernel_runs():
 
 def test_only_modules_that_include_tvm_ffi_parse_its_headers(tmp_path):
     """The generated source includes jitk/tvm_ffi_types.h for every module, but a kernel
-    without tvm-ffi's C++ headers compiles none of them (ninja's record of the headers)."""
+    without tvm-ffi's C++ headers compiles none of them (nvcc's record of the headers)."""
     def headers_read(name, kernel, wrapper):
         build = tmp_path / name
         jitk.load_jit(name, cuda_files=[kernel], cuda_wrappers=[("f", wrapper)],
                       build_directory=build)
-        return subprocess.run(["ninja", "-C", str(build), "-t", "deps"], capture_output=True,
-                              text=True, check=True).stdout
+        return (build / "cuda.o.d").read_text()
 
     plain = headers_read("plain", LAUNCH_PROBE, "launch_probe::add_one")
     assert "jitk/tvm_ffi_types.h" in plain

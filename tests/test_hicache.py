@@ -8,6 +8,10 @@ poisoned beforehand (padding and other layers included in the comparison)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import mmap
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -80,15 +84,84 @@ def test_impossible_template_arguments_are_refused_before_any_build():
     assert cache_entries() == before
 
 
-def test_sglang_element_dim_default_is_the_last_dimension_and_ambiguity_is_refused():
+class Recorder:
+    """Stands in for the kernel and copy-engine modules: records each entry point's call."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.modules = []  # "kernel" or "copy_engine", one per call
+        monkeypatch.setattr(hicache, "_kernel_module", self.entries)
+        monkeypatch.setattr(hicache, "_copy_entries", self.entries)
+
+    def entries(self, *module_args):
+        self.modules.append("kernel" if module_args else "copy_engine")
+        return hicache._Entries(*(functools.partial(self.record, name)
+                                  for name in hicache._ENTRY_POINTS))
+
+    def record(self, name, *args):
+        self.calls.append((name, args))
+
+
+def test_element_dim_defaults_to_the_last_dimension_as_in_sglang(monkeypatch):
+    calls = Recorder(monkeypatch).calls
     heads = torch.randn(16, 4, 32).half()
-    expect_error(one_layer(k_cache_dst=heads, v_cache_dst=heads), "element_dim is ambiguous",
-                 "'k_cache_dst' of shape (16, 4, 32)", "SGLang's default is the last dimension "
-                 "(32)", "pass element_dim=128", kind=ValueError)
-    # One head: both defaults agree, and the call reaches the C++ checks.
-    one_head = torch.randn(16, 1, ROW).half()
-    expect_error(one_layer(k_cache_dst=one_head, v_cache_dst=one_head),
-                 "'k_cache_dst' is in pageable host memory", ".cuh:")
+    hicache.transfer_hicache_one_layer(**one_layer_args(k_cache_dst=heads, v_cache_dst=heads))
+    hicache.transfer_hicache_one_layer_mla(heads, torch.arange(4), heads, torch.arange(4),
+                                           element_dim=128)
+    (_, kv_args), (_, mla_args) = calls
+    assert (kv_args[6], mla_args[4]) == (32, 128)  # element_dim as the entries receive it
+
+
+def expand(indices: list[int], page_size: int, granularity: str) -> list[int]:
+    """The slots an index list names: each index one slot (SGLang's meaning, whatever
+    page_size is), or, by jitk's page granularity, page_size slots from each page's first."""
+    if granularity == "token":
+        return list(indices)
+    return [indices[k] + j for k in range(0, len(indices), page_size) for j in range(page_size)]
+
+
+def slots_the_entry_moves(indices: list[int], slots_per_index: int) -> list[int]:
+    """What the C++ entry points do with the page count Python passes them (hicache_layout.cuh:
+    the first index of each run of slots_per_index names that many slots)."""
+    return expand(indices, slots_per_index, "page" if slots_per_index > 1 else "token")
+
+
+# SGLang's HiSparse coordinator (DeepSeek V3.2) calls with page_size=64 and a top-k of
+# token indices: any length, any order.
+@pytest.mark.parametrize("count", [5, 100, 128, 165])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 128])
+@pytest.mark.parametrize("method", ["kernel", "copy_engine"])
+def test_page_size_never_changes_which_rows_move(monkeypatch, method, page_size, count):
+    calls = Recorder(monkeypatch).calls
+    cache = torch.randn(1024, ROW).half()
+    indices = torch.randperm(1024)[:count]
+    hicache.transfer_hicache_one_layer_mla(cache, indices, cache, indices, page_size=page_size,
+                                           method=method)
+    table = torch.zeros(2, dtype=torch.int64)
+    hicache.transfer_hicache_all_layer_mla(table, indices, table, indices, page_size=page_size,
+                                           cache_src_stride_bytes=ROW_BYTES,
+                                           cache_dst_stride_bytes=ROW_BYTES, method=method)
+    (_, one), (_, every) = calls
+    for slots_per_index in (one[5], every[7]):
+        moved = slots_the_entry_moves(indices.tolist(), slots_per_index)
+        assert moved == expand(indices.tolist(), page_size or 1, "token") == indices.tolist()
+    assert every[8] == (page_size or 1)  # the cache's pages, for the page strides
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_granularity_is_asked_for_by_name(monkeypatch, page_size):
+    calls = Recorder(monkeypatch).calls
+    cache = torch.randn(1024, ROW).half()
+    firsts = (torch.randperm(1024 // page_size)[:4] * page_size).tolist()
+    indices = torch.tensor([f + j for f in firsts for j in range(page_size)])
+    hicache.transfer_hicache_one_layer_mla(cache, indices, cache, indices, page_size=page_size,
+                                           index_granularity="page", method="copy_engine")
+    slots_per_index = calls[0][1][5]
+    assert slots_the_entry_moves(indices.tolist(), slots_per_index) == expand(
+        indices.tolist(), page_size, "page")
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        cache, indices, cache, indices, index_granularity="pages"),
+        "index_granularity must be one of ('token', 'page'), got 'pages'", kind=ValueError)
 
 
 def test_methods_are_named():
@@ -189,15 +262,16 @@ def test_launch_options_are_checked():
 
 
 def test_page_size_checks_name_the_tensor_and_the_rule():
-    expect_error(one_layer(page_size=3), "'indices_dst' and 'indices_src' hold 4 indices, "
-                 "not a whole number of pages of page_size 3", ".cuh:")
+    page = {"index_granularity": "page"}
+    expect_error(one_layer(page_size=3, **page), "'indices_dst' and 'indices_src' hold 4 "
+                 "indices, not a whole number of pages of page_size 3", ".cuh:")
     pages_of_4 = torch.randn(4, 4, ROW).half()
     expect_error(one_layer(k_cache_dst=pages_of_4[:, :, :], v_cache_dst=pages_of_4,
-                           element_dim=ROW, page_size=2), "pageable")  # 2 divides 4
+                           element_dim=ROW, page_size=2, **page), "pageable")  # 2 divides 4
     paged = torch.randn(4, 6, ROW).half()[:, :4]  # pages of 4 slots, 6 apart
     expect_error(one_layer(k_cache_dst=paged, v_cache_dst=paged, element_dim=ROW,
                            indices_dst=torch.arange(8), indices_src=torch.arange(8),
-                           page_size=8),
+                           page_size=8, **page),
                  "'k_cache_dst'", "has pages of 4 slots, which page_size 8 does not divide",
                  "must not straddle two pages of the cache")
 
@@ -211,9 +285,33 @@ def test_copy_engine_reads_indices_on_the_host_and_refuses_what_it_cannot_move()
     expect_error(all_layer(indices_dst=torch.tensor([0, -1, 4, 5]), method="copy_engine"),
                  "'indices_dst'[1] = -1")
     expect_error(all_layer(indices_src=torch.tensor([0, 1, 3, 4]), page_size=2,
-                           kv_cache_src_page_stride_bytes=4 * ROW_BYTES, method="copy_engine"),
+                           kv_cache_src_page_stride_bytes=4 * ROW_BYTES, method="copy_engine",
+                           index_granularity="page"),
                  "'indices_src'[2] = 3: a page of 2 slots from there straddles two pages of "
                  "(the source layers")
+
+
+def test_page_size_never_overflows_a_page_stride_check_even_with_no_indices():
+    empty = {"indices_dst": torch.arange(0), "indices_src": torch.arange(0)}
+    expect_error(all_layer(page_size=2**40, kv_cache_src_page_stride_bytes=4096, **empty),
+                 "page_size must be between 1 and 2147483647, got 1099511627776")
+    expect_error(all_layer(page_size=2**30, kv_cache_src_stride_bytes=2**40,
+                           kv_cache_src_page_stride_bytes=2**41, element_size=ROW_BYTES,
+                           **empty),
+                 "page_size * kv_cache_src_stride_bytes (1073741824 * 1099511627776) "
+                 "overflows 64 bits")
+
+
+def test_copy_engine_refuses_moves_chained_inside_one_cache():
+    # Host pointer tables name the same memory on both sides: rows 0-1 move to rows 1-2, so
+    # row 1 is written and read by the same call. Refused before any copy is issued.
+    base = 1 << 20
+    expect_error(all_layer(k_ptr_dst=torch.tensor([base]), v_ptr_dst=torch.tensor([2 * base]),
+                           k_ptr_src=torch.tensor([base]), v_ptr_src=torch.tensor([3 * base]),
+                           indices_dst=torch.tensor([1, 2]), indices_src=torch.tensor([0, 1]),
+                           method="copy_engine"),
+                 "a destination row of this call is also one of its source rows",
+                 "hicache_copy.cuh:")
 
 
 def all_layer_args(**changes) -> dict:
@@ -312,11 +410,54 @@ def test_sglang_call_forms_reach_the_cpp_checks(form, method):
     assert ".cuh:" in message
 
 
-def test_auto_picks_by_where_the_indices_are_and_the_copy_size():
+# "auto"'s decision table for host indices (pinned or not: read during the call either way),
+# from the H100 measurements in jitk.hicache's docstring: (bytes one copy-engine copy moves,
+# whether the kernel can run) -> method. Never a path below half of the best: the kernel
+# (44-50 GB/s) below 64 KiB copies, where the copy engines give 1-34.
+AUTO_TABLE = [
+    (1 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),    # page 1 x 1 KiB: 1.1 vs 47 GB/s
+    (16 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),   # page 16 x 1 KiB: 6-34 vs 47
+    (32 << 10, True, hicache.KERNEL_ON_COPIED_INDICES),
+    (64 << 10, True, "copy_engine"),                      # page 64 x 1 KiB: 53 vs 48
+    (1 << 20, True, "copy_engine"),
+    (1 << 10, False, "copy_engine"),                      # no GPU for the kernel: the only one
+    (64 << 10, False, "copy_engine"),
+]
+
+
+@pytest.mark.parametrize("copy_bytes, kernel_runs, chosen", AUTO_TABLE)
+def test_auto_decision_table_for_host_indices(copy_bytes, kernel_runs, chosen):
+    assert hicache._auto(copy_bytes, kernel_runs) == chosen
+    assert hicache._method("auto", torch.arange(4), lambda: copy_bytes,
+                           0 if kernel_runs else None) == chosen
+
+
+def test_explicit_methods_are_kept_and_gpu_indices_take_the_kernel():
     cpu = torch.arange(4)
-    assert hicache._method("auto", cpu, hicache.COPY_ENGINE_MIN_PAGE_BYTES) == "copy_engine"
-    assert hicache._method("auto", cpu, 256) == "copy_engine"  # pageable: only the engines
-    assert hicache._method("kernel", cpu, 2**30) == "kernel"
+    for method in ("kernel", "copy_engine"):
+        assert hicache._method(method, cpu, lambda: 0, None) == method
+    with torch._subclasses.FakeTensorMode():
+        gpu = torch.empty(4, dtype=torch.int64, device="cuda")
+        assert hicache._method("auto", gpu, lambda: 1 << 30, 0) == "kernel"
+
+
+@pytest.mark.parametrize("page_size, runs, chosen", [
+    (None, True, "kernel"), (16, True, "kernel"), (256, True, "copy_engine"),  # 256 B rows
+    (256, False, "kernel")])  # page_size=256 over token indices (HiSparse): no runs
+def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size, runs,
+                                                          chosen):
+    recorder = Recorder(monkeypatch)
+    monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
+    copied = []
+    monkeypatch.setattr(hicache, "_on_gpu",
+                        lambda tensors, positions, gpu: copied.append(positions) or tensors)
+    pool = torch.randn(1024, ROW).half()
+    indices = torch.arange(256, 512) if runs else torch.randperm(1024)[:256]
+    hicache.transfer_hicache_one_layer(**one_layer_args(
+        k_cache_dst=pool, v_cache_dst=pool, k_cache_src=pool, v_cache_src=pool,
+        indices_dst=indices, indices_src=indices.clone(), page_size=page_size))
+    assert recorder.modules == [chosen]
+    assert copied == ([(2, 5)] if chosen == "kernel" else [])  # both index lists
 
 
 def test_a_page_is_one_copy_only_where_its_rows_are_packed():
@@ -327,6 +468,97 @@ def test_a_page_is_one_copy_only_where_its_rows_are_packed():
     assert hicache._packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
     assert hicache._packed(torch.empty(100, 2 * width), width)  # rows split one run
     assert hicache._packed(torch.empty(100, 1, width), width)
+
+
+# SGLang 0.5.23's signatures of the names its pools import (sglang/kernels/ops/kvcache/
+# hicache.py): (name, kind, default) of each parameter.
+P, K, REQUIRED = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY, \
+    inspect.Parameter.empty
+SGLANG_SIGNATURES = {
+    "can_use_hicache_jit_kernel": [("element_size", K, REQUIRED), ("unroll", K, None),
+                                   ("block_quota", K, None), ("page_size", K, None)],
+    "can_use_write_back_jit_kernel": [("element_size", K, REQUIRED), ("unroll", K, None),
+                                      ("block_quota", K, None)],
+    "transfer_hicache_all_layer_staged_lf_pf": [
+        *((name, P, REQUIRED) for name in ("k_ptr_src", "v_ptr_src", "src_indices",
+                                           "dst_indices", "staging_k", "staging_v", "dst_k",
+                                           "dst_v")),
+        ("page_size", K, REQUIRED), ("element_size", K, None), ("unroll", K, None),
+        ("block_quota", K, None)],
+    "transfer_hicache_all_layer_mla_staged_lf_pf": [
+        *((name, P, REQUIRED) for name in ("ptr_src", "src_indices", "dst_indices", "staging",
+                                           "dst")),
+        ("page_size", K, REQUIRED), ("element_size", K, None), ("unroll", K, None),
+        ("block_quota", K, None)],
+}
+
+
+@pytest.mark.parametrize("name", SGLANG_SIGNATURES)
+def test_sglang_imports_exist_with_its_signatures(name):
+    assert name in hicache.__all__
+    params = inspect.signature(getattr(hicache, name)).parameters.values()
+    assert [(p.name, p.kind, p.default) for p in params] == SGLANG_SIGNATURES[name]
+
+
+def test_gates_answer_false_never_raise(monkeypatch, caplog):
+    assert hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES, page_size=64)
+    assert hicache.can_use_write_back_jit_kernel(element_size=1152)
+    for size in (40, 0, 2**40, "256"):
+        assert not hicache.can_use_hicache_jit_kernel(element_size=size)
+        assert not hicache.can_use_write_back_jit_kernel(element_size=size)
+    assert not hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES, unroll=3)
+
+    def broken(*_args):
+        raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(hicache, "_kernel_module", broken)
+    monkeypatch.setattr(hicache, "_staged_module", broken)
+    assert not hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES)
+    assert not hicache.can_use_write_back_jit_kernel(element_size=ROW_BYTES)
+    assert "nvcc failed" in caplog.text
+
+
+def staged_model(src_layers, src_indices, dst_indices, dst, page_size):
+    """SGLang's staged write-back on the CPU: page p's tokens of every layer, from the slots
+    that follow src_indices[p * page_size], land at the host tokens that follow
+    dst_indices[p * page_size] of a [tokens, layers, row] pool."""
+    for p in range(0, len(src_indices), page_size):
+        for j in range(page_size):
+            for layer, cache in enumerate(src_layers):
+                dst[dst_indices[p] + j, layer] = cache[src_indices[p] + j]
+
+
+def test_staged_model_moves_whole_pages_in_page_first_order():
+    layers = [torch.arange(8 * 2).view(8, 2) + 100 * (layer + 1) for layer in range(3)]
+    dst = torch.zeros(6, 3, 2, dtype=torch.int64)
+    staged_model(layers, [4, 99, 0, 99], [2, -1, 0, -1], dst, 2)  # only pages' firsts read
+    assert dst[2, 1].tolist() == [208, 209] and dst[3, 2].tolist() == [310, 311]
+    assert dst[1, 0].tolist() == layers[0][1].tolist() and dst[4:].eq(0).all()
+
+
+def staged_args(**changes) -> dict:
+    table = torch.zeros(3, dtype=torch.int64)
+    staging = torch.zeros(8, 3, 4, 32).half()
+    host = torch.zeros(16, 3, 4, 32).half()
+    args = {"k_ptr_src": table, "v_ptr_src": table, "src_indices": torch.arange(4),
+            "dst_indices": torch.arange(4), "staging_k": staging, "staging_v": staging,
+            "dst_k": host, "dst_v": host, "page_size": 2}
+    return {**args, **changes}
+
+
+def test_staged_write_back_checks_its_arguments():
+    def staged(**changes):
+        return lambda: hicache.transfer_hicache_all_layer_staged_lf_pf(**staged_args(**changes))
+
+    expect_error(staged(), "'staging_k'", "Device mismatch", "hicache_staged.cuh:")
+    expect_error(staged(page_size=0), "page_size must be at least 1, got 0", kind=ValueError)
+    expect_error(staged(element_size=40), "a row of 40 bytes (element_size)", kind=ValueError)
+    expect_error(staged(staging_k=torch.zeros(8)), "the staging buffers and host pools are "
+                 "[tokens, layers, ...]; got a tensor of shape (8,)", kind=ValueError)
+    expect_error(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+        torch.zeros(3, dtype=torch.int64), torch.arange(4), torch.arange(4),
+        torch.zeros(8, 3, 576).bfloat16(), torch.zeros(16, 3, 576).bfloat16(), page_size=2,
+        block_quota=0), "block_quota must be at least 1, got 0", kind=ValueError)
 
 
 def test_precompile_configs_are_a_few_labelled_thunks():
@@ -468,6 +700,11 @@ def index_tensor(values, dtype, method) -> torch.Tensor:
     return t.pin_memory() if method in ("kernel-pinned", "auto-host") else t
 
 
+def unit(page_size: int, granularity: str) -> int:
+    """Slots one index names: SGLang's meaning (one, whatever page_size) or jitk's pages."""
+    return page_size if granularity == "page" else 1
+
+
 def method_arg(method: str) -> str:
     return {"kernel-pinned": "kernel", "auto-host": "auto"}.get(method, method)
 
@@ -481,7 +718,7 @@ INDEX_DTYPES = [torch.int32, torch.int64]
 def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8, 16),
                   dtype=torch.float16, pad=0, index_dtype=torch.int64, src_slots=512,
                   dst_slots=384, pages=None, idx_dst=None, idx_src=None, mla=False,
-                  side_stream=True, **options):
+                  side_stream=True, granularity="token", **options):
     src_at, dst_at = DIRECTIONS[direction]
     page_rows = 64 if layout == "page_first_direct" else None
     caches = 1 if mla else 2
@@ -496,12 +733,12 @@ def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8
         idx_src = token_indices(page_firsts(count, src_slots, page_size), page_size)
     expected = Expected()
     for d, s in zip(dsts, srcs):
-        expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s, page_rows,
-                                       page_rows))
+        expected.move(d, s, slot_pairs(idx_dst, idx_src, unit(page_size, granularity), d, s,
+                                       page_rows, page_rows))
     index_dst = index_tensor(idx_dst, index_dtype, method)
     index_src = index_tensor(idx_src, index_dtype, method)
     options.update(element_dim=srcs[0].row_bytes // dtype.itemsize, page_size=page_size,
-                   method=method_arg(method))
+                   method=method_arg(method), index_granularity=granularity)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         if mla:
@@ -515,15 +752,18 @@ def run_one_layer(method, direction, *, layout="flat", page_size=1, row_shape=(8
 
 LAYOUTS = ["flat", "page_first", "page_first_direct"]
 PAGE_SIZES = [1, 16, 64]
+GRANULARITIES = ["token", "page"]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 @pytest.mark.parametrize("method", METHODS)
-def test_one_layer_layouts_and_pages(method, direction, layout, page_size):
-    run_one_layer(method, direction, layout=layout, page_size=page_size)
+def test_one_layer_layouts_and_pages(method, direction, layout, page_size, granularity):
+    run_one_layer(method, direction, layout=layout, page_size=page_size,
+                  granularity=granularity)
 
 
 # (dtype, row shape, padding): 2048-byte rows from [heads, head_dim], 48-byte rows (three
@@ -581,7 +821,8 @@ def test_only_the_first_index_of_a_page_is_read(method):
     firsts_dst, firsts_src = page_firsts(4, 384, 16), page_firsts(4, 512, 16)
     idx_dst = [v if j == 0 else -7 for v in firsts_dst for j in range(16)]
     idx_src = [v if j == 0 else 10**9 for v in firsts_src for j in range(16)]
-    run_one_layer(method, "h2d", page_size=16, idx_dst=idx_dst, idx_src=idx_src)
+    run_one_layer(method, "h2d", page_size=16, idx_dst=idx_dst, idx_src=idx_src,
+                  granularity="page")
 
 
 @pytest.mark.gpu
@@ -621,7 +862,7 @@ def test_kernel_skips_pages_out_of_range_or_straddling(direction, index_dtype):
     firsts_dst, firsts_src = [0, 24, 64, 56, 100], [128, 64, 8, 256, 120]
     run_one_layer("kernel", direction, layout="page_first_direct", page_size=16,
                   index_dtype=index_dtype, idx_dst=token_indices(firsts_dst, 16),
-                  idx_src=token_indices(firsts_src, 16))
+                  idx_src=token_indices(firsts_src, 16), granularity="page")
 
 
 @pytest.mark.gpu
@@ -638,16 +879,19 @@ def test_copy_engine_refuses_indices_it_cannot_move_and_gpu_indices():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("legacy", [False, True], ids=["side_stream", "legacy_stream"])
 @pytest.mark.parametrize("all_layer", [False, True])
-def test_copy_engine_copies_join_the_current_stream(all_layer):
-    # On a side stream: a long sleep, then new source rows, then the copies. Copies issued on
-    # any other stream would run at once and move the old rows.
+def test_copy_engine_copies_join_the_current_stream(all_layer, legacy):
+    # On the stream: a long sleep, then new source rows, then the copies. Copies issued on
+    # any other stream would run at once and move the old rows. On the legacy default stream
+    # the batches run on a stream of jitk's own, which must wait for the legacy stream.
     old, new = (torch.randn(64, 128).half() for _ in range(2))
     src, new_gpu = old.cuda(), new.cuda()
     dst = torch.full((64 * 256,), POISON, dtype=torch.uint8).view(torch.float16)
     dst = dst.view(64, 128).pin_memory()
     idx_dst, idx_src = torch.randperm(64)[:32], torch.randperm(64)[:32]
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.default_stream() if legacy else torch.cuda.Stream()
+    assert not legacy or stream.cuda_stream == 0
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         torch.cuda._sleep(100_000_000)  # tens of milliseconds
@@ -721,7 +965,7 @@ def table(layers: list[Cache], on: str) -> torch.Tensor:
 
 def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_layers=4,
                   width=128, dtype=torch.float16, mla=False, src_slots=512, dst_slots=384,
-                  idx_dst=None, idx_src=None, bounds=False, **options):
+                  idx_dst=None, idx_src=None, bounds=False, granularity="token", **options):
     src_at, dst_at = DIRECTIONS[direction]
     caches = 1 if mla else 2
     src_layout, dst_layout = (host_layout if at == "host" else "flat" for at in (src_at, dst_at))
@@ -737,13 +981,14 @@ def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_lay
     for (d_layers, _, _), (s_layers, _, _) in zip(dsts, srcs):
         for d, s in zip(d_layers, s_layers):
             # Without row bounds the kernel trusts the upper bound: only in-range ones then.
-            expected.move(d, s, slot_pairs(idx_dst, idx_src, page_size, d, s))
+            expected.move(d, s, slot_pairs(idx_dst, idx_src, unit(page_size, granularity), d,
+                                           s))
     prefix = "cache_" if mla else "kv_cache_"
     kwargs = {f"{prefix}src_stride_bytes": srcs[0][1], f"{prefix}dst_stride_bytes": dsts[0][1],
               f"{prefix}src_page_stride_bytes": srcs[0][2],
               f"{prefix}dst_page_stride_bytes": dsts[0][2],
               "element_size": width * dtype.itemsize, "page_size": page_size,
-              "method": method, **options}
+              "method": method, "index_granularity": granularity, **options}
     if bounds:
         kwargs.update(num_tokens_src=src_slots, num_tokens_dst=dst_slots)
     index_dst = index_tensor(idx_dst, torch.int64, method)
@@ -761,12 +1006,14 @@ def run_all_layer(method, direction, *, host_layout="flat", page_size=1, num_lay
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("host_layout", LAYOUTS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("method", METHODS)
-def test_all_layer_layouts_and_pages(method, direction, host_layout, page_size):
-    run_all_layer(method, direction, host_layout=host_layout, page_size=page_size)
+def test_all_layer_layouts_and_pages(method, direction, host_layout, page_size, granularity):
+    run_all_layer(method, direction, host_layout=host_layout, page_size=page_size,
+                  granularity=granularity)
 
 
 @pytest.mark.gpu
@@ -817,7 +1064,7 @@ def test_captured_in_a_cuda_graph(method):
     index_src = index_tensor(idx_src, torch.int64, method)
     graph = captured(lambda: hicache.transfer_hicache_one_layer_mla(
         dst.view, index_dst, src.view, index_src, element_dim=128, page_size=16,
-        method=method))
+        method=method, index_granularity="page"))
     for _ in range(2):
         replayed_dst, replayed_src = list(idx_dst), list(idx_src)
         if method == "kernel":
@@ -832,3 +1079,277 @@ def test_captured_in_a_cuda_graph(method):
         expected.move(dst, src, slot_pairs(replayed_dst, replayed_src, 16, dst, src, None, 64))
         graph.replay()
         expected.check()
+
+
+# --------------------------------------------------- SGLang's pools, as they call (GPU)
+@contextlib.contextmanager
+def host_pool(shape, dtype, kind):
+    """A host pool as SGLang allocates one: torch-pinned, or mmap'ed and registered with
+    cudaHostRegister (its shared-memory host pools); every byte POISON."""
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    if kind == "pinned":
+        yield torch.full((nbytes,), POISON, dtype=torch.uint8).pin_memory().view(dtype).view(shape)
+        return
+    region = mmap.mmap(-1, nbytes)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    raw.fill_(POISON)
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(raw.data_ptr(), nbytes, 0)) == 0
+    try:
+        yield raw.view(dtype).view(shape)
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(raw.data_ptr())
+        del raw
+        region.close()
+
+
+HOST_KINDS = ["pinned", "registered"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_kind", HOST_KINDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_staged_write_back_as_sglang_pools_call_it(mla, page_size, host_kind):
+    # MHA: 2 heads of 128 bf16 per layer; MLA: one 576-wide latent row.
+    layers, pool_pages, host_pages, staged_pages = 3, 12, 10, 3
+    row_shape = (1, 576) if mla else (2, 128)
+    caches = 1 if mla else 2
+    tokens = pool_pages * page_size
+    device_layers = [[(torch.randn(tokens, *row_shape) * 3).bfloat16().cuda()
+                      for _ in range(layers)] for _ in range(caches)]
+    firsts_src = page_firsts(7, tokens, page_size)
+    firsts_dst = page_firsts(7, host_pages * page_size, page_size)
+    src_indices = torch.tensor(token_indices(firsts_src, page_size)).cuda()
+    dst_indices = torch.tensor(token_indices(firsts_dst, page_size))
+    staging = [torch.full((staged_pages * page_size, layers, *row_shape), 7.0,
+                          dtype=torch.bfloat16, device="cuda") for _ in range(caches)]
+    shape = (host_pages * page_size, layers, *row_shape)
+    with contextlib.ExitStack() as stack:
+        hosts = [stack.enter_context(host_pool(shape, torch.bfloat16, host_kind))
+                 for _ in range(caches)]
+        expected = [h.clone() for h in hosts]
+        for layer_list, want in zip(device_layers, expected):
+            staged_model([t.cpu() for t in layer_list], src_indices.tolist(),
+                         dst_indices.tolist(), want, page_size)
+        tables = [torch.tensor([t.data_ptr() for t in layer_list], dtype=torch.uint64).cuda()
+                  for layer_list in device_layers]
+        with torch.cuda.stream(torch.cuda.Stream()):
+            if mla:
+                hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+                    ptr_src=tables[0], src_indices=src_indices, dst_indices=dst_indices,
+                    staging=staging[0], dst=hosts[0], page_size=page_size)
+            else:
+                hicache.transfer_hicache_all_layer_staged_lf_pf(
+                    k_ptr_src=tables[0], v_ptr_src=tables[1], src_indices=src_indices,
+                    dst_indices=dst_indices, staging_k=staging[0], staging_v=staging[1],
+                    dst_k=hosts[0], dst_v=hosts[1], page_size=page_size)
+        torch.cuda.synchronize()
+        for got, want in zip(hosts, expected):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_staged_write_back_refuses_a_host_page_outside_the_pool():
+    table = torch.zeros(2, dtype=torch.uint64, device="cuda")
+    staging = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(8, 2, 128, dtype=torch.bfloat16).pin_memory()
+    expect_error(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
+        table, torch.arange(4, device="cuda"), torch.tensor([0, 1, 7, 8]), staging, host,
+        page_size=2), "'dst_indices'[2] = 7: a page of 2 tokens from there is outside the "
+        "host pool (8 tokens)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])  # the kernel on copied indices; the engines
+@pytest.mark.parametrize("pinned", [False, True])
+def test_auto_reads_host_indices_during_the_call(pinned, page_size):
+    src = (torch.randn(512, 512) * 3).bfloat16().cuda()  # rows of 1 KiB
+    dst = torch.full((512, 512), 5.0, dtype=torch.bfloat16).pin_memory()
+    firsts_dst, firsts_src = page_firsts(4, 512, 64), page_firsts(4, 512, 64)
+    idx_dst = torch.tensor(token_indices(firsts_dst, 64))
+    idx_src = torch.tensor(token_indices(firsts_src, 64))
+    if pinned:
+        idx_dst, idx_src = idx_dst.pin_memory(), idx_src.pin_memory()
+    expected = dst.clone()
+    expected[idx_dst] = src.cpu()[idx_src]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the transfer runs well after the call returns
+        hicache.transfer_hicache_one_layer_mla(dst, idx_dst, src, idx_src, page_size=page_size)
+    idx_dst.fill_(0)
+    idx_src.fill_(1)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.gpu
+def test_copy_engine_all_layer_copies_join_the_stream_of_the_tables_gpu():
+    module = hicache._copy_module()
+    gpu = torch.empty(16, device="cuda")
+    assert module.pointer_device(gpu.data_ptr()) == gpu.device.index
+    assert module.pointer_device(torch.empty(16).pin_memory().data_ptr()) == -1
+    assert module.pointer_device(12345) == -1
+    if torch.cuda.device_count() < 2:
+        return  # the stream choice below needs a second GPU
+    with torch.cuda.device(1):
+        src = torch.randn(64, 128, device="cuda:1").half()
+    dst = torch.full((64, 128), 5.0, dtype=torch.float16).pin_memory()
+    idx = torch.randperm(64)[:16]
+    stream = torch.cuda.Stream(device=1)
+    with torch.cuda.stream(stream), torch.cuda.device(0):  # cuda:1's current stream: `stream`
+        torch.cuda._sleep(50_000_000)
+        hicache.transfer_hicache_all_layer_mla(
+            torch.tensor([dst.data_ptr()]), idx, torch.tensor([src.data_ptr()]), idx,
+            cache_src_stride_bytes=256, cache_dst_stride_bytes=256, method="copy_engine")
+    torch.cuda.synchronize(1)
+    assert torch.equal(dst[idx], src.cpu()[idx])
+
+
+@pytest.mark.gpu
+def test_copy_engine_moves_inside_one_cache_that_do_not_chain():
+    cache = (torch.randn(64, 128) * 3).half().cuda()
+    before = cache.cpu()
+    src, dst = torch.arange(0, 8), torch.arange(32, 40)
+    hicache.transfer_hicache_one_layer_mla(cache, dst, cache, src, method="copy_engine")
+    torch.cuda.synchronize()
+    expected = before.clone()
+    expected[dst] = before[src]
+    assert torch.equal(cache.cpu(), expected)
+    expect_error(lambda: hicache.transfer_hicache_one_layer_mla(
+        cache, torch.tensor([1, 2]), cache, torch.tensor([0, 1]), method="copy_engine"),
+        "a destination row of this call is also one of its source rows")
+
+
+# SGLang 0.5.23's pools (sglang/srt/mem_cache/pool_host/*.py, memory_pool_host.py): the host
+# layout of a pool kind, its row (dtype, shape after the token), and the call forms its
+# load_to_device_per_layer / backup_from_device_all_layer make, with indices on the GPU as
+# cache_controller.move_indices leaves them.
+SGLANG_POOLS = {
+    "mha": (torch.bfloat16, (4, 128), 2),        # K and V of 4 heads
+    "mla": (torch.bfloat16, (1, 576), 1),        # DeepSeek's latent row
+    "k_only": (torch.bfloat16, (2, 128), 1),     # one cache per layer
+    "mxfp8_scales": (torch.uint8, (4, 4), 1),    # a scale byte per 32 elements of 4 x 128
+    "dsa_page_rows": (torch.uint8, (64 * 132,), 1),  # DSA indexer: a 64-token page a row
+}
+SGLANG_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def sglang_layer_views(whole: torch.Tensor, layout: str, layer: int) -> torch.Tensor:
+    """One layer of a host buffer as SGLang's pools cut it: [size, ...] for layer_first and
+    page_first (strided rows), [pages, page_size, ...] for page_first_direct."""
+    return whole[layer] if layout == "layer_first" else whole[:, layer]
+
+
+def sglang_host_shape(layout, layers, size, page_size, row):
+    return {"layer_first": (layers, size, *row), "page_first": (size, layers, *row),
+            "page_first_direct": (size // page_size, layers, page_size, *row)}[layout]
+
+
+def set_slots(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, paged: int | None):
+    """view[slots] = values, for a [pages, page_size, ...] view with `paged` slots a page."""
+    if paged:
+        view[slots // paged, slots % paged] = values
+    else:
+        view[slots] = values
+
+
+def get_slots(view: torch.Tensor, slots: torch.Tensor, paged: int | None) -> torch.Tensor:
+    return view[slots // paged, slots % paged] if paged else view[slots]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_kind", HOST_KINDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("layout", SGLANG_LAYOUTS)
+@pytest.mark.parametrize("pool", SGLANG_POOLS)
+def test_sglang_pool_call_sites(pool, layout, page_size, host_kind):
+    dtype, row, caches = SGLANG_POOLS[pool]
+    layers, size, device_size = 2, 8 * 128, 4 * 128
+    element_dim = int(torch.Size(row).numel())
+    paged = page_size if layout == "page_first_direct" else None
+    tokens = 3 * page_size + (5 if page_size == 1 else 0)
+    # Whole pages on the host (SGLang's pages), token indices on both sides, on the GPU.
+    host_idx = torch.tensor(token_indices(page_firsts(tokens // page_size or tokens, size,
+                                                      page_size), page_size)[:tokens])
+    device_idx = torch.randperm(device_size)[:tokens]
+    shape = sglang_host_shape(layout, layers, size, page_size, row)
+    with contextlib.ExitStack() as stack:
+        hosts = [stack.enter_context(host_pool(shape, dtype, host_kind)) for _ in range(caches)]
+        for h in hosts:  # random host data, never zeros
+            raw = h.view(torch.uint8)
+            raw.copy_(torch.randint(1, 255, raw.shape, dtype=torch.uint8))
+        devices = [[torch.full((device_size, *row), 0, dtype=dtype, device="cuda").view(
+            torch.uint8).fill_(POISON).view(dtype) for _ in range(layers)]
+            for _ in range(caches)]
+        # load_to_device_per_layer: host -> device, one layer at a time.
+        for layer in range(layers):
+            srcs = [sglang_layer_views(h, layout, layer) for h in hosts]
+            dsts = [d[layer] for d in devices]
+            options = {"element_dim": element_dim, "page_size": page_size}
+            if caches == 2:
+                hicache.transfer_hicache_one_layer(
+                    k_cache_dst=dsts[0], v_cache_dst=dsts[1], k_cache_src=srcs[0],
+                    v_cache_src=srcs[1], indices_dst=device_idx.cuda(),
+                    indices_src=host_idx.cuda(), **options)
+            else:
+                hicache.transfer_hicache_one_layer_mla(
+                    cache_dst=dsts[0], indices_dst=device_idx.cuda(), cache_src=srcs[0],
+                    indices_src=host_idx.cuda(), **options)
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            for h, d in zip(hosts, devices):
+                want = torch.full_like(d[layer].cpu().view(torch.uint8), POISON).view(dtype)
+                want[device_idx] = get_slots(sglang_layer_views(h, layout, layer), host_idx,
+                                             paged)
+                assert torch.equal(d[layer].cpu().view(torch.uint8), want.view(torch.uint8))
+        # backup_from_device_all_layer (layer_first: all layers in one call) and a write-back
+        # per layer elsewhere, to fresh host rows, device indices on the GPU.
+        for h in hosts:
+            h.view(torch.uint8).fill_(POISON)
+        expected = [h.clone() for h in hosts]
+        for e, d in zip(expected, devices):
+            for layer in range(layers):
+                set_slots(sglang_layer_views(e, layout, layer), host_idx,
+                          d[layer].cpu()[device_idx], paged)
+        row_bytes = element_dim * dtype.itemsize
+        if layout == "layer_first":
+            tables = [(torch.tensor([h[layer].data_ptr() for layer in range(layers)],
+                                    dtype=torch.uint64).cuda(),
+                       torch.tensor([t.data_ptr() for t in d], dtype=torch.uint64).cuda())
+                      for h, d in zip(hosts, devices)]
+            if caches == 2:
+                hicache.transfer_hicache_all_layer(
+                    k_ptr_dst=tables[0][0], v_ptr_dst=tables[1][0], indices_dst=host_idx.cuda(),
+                    k_ptr_src=tables[0][1], v_ptr_src=tables[1][1], indices_src=device_idx.cuda(),
+                    kv_cache_dst_stride_bytes=row_bytes, kv_cache_src_stride_bytes=row_bytes,
+                    element_size=row_bytes)
+            else:
+                hicache.transfer_hicache_all_layer_mla(
+                    ptr_dst=tables[0][0], indices_dst=host_idx.cuda(), ptr_src=tables[0][1],
+                    indices_src=device_idx.cuda(), cache_dst_stride_bytes=row_bytes,
+                    cache_src_stride_bytes=row_bytes)
+        else:
+            for layer in range(layers):
+                for h, d in zip(hosts, devices):
+                    hicache.transfer_hicache_one_layer_mla(
+                        sglang_layer_views(h, layout, layer), host_idx.cuda(), d[layer],
+                        device_idx.cuda(), element_dim=element_dim, page_size=page_size)
+        torch.cuda.synchronize()
+        for h, e in zip(hosts, expected):
+            assert torch.equal(h.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [5, 100, 128, 165])
+@pytest.mark.parametrize("method", ["kernel", "auto"])
+def test_hisparse_mla_token_indices_with_page_size_64(method, count):
+    # DeepSeek V3.2's HiSparse coordinator: MLA rows, page_size=64, a top-k of token indices.
+    idx_dst, idx_src = page_firsts(count, 384, 1), page_firsts(count, 512, 1)
+    where = "kernel" if method == "kernel" else "auto-host"
+    run_one_layer(where, "h2d", page_size=64, idx_dst=idx_dst, idx_src=idx_src,
+                  row_shape=(576,), dtype=torch.bfloat16, mla=True)
+    run_all_layer("kernel", "d2h", page_size=64, idx_dst=idx_dst, idx_src=idx_src, mla=True,
+                  width=576, dtype=torch.bfloat16)

@@ -79,10 +79,16 @@ def test_make_cpp_args_rejects_what_has_no_cpp_form():
 
 # ------------------------------------------------------------------------------ arguments
 def test_load_jit_argument_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="'nope.cuh' not found in .*csrc"):
+    with pytest.raises(FileNotFoundError, match=r"'.*csrc/nope.cuh' not found \(a path that "
+                       "is not absolute names a file in the jitk package; give an absolute "
+                       "path for your own"):
         jitk.load_jit("x", cuda_files=["nope.cuh"], cuda_wrappers=[("f", "f")])
-    with pytest.raises(FileNotFoundError, match="absolute path"):
-        jitk.load_jit("x", cpp_files=[tmp_path / "missing.cuh"], cpp_wrappers=[("f", "f")])
+    missing = tmp_path / "missing.cuh"
+    with pytest.raises(FileNotFoundError, match=f"'{missing}' not found$"):
+        jitk.load_jit("x", cpp_files=[missing], cpp_wrappers=[("f", "f")])
+    with pytest.raises(IsADirectoryError, match=f"'{tmp_path}' is a folder; give the kernel "
+                       "files in it"):
+        jitk.load_jit("x", cuda_files=[tmp_path], cuda_wrappers=[("f", "f")])
     kernel = write_kernel(tmp_path)
     with pytest.raises(ValueError, match="would export nothing"):
         jitk.load_jit("x", cpp_files=[kernel])
@@ -112,6 +118,9 @@ def wrapped(**overrides):
     ({"cpp_files": [None]}, TypeError, "load_jit(cpp_files[0]): expected paths (str or "
      "os.PathLike), got NoneType"),
     ({"cuda_files": 5}, TypeError, "load_jit(cuda_files=...) takes a list of paths"),
+    ({"cuda_wrappers": "axpy"}, TypeError, "load_jit(cuda_wrappers=...) takes a list of "
+     "(export_name, cpp_callable), got str; write cuda_wrappers=[('axpy', '<C++ function or "
+     "static member>')]"),
     ({"cpp_wrappers": [("f",)]}, TypeError, "expected (export_name, cpp_callable) as two"),
     ({"cpp_wrappers": [("f", 3)]}, TypeError, "expected (export_name, cpp_callable) as two"),
     ({"cpp_wrappers": [("f", "")]}, ValueError, "'' for 'f' is not a C++ name"),
@@ -280,6 +289,7 @@ def test_concurrent_processes_build_once(tmp_path):
 
 def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITK_STAGING_DIR", str(tmp_path / "staging"))
     broken = tmp_path / "broken.cuh"
     broken.write_text("#include <jitk/utils.h>\nint64_t f(int64_t x) { return x + undeclared; }\n")
     for _ in range(2):  # the second attempt compiles again: nothing was remembered
@@ -293,7 +303,8 @@ def test_failed_build_raises_compiler_lines_and_caches_nothing(tmp_path, monkeyp
     # Nothing published; the failed build stays for inspection until the next build of it.
     assert list_entries(tmp_path / "cache") == []
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name[0] != "."]
-    [build_dir] = (tmp_path / "cache" / ".staging").iterdir()
+    assert not (tmp_path / "cache" / ".staging").exists()  # it stays on the builder's host
+    [build_dir] = (tmp_path / "staging").iterdir()
     assert (build_dir / "main.cpp").is_file() and str(build_dir) in error.command
     assert not list(build_dir.glob("*.so")) and not (build_dir / META_FILE).exists()
 

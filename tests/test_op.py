@@ -270,6 +270,21 @@ def test_wrong_types_are_caught_under_compile_too():
             torch.randn(4))
 
 
+def test_an_eager_write_bumps_the_version_counter_so_autograd_notices():
+    x, y = torch.ones(4), torch.zeros(4)
+    weight = torch.ones(4, requires_grad=True)
+    product = weight * y  # saves y for the backward
+    before = y._version
+    axpy(2.0, x, y)  # the eager fast path: the kernel writes y
+    assert y._version == before + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()
+    axpy(2, x, y)  # an int for the float: the checked path, which calls axpy directly too
+    assert y._version == before + 2
+    scaled(x, offset=y)  # declares no write: no bump
+    assert y._version == before + 2
+
+
 def test_declaration_errors():
     with pytest.raises(TypeError, match="returns <class 'int'>.*must be given: fake=f"):
         @jitk.op("jitk_test::count", mutates_args=())
@@ -286,8 +301,106 @@ def test_declaration_errors():
         def numpy_in(x: np.ndarray) -> None: ...
     with pytest.raises(TypeError, match=r"mutates_args takes parameter names, e.g. \('out',\)"):
         jitk.op("jitk_test::w", mutates_args="y")
-    with pytest.raises(ValueError, match="'namespace::name', got 'axpy'"):
-        jitk.op("axpy", mutates_args=())
+    for name in ("axpy", "bad ns::x", "jitk_test::a b", "a::b::c", "jitk_test::"):
+        with pytest.raises(ValueError, match=r"'namespace::name', two identifiers "
+                           rf"\(letters, digits, _\), got '{name}'"):
+            jitk.op(name, mutates_args=())
+    for mutated in (None, 3, ["y", 1]):
+        with pytest.raises(TypeError, match=r"mutates_args takes parameter names, e.g. "
+                           r"\('out',\), or \(\) for none, got"):
+            jitk.op("jitk_test::w", mutates_args=mutated)
+    with pytest.raises(ValueError, match="mutates_args names 'z', not a parameter of"):
+        @jitk.op("jitk_test::unknown_write", mutates_args=("z",))
+        def unknown_write(x: torch.Tensor) -> None: ...
     with pytest.raises(TypeError, match="'_jitk_fn' is reserved"):
         @jitk.op("jitk_test::reserved", mutates_args=())
         def reserved(_jitk_fn: torch.Tensor) -> None: ...
+
+
+# ---------------------------------------------------------------- registry, slot, references
+def _axpy_reference(alpha: float, x: torch.Tensor, y: torch.Tensor) -> None:
+    y.add_(x, alpha=alpha)
+
+
+@jitk.op("jitk_test::axpy_checked", mutates_args=("y",), reference=_axpy_reference,
+         tolerance=jitk.Tolerance(1e-6, 1e-6))
+def axpy_checked(alpha: float, x: torch.Tensor, y: torch.Tensor) -> None:
+    _module().axpy(alpha, x, y)
+
+
+def test_registry_records_each_op():
+    info = jitk.custom_op.registered_ops()["jitk_test::axpy_checked"]
+    assert info is axpy_checked.info and info.operator is axpy_checked.op
+    assert info.mutates_args == ("y",) and info.reference is _axpy_reference
+    assert info.tolerance == (1e-6, 1e-6) and list(info.signature.parameters) == \
+        ["alpha", "x", "y"]
+    assert jitk.custom_op.find_op("axpy_checked") is info
+    with pytest.raises(KeyError, match="no jitk op named 'nope'"):
+        jitk.custom_op.find_op("nope")
+
+
+def test_unwrapped_slot_is_the_body_itself():
+    # Nothing between the generated eager function and the body: host time as before.
+    assert axpy_checked.__globals__["_jitk_fn"] is axpy_checked.info.fn
+
+
+def test_call_wrapper_sees_eager_and_dispatcher_calls_and_is_removed():
+    seen = []
+
+    def factory(info, fn):
+        if info.name != "jitk_test::axpy_checked":
+            return None
+
+        def logged(*args, **kwargs):
+            seen.append(info.name)
+            return fn(*args, **kwargs)
+        return logged
+
+    jitk.custom_op.add_call_wrapper(factory)
+    try:
+        x, y = inputs()
+        axpy_checked(1.0, x, y)
+        axpy_checked.op(1.0, x, y)
+        torch.compile(lambda x, y: axpy_checked(1.0, x, y), backend="aot_eager",
+                      fullgraph=True)(x, y)
+        axpy(1.0, x, y)  # another op: left alone
+    finally:
+        jitk.custom_op.remove_call_wrapper(factory)
+    assert seen == ["jitk_test::axpy_checked"] * 3
+    assert axpy_checked.__globals__["_jitk_fn"] is axpy_checked.info.fn
+
+
+def test_reference_mode_switches_named_ops_and_warns_once(monkeypatch):
+    ran = []
+    monkeypatch.setattr(axpy_checked.info, "reference",
+                        lambda alpha, x, y: ran.append(alpha) or _axpy_reference(alpha, x, y))
+    x, y = inputs()
+    want = y + 2.0 * x
+    with pytest.warns(UserWarning, match=r"jitk_test::axpy_checked") as caught:
+        with jitk.reference_mode("axpy_checked"):
+            axpy_checked(2.0, x, y)
+            axpy_checked.op(0.0, x, y)
+    assert ran == [2.0, 0.0] and len([w for w in caught if "reference mode" in
+                                      str(w.message)]) == 1
+    torch.testing.assert_close(y, want)
+    axpy_checked(0.0, x, y)  # after the block: the kernel again
+    assert ran == [2.0, 0.0]
+    with pytest.raises(KeyError, match="no jitk op named nope"):
+        with jitk.reference_mode(["nope"]):
+            pass
+
+
+def test_reference_env_selects_ops_in_a_fresh_process():
+    import subprocess
+    import sys
+    script = ("import warnings, torch, jitk, jitk.norm\n"
+              "with warnings.catch_warnings(record=True) as w:\n"
+              "    warnings.simplefilter('always')\n"
+              "    x, wt = torch.randn(3, 8), torch.randn(8)\n"
+              "    jitk.rmsnorm(x, wt, out=torch.empty_like(x))\n"
+              "print([str(m.message) for m in w])\n")
+    env = {**__import__("os").environ, "JITK_REFERENCE": "rmsnorm"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "jitk::rmsnorm" in result.stdout and "fused_add_rmsnorm" not in result.stdout

@@ -4,6 +4,7 @@ another installed elsewhere."""
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import jitk
-from jitk import cache
+from jitk import cache, precompile
 
 PACKAGE = Path(jitk.__file__).resolve().parent
 
@@ -67,7 +68,7 @@ def test_disable_jit_context_and_a_damaged_entry(kernel, tmp_path, monkeypatch):
                            "is damaged"):
             load(kernel)
     assert load(kernel).twice(3) == 6  # enabled again: rebuilt
-    assert not cache.look_up(library.parent).problem
+    assert cache.is_complete(library.parent, cache.read_meta(library.parent)["key"])
 
 
 def test_disable_jit_setting_is_checked(kernel, monkeypatch):
@@ -76,15 +77,49 @@ def test_disable_jit_setting_is_checked(kernel, monkeypatch):
         load(kernel, "checked")
 
 
+def printed_command(error: jitk.JitCacheMissError) -> list[str]:
+    """The command a miss's message gives to fill its entry, ready for subprocess.run."""
+    command = shlex.split(str(error).split("`")[1])
+    assert command[:4] == ["python", "-m", "jitk", "precompile"], command
+    return [sys.executable, *command[1:]]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="builds for sm_90 without a GPU")
-def test_a_kernel_modules_miss_names_its_precompile_command(tmp_path, monkeypatch):
+def test_a_kernel_modules_miss_names_the_command_for_its_own_configuration(tmp_path,
+                                                                           monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
     x, weight = torch.randn(2, 4104, dtype=torch.bfloat16), torch.randn(4104, dtype=torch.bfloat16)
     with jitk.disable_jit(), pytest.raises(jitk.JitCacheMissError) as info:
-        jitk.rmsnorm(x, weight)
+        jitk.rmsnorm(x, weight)  # 4104 is not among precompile_configs()
     message = str(info.value)
     assert "template arguments: 4104, bf16_t; architectures: sm_90" in message, message
-    assert "`python -m jitk precompile --arch 9.0 --module jitk.norm`" in message
+    command = printed_command(info.value)
+    assert command[4:6] == ["--arch", "9.0"] and command[6] == "--call"
+    call = precompile.read_call(command[7])
+    assert call["name_parts"] == ["rmsnorm", "4104", "bf16_t"]
+    assert call["cuda_files"] == ["rmsnorm.cuh"]  # the package's own file, by its name
+
+
+def test_the_printed_command_fills_exactly_the_missing_entry(tmp_path, monkeypatch):
+    kernel = tmp_path / "scaled.cuh"
+    kernel.write_text("#include <cstdint>\ntemplate <int64_t kScale>\n"
+                      "int64_t scaled(int64_t x) { return kScale * x; }\n")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITK_CUDA_ARCH", "9.0")
+
+    def load_scaled():
+        return jitk.load_jit("scaled", 3, cuda_files=[kernel],
+                             cuda_wrappers=[("scaled", "scaled<3>")])
+
+    with jitk.disable_jit(), pytest.raises(jitk.JitCacheMissError) as info:
+        load_scaled()
+    filled = subprocess.run(printed_command(info.value), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "JITK_DISABLE_JIT": "1"})
+    assert filled.returncode == 0, filled.stdout + filled.stderr
+    assert "(1 built, 0 cached)" in filled.stdout
+    monkeypatch.setenv("JITK_DISABLE_JIT", "1")
+    assert load_scaled().scaled(5) == 15  # a hit, with compiling off
+    assert len(cache.list_entries(tmp_path / "cache")) == 1
 
 
 def copy_package(destination: Path) -> Path:

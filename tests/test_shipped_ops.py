@@ -7,6 +7,7 @@ operator in a CUDA graph, and a compiled decoder block (reduce-overhead) equal t
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import jitk
 import jitk.hicache
 import jitk.norm
-import jitk.wait_value  # importing a kernel module registers its operators
+import jitk.wait_value
 
 HIDDEN = 256
 ROW = 128  # elements per KV row: 256 bytes in bfloat16
@@ -28,17 +29,26 @@ LATENT = 576  # DeepSeek's MLA latent row
 LAYERS = 3
 SHIPPED = ["rmsnorm", "fused_add_rmsnorm", "transfer_hicache_one_layer",
            "transfer_hicache_one_layer_mla", "transfer_hicache_all_layer",
-           "transfer_hicache_all_layer_mla", "stream_wait_value", "stream_write_value"]
+           "transfer_hicache_all_layer_mla", "transfer_hicache_all_layer_staged_lf_pf",
+           "transfer_hicache_all_layer_mla_staged_lf_pf", "stream_wait_value",
+           "stream_write_value"]
 # What each operator declares it writes. The all-layer transfers write through pointers and
 # the wait reads its flag: they declare nothing and are kept as side effects instead.
 WRITES = {"rmsnorm": {"out"}, "fused_add_rmsnorm": {"input", "residual"},
           "transfer_hicache_one_layer": {"k_cache_dst", "v_cache_dst"},
           "transfer_hicache_one_layer_mla": {"cache_dst"}, "transfer_hicache_all_layer": set(),
-          "transfer_hicache_all_layer_mla": set(), "stream_wait_value": set(),
+          "transfer_hicache_all_layer_mla": set(),
+          "transfer_hicache_all_layer_staged_lf_pf": {"staging_k", "staging_v", "dst_k",
+                                                      "dst_v"},
+          "transfer_hicache_all_layer_mla_staged_lf_pf": {"staging", "dst"},
+          "stream_wait_value": set(),
           "stream_write_value": {"flag"}}
 # Operators whose arguments must be the caller's own memory inside a CUDA graph, which
-# Inductor's graphs (mode="reduce-overhead") do not promise: a flag, a pinned host cache.
+# Inductor's graphs (mode="reduce-overhead") do not promise: a flag, a pinned host cache;
+# and the staged write-back, which reads its host indices during the call.
 OUTSIDE_INDUCTOR_GRAPHS = {"transfer_hicache_one_layer", "transfer_hicache_one_layer_mla",
+                           "transfer_hicache_all_layer_staged_lf_pf",
+                           "transfer_hicache_all_layer_mla_staged_lf_pf",
                            "stream_wait_value", "stream_write_value"}
 
 
@@ -54,6 +64,11 @@ def calls(tensor):
     latent_gpu, latent_host = tensor((16, LATENT), bf16, "gpu"), tensor((32, LATENT), bf16, "host")
     k_ptrs_host, v_ptrs_host, k_ptrs_gpu, v_ptrs_gpu = (tensor((LAYERS,), i64, "gpu")
                                                         for _ in range(4))
+    staging_k, staging_v = (tensor((8, LAYERS, ROW), bf16, "gpu") for _ in range(2))
+    pool_k, pool_v = (tensor((32, LAYERS, ROW), bf16, "host") for _ in range(2))
+    staging_latent = tensor((8, LAYERS, LATENT), bf16, "gpu")
+    pool_latent = tensor((32, LAYERS, LATENT), bf16, "host")
+    host_pages = tensor((8,), i64, "host")
     flag = tensor((1,), torch.int32, "gpu")
     strides = {"kv_cache_src_stride_bytes": 2 * ROW, "kv_cache_dst_stride_bytes": 2 * ROW}
     latent_strides = {"cache_src_stride_bytes": 2 * LATENT,
@@ -69,6 +84,12 @@ def calls(tensor):
          (k_ptrs_host, v_ptrs_host, host_slots, k_ptrs_gpu, v_ptrs_gpu, gpu_slots), strides),
         ("transfer_hicache_all_layer_mla", jitk.transfer_hicache_all_layer_mla,
          (k_ptrs_host, host_slots, k_ptrs_gpu, gpu_slots), latent_strides),
+        ("transfer_hicache_all_layer_staged_lf_pf", jitk.transfer_hicache_all_layer_staged_lf_pf,
+         (k_ptrs_gpu, v_ptrs_gpu, gpu_slots, host_pages, staging_k, staging_v, pool_k, pool_v),
+         {"page_size": 4}),
+        ("transfer_hicache_all_layer_mla_staged_lf_pf",
+         jitk.transfer_hicache_all_layer_mla_staged_lf_pf,
+         (k_ptrs_gpu, gpu_slots, host_pages, staging_latent, pool_latent), {"page_size": 4}),
         ("stream_wait_value", jitk.stream_wait_value, (flag, 1), {}),
         ("stream_write_value", jitk.stream_write_value, (flag, 1), {}),
     ]
@@ -97,6 +118,35 @@ def test_every_entry_point_is_an_operator_declaring_what_it_writes():
         assert not schema.returns, f"{name} returns something: an operator may not alias"
         unsafe = torch.Tag.cudagraph_unsafe in operator.tags
         assert unsafe == (name in OUTSIDE_INDUCTOR_GRAPHS), name
+
+
+# A fresh process that imports jitk only, with compiling off and an empty cache.
+AFTER_IMPORT = textwrap.dedent("""\
+    import sys, torch, jitk
+    missing = [name for name in sys.argv[2:] if not hasattr(torch.ops.jitk, name)]
+    program = torch.export.load(sys.argv[1])
+    print("missing", missing, "calls", sorted(str(node.target) for node in program.graph.nodes
+                                               if str(node.target).startswith("jitk.")))
+""")
+
+
+class Normed(torch.nn.Module):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        jitk.rmsnorm(x, weight, out=out)
+        return out * 2
+
+
+def test_operators_exist_after_import_jitk_and_a_saved_export_loads(tmp_path):
+    program = torch.export.export(Normed(), (torch.randn(4, HIDDEN), torch.randn(HIDDEN)))
+    torch.export.save(program, tmp_path / "normed.pt2")
+    cache_dir = tmp_path / "cache"
+    env = {**os.environ, "JITK_DISABLE_JIT": "1", "JITK_CACHE_DIR": str(cache_dir)}
+    result = subprocess.run([sys.executable, "-c", AFTER_IMPORT, tmp_path / "normed.pt2",
+                             *SHIPPED], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "missing [] calls ['jitk.rmsnorm.default']"
+    assert not cache_dir.exists()  # definitions only: nothing built or looked up
 
 
 def test_make_fx_over_fake_cuda_tensors_traces_every_operator():

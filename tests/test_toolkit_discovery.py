@@ -77,12 +77,13 @@ def test_bad_jitk_nvcc_is_named(no_toolkit_visible, tmp_path, monkeypatch):
         toolchain.cuda_home()
 
 
-def test_wheels_libcudart_is_linked_for_the_linker(no_toolkit_visible, tmp_path, monkeypatch):
+def test_wheels_libcudart_is_named_to_the_linker(no_toolkit_visible, monkeypatch):
     wheels = fake_toolkit(no_toolkit_visible / "nvidia" / "cu13")
-    (wheels / "lib").mkdir()
-    (wheels / "lib" / "libcudart.so.13").write_bytes(b"")
     monkeypatch.setattr(toolchain, "cuda_home", lambda: wheels)
-    folder = tmp_path / "guard"
-    folder.mkdir()
-    toolchain.link_cudart(folder)
-    assert (folder / "libcudart.so").resolve() == wheels / "lib" / "libcudart.so.13"
+    (wheels / "lib").mkdir()
+    for name in ("libcudart.so.13.0.88", "libcudart.so.13"):
+        (wheels / "lib" / name).write_bytes(b"")
+    assert toolchain.cudart_link_flags() == [f"-L{wheels / 'lib'}", "-l:libcudart.so.13"]
+    (wheels / "lib64").mkdir()  # an installed toolkit's lib64 has the linker's name
+    (wheels / "lib64" / "libcudart.so").write_bytes(b"")
+    assert toolchain.cudart_link_flags() == [f"-L{wheels / 'lib64'}", "-lcudart"]

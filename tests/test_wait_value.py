@@ -27,7 +27,7 @@ import torch
 import wait_value_deadlock
 from errors import expect_error
 
-from jitk import wait_value
+from jitk import streams, wait_value
 from jitk.cache import list_entries
 from jitk.wait_value import Event, stream_wait_value, stream_write_value
 
@@ -135,20 +135,14 @@ def test_two_dimensional_flag_is_refused():
     assert "Dimension mismatch: expected 1 dims but got 2" in message
 
 
-@pytest.mark.parametrize("value", [2**31, -(2**31) - 1])
+@pytest.mark.parametrize(("dtype", "value"), [
+    (torch.int32, 2**31), (torch.int32, -(2**31) - 1), (torch.int32, 2**63),
+    (torch.int64, 2**63), (torch.int64, -(2**63) - 1)])
 @pytest.mark.parametrize("entry", [stream_wait_value, stream_write_value])
-def test_value_outside_int32_is_refused(entry, value):
-    message = error_of(lambda: entry(torch.zeros(1, dtype=torch.int32), value))
-    assert f"value must fit in the int32 flag, got {value}" in message
-    assert KERNEL_FILE in message
-
-
-@pytest.mark.parametrize("value", [2**63, -(2**63) - 1])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_value_outside_int64_is_refused(dtype, value):
+def test_value_outside_the_flags_range_is_a_value_error_for_every_width(entry, dtype, value):
     name = str(dtype).removeprefix("torch.")
-    expect_error(lambda: stream_write_value(torch.zeros(1, dtype=dtype), value),
-                 f"value must fit in the {name} flag, got {value}", kind=ValueError)
+    expect_error(lambda: entry(torch.zeros(1, dtype=dtype), value),
+                 f"value must fit in the {name} flag, got {value} (it holds", kind=ValueError)
 
 
 @pytest.mark.parametrize("value", [1.0, "1", True, None])
@@ -197,6 +191,25 @@ def test_host_flag_store_refuses_a_value_its_dtype_cannot_hold():
     expect_error(lambda: wait_value._kernels().set_host_flag(flag, 2**40),
                  f"value must fit in the int32 flag, got {2**40}", KERNEL_FILE)
     assert flag.tolist() == [0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu"), "bogus", 1.5])
+def test_event_needs_a_cuda_device(device):
+    expect_error(lambda: Event(device), "Event(device=...) must be a CUDA device",
+                 f"got {device!r}", "Event(host=True)", kind=ValueError)
+
+
+def test_current_stream_raises_what_is_not_a_missing_gpu(monkeypatch):
+    assert streams.current_stream() == (-1, 0) or torch.cuda.is_available()
+
+    def broken(device):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", broken, raising=False)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        streams.current_stream(7)
 
 
 def test_host_event_takes_no_device():

@@ -4,6 +4,10 @@
   demo          run jitk's demo
   cache         list the module cache; `cache clear` empties it, `cache prune` trims it
   precompile    build the kernels' common configurations into the cache ahead of time
+  replay        run a call dumped at JITK_LOGLEVEL=10 again and check its outputs
+  fib export    write FlashInfer-Bench Definitions (and jitk's Solutions) of the ops
+  check         run ops against their references (python -m jitk check [OP ...])
+  tune          time the ops' launch choices on this GPU, record the fastest
   env           what jitk runs with (versions, compilers, GPUs, cache, settings); --json
 
 Exit codes: 0 success, 1 failure, 2 bad usage."""
@@ -18,12 +22,15 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from . import cache, clangd, env, precompile, toolchain
+from . import NUMPY_WARNING, cache, clangd, env, precompile, toolchain
 from .lock import JitLockError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+warnings.filterwarnings("ignore", NUMPY_WARNING, UserWarning)  # see jitk/__init__.py
 
 
 class CommandError(RuntimeError):
@@ -117,7 +124,8 @@ def prune_cache(args: argparse.Namespace) -> int:
     if args.older_than is None and args.keep is None and args.max_size is None:
         raise UsageError("cache prune needs --older-than, --keep or --max-size")
     entries = cache.list_entries()
-    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size)
+    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
+                                      args.arch)
     left = sum(e.size_bytes for e in entries if e not in doomed)
     if doomed:
         print(f"{'would remove' if args.dry_run else 'removing'} {entries_word(len(doomed))} "
@@ -165,29 +173,48 @@ def print_configs(labels: dict[str, list[str]]) -> None:
 def print_summary(outcomes: list[precompile.Outcome], wall: float, jobs: int) -> None:
     for module in dict.fromkeys(o.task.module for o in outcomes):
         mine = [o for o in outcomes if o.task.module == module]
-        built = sum(o.built for o in mine)
+        failed = sum(o.error is not None for o in mine)
+        built = sum(o.built and o.error is None for o in mine)
         print(f"{precompile.short_name(module)}: {sum(o.seconds for o in mine):.1f} s over "
-              f"{len(mine)} configuration(s) ({built} built, {len(mine) - built} cached)")
+              f"{len(mine)} configuration(s) ({built} built, {len(mine) - built - failed} "
+              f"cached" + (f", {failed} failed)" if failed else ")"))
     print(f"{len(outcomes)} configuration(s) in {wall:.1f} s with {jobs} job(s); "
           f"cache: {cache.cache_root()}")
 
 
-def run_precompile(args: argparse.Namespace) -> int:
+def precompile_tasks(args: argparse.Namespace) -> list[precompile.Task]:
+    """The recorded calls (--call), else every configuration of the selected modules."""
+    if args.call:
+        if args.module or args.list:
+            raise UsageError("--call builds the calls given, so --module and --list do not "
+                             "apply")
+        cuda = any(precompile.is_cuda_call(call) for call in args.call)
+        archs = checked_archs(args.arch or (default_precompile_archs() if cuda else []))
+        return precompile.call_tasks(args.call, archs)
     labels, missing = precompile.config_labels(selected_modules(args.module))
     for name in missing:
         print(f"{name} is not installed; skipped", file=sys.stderr)
     if args.list:
         print_configs(labels)
-        return EXIT_OK
+        return []
     if not any(labels.values()):
         raise CommandError("no kernel configurations to precompile")
-    archs = args.arch or default_precompile_archs()
+    return precompile.make_tasks(labels, checked_archs(args.arch or default_precompile_archs()))
+
+
+def checked_archs(archs: list[str]) -> list[str]:
     for arch in archs:
         try:
             toolchain.check_buildable(toolchain.parse_archs(arch))
         except toolchain.ToolchainError as error:
             raise UsageError(str(error)) from None
-    tasks = precompile.make_tasks(labels, archs)
+    return archs
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    tasks = precompile_tasks(args)
+    if not tasks:  # --list printed them
+        return EXIT_OK
     jobs = args.jobs or os.cpu_count() or 1
     finished = itertools.count(1)
 
@@ -209,12 +236,141 @@ def run_precompile(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    from . import replay
+
+    try:
+        call, runs = replay.replay(args.dump, args.device)
+    except replay.DumpError as error:
+        raise UsageError(str(error)) from None
+    status = "raised " + call["raised"] if call.get("raised") else \
+        "never returned (no outputs dumped)" if call.get("outputs") is None else \
+        f"{len(call['outputs'])} output(s) dumped"
+    print(f"{call['op']} call {call['call']} of pid {call['pid']}: {status}")
+    for run in runs:
+        if run.passed:
+            against = f"matches the {run.compared} dumped output(s)" if run.compared else \
+                "ran (nothing dumped to compare with)"
+            print(f"  {run.what}: {against}")
+        else:
+            print(f"  {run.what}: FAILED")
+            for line in run.failures:
+                print(f"    {line}")
+    return EXIT_OK if all(run.passed for run in runs) else EXIT_FAILURE
+
+
+def run_fib_export(args: argparse.Namespace) -> int:
+    from . import fib
+
+    try:
+        written = fib.export(args.out_dir, args.op or None)
+    except fib.FibUnavailableError as error:
+        raise CommandError(str(error)) from None
+    except (KeyError, ValueError) as error:
+        raise UsageError(error.args[0]) from None
+    for path in written:
+        print(path)
+    return EXIT_OK
+
+
+def selected_ops(names: list[str]) -> list:
+    """The OpInfo of each named op (bare or qualified), or of every registered op: the
+    shipped kernel modules' and those in $JITK_PRECOMPILE_MODULES."""
+    from .custom_op import find_op, registered_ops
+
+    for name in precompile.registered_modules():
+        precompile.import_kernel_module(name)
+    try:
+        return [find_op(name) for name in names] if names else list(registered_ops().values())
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from . import testing
+
+    failed = []
+    for info in selected_ops(args.op):
+        if info.reference is None or info.cases is None:
+            print(f"{info.name}: skipped, it declares no "
+                  f"{'reference' if info.reference is None else 'cases'}")
+            continue
+        reports = testing.check_op(info, device=args.device, raise_on_failure=False)
+        bad = [r for r in reports if not r.ok]
+        if all(r.tensor == "opcheck" for r in reports):
+            print(f"{info.name}: {len(reports) - len(bad)} of {len(reports)} cases pass "
+                  "opcheck in reference mode (no GPU: kernels not run)")
+        else:
+            worst = max((r.max_ulps for r in reports), default=0.0)
+            print(f"{info.name}: {len(reports) - len(bad)} of {len(reports)} comparisons "
+                  f"within tolerance (max {worst:.3g} ulps)")
+        for report in reports if args.verbose else bad:
+            print(f"  {report.line()}")
+        failed += bad
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    dims = text.lower().split("x")
+    if not all(dim.isdigit() and int(dim) > 0 for dim in dims):
+        raise argparse.ArgumentTypeError(f"expected a shape such as 16x4096, got {text!r}")
+    return tuple(int(dim) for dim in dims)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import autotune
+
+    if not torch.cuda.is_available():
+        raise CommandError("tune times kernels on a GPU, and none is visible")
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype: no torch dtype named {args.dtype!r}")
+    ops = [info for info in selected_ops(args.op) if info.tuning is not None]
+    if not ops:
+        raise UsageError("none of the selected ops declares a tuning space")
+    calls = [(info, info.tuning.sample(shape, dtype, torch.device("cuda")), shape)
+             for info in ops for shape in (args.shapes or info.tuning.shapes)]
+    started = time.perf_counter()
+    jobs = {(info.name, bucket, str(config)): (info.name, bucket, config)
+            for info, (call_args, kwargs), _ in calls
+            for bucket in [info.tuning.bucket(*call_args, **kwargs)]
+            for config in info.tuning.candidates(bucket)}
+    autotune.prebuild(list(jobs.values()), default_precompile_archs()[0],
+                      args.jobs or os.cpu_count() or 1)
+    built = time.perf_counter()
+    print(f"built {len(jobs)} candidate(s) in {built - started:.1f} s")
+    for info, (call_args, kwargs), shape in calls:
+        result = autotune.tune(info, call_args, kwargs)
+        print(f"{info.name} {'x'.join(map(str, shape))} {args.dtype}: {result.us:.2f} us "
+              f"(default {result.default_us:.2f}) {result.config}"
+              + (f"; {len(result.failures)} failed the reference" if result.failures else ""),
+              flush=True)
+    print(f"tuned {len(calls)} shape(s) in {time.perf_counter() - built:.1f} s; recorded in "
+          f"{autotune.tuning_file()}")
+    return EXIT_OK
+
+
 def valid_arch(text: str) -> str:
     try:
         toolchain.parse_archs(text)
     except toolchain.ToolchainError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def recorded_call(text: str) -> str:
+    try:
+        precompile.read_call(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def prune_target(text: str) -> tuple[str, ...]:
+    """An --arch of prune: architectures as JITK_CUDA_ARCH writes them, or 'host'."""
+    return () if text == "host" else toolchain.parse_archs(valid_arch(text))
 
 
 def positive_int(text: str) -> int:
@@ -289,11 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
     prune = cache_actions.add_parser(
         "prune", help="remove old or surplus cached modules",
         description="Remove the entries that any of the options selects (age counts from "
-                    "the build). Safe beside running programs, as clear is.")
+                    "the build). Without --arch, the newest entry of each module "
+                    "configuration and architecture stays, so a cache filled for several GPUs "
+                    "keeps serving each. Safe beside running programs, as clear is.")
     prune.add_argument("--older-than", type=non_negative_number, metavar="DAYS",
                        help="entries built more than DAYS days ago")
     prune.add_argument("--keep", type=non_negative_int, metavar="N",
-                       help="all but the newest N entries of each module")
+                       help="all but the newest N entries of each module configuration "
+                            "(name and template arguments) and architecture")
+    prune.add_argument("--arch", action="append", type=prune_target, metavar="ARCH",
+                       help="only entries built for ARCH (e.g. 9.0, or host), the last one "
+                            "of a configuration included; repeat for more. Without it, the "
+                            "newest entry of each configuration and architecture stays")
     prune.add_argument("--max-size", type=byte_size, metavar="SIZE",
                        help="the oldest entries, until the cache fits in SIZE (e.g. 2G)")
     prune.add_argument("--dry-run", action="store_true",
@@ -315,7 +478,63 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only this kernel module; repeat for more (default: all)")
     build.add_argument("--list", action="store_true",
                        help="print the configurations and build nothing")
+    build.add_argument("--call", action="append", type=recorded_call, metavar="JSON",
+                       help="build exactly the entry of this load_jit call, as a cache miss's "
+                            "message records it; repeat for more")
     build.set_defaults(handler=run_precompile)
+
+    replay = commands.add_parser(
+        "replay", help="run a dumped call again and compare its outputs",
+        description="Run a call dumped at JITK_LOGLEVEL=10 again from its input tensors and "
+                    "compare what it writes and returns with the dumped outputs, then the "
+                    "same for the op's reference, if it has one. Exits 1 when a run differs "
+                    "or raises.")
+    replay.add_argument("dump", type=Path, metavar="DUMP",
+                        help="a dump folder (JITK_DUMP_DIR/<op>_pid<pid>_call<n>)")
+    replay.add_argument("--device", metavar="DEVICE",
+                        help="run on this device (e.g. cpu) instead of the recorded one")
+    replay.set_defaults(handler=run_replay)
+
+    fib_parser = commands.add_parser(
+        "fib", help="FlashInfer-Bench: fib export writes the ops' Definitions",
+        usage="%(prog)s [-h] export OUT_DIR [OP ...]",
+        description="FlashInfer-Bench (pip install jitk[fib]).")
+    fib_actions = fib_parser.add_subparsers(title="actions", metavar="ACTION",
+                                            prog=fib_parser.prog, required=True)
+    export = fib_actions.add_parser(
+        "export", help="write Definitions and jitk's Solutions as JSON",
+        description="Write a FlashInfer-Bench Definition (OUT_DIR/definitions/<op>/<name>.json) "
+                    "for each shipped op's example shapes and for each jitk.op with a "
+                    "reference, and a Solution (OUT_DIR/solutions/...) for each of jitk's "
+                    "kernels.")
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    export.add_argument("op", nargs="*", metavar="OP",
+                        help="op names (e.g. rmsnorm or jitk::rmsnorm); default: all")
+    export.set_defaults(handler=run_fib_export)
+
+    check = commands.add_parser(
+        "check", help="run ops against their references",
+        description="Run each op (default: every registered one) against its reference over "
+                    "its cases: on the GPU, results compared (abs, rel, ulps) within the op's "
+                    "tolerance; without one, torch.library.opcheck in reference mode.")
+    check.add_argument("op", nargs="*", help="op names, bare or qualified (default: all)")
+    check.add_argument("--device", choices=("cuda", "cpu"),
+                       help="where to run (default: the GPU if there is one)")
+    check.add_argument("--verbose", "-v", action="store_true", help="print every case")
+    check.set_defaults(handler=run_check)
+
+    tune = commands.add_parser(
+        "tune", help="time the ops' launch choices on this GPU and record the fastest",
+        description="Build every candidate of each op's tuning space for the shapes, check "
+                    "each against the op's reference, time them under CUDA graph replay, and "
+                    "record the fastest in the tuning file beside the cache.")
+    tune.add_argument("op", nargs="*", help="op names (default: every op with a space)")
+    tune.add_argument("--shapes", nargs="+", type=parse_shape, metavar="SHAPE",
+                      help="shapes such as 16x4096 (default: each op's own list)")
+    tune.add_argument("--dtype", default="bfloat16", help="torch dtype name (bfloat16)")
+    tune.add_argument("--jobs", "-j", type=positive_int, metavar="N",
+                      help="builds at a time (default: the number of CPUs)")
+    tune.set_defaults(handler=run_tune)
     return parser
 
 
@@ -329,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         parser.exit(EXIT_USAGE, f"jitk: error: {error}\n")
     except (CommandError, precompile.PrecompileError, toolchain.ToolchainError,
-            JitLockError) as error:
+            JitLockError, ValueError) as error:  # ValueError: a bad JITK_* setting
         print(f"jitk: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
 

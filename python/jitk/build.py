@@ -1,16 +1,26 @@
-"""One build: tvm-ffi's ninja build in a private staging folder, published as a cache entry.
+"""One build: a module compiled by ninja in a private folder on this host, published as a
+cache entry.
 
 The caller holds the entry's build lock (jitk/lock.py). The build never touches the
-published entry: it happens in a staging folder of its own (jitk/cache.py), is loaded from
-there, and only then becomes the entry, in one rename. So a reader never sees half a build,
-a `cache clear` cannot pull a library from under the process that built it, and tvm-ffi's
-own lock, taken inside the build folder, is never contended. ninja runs under
-jitk/ninja_guard.py, which stops the compilers when the builder dies or the build runs past
-JITK_LOCK_TIMEOUT."""
+published entry: it happens in a folder of its own on the builder's host (jitk/cache.py), is
+copied onto the cache's file system, loaded from that copy, and only then becomes the entry,
+in one rename. So a reader never sees half a build, a `cache clear` cannot pull a library
+from under the process that built it, and a cache on a network file system never holds a
+build in progress.
+
+jitk writes build.ninja itself rather than calling `tvm_ffi.cpp.build`: tvm-ffi takes the
+compilers, the CUDA root and the target architectures from process-wide environment
+variables and runs the `ninja` on PATH, so two threads building at once would have to
+share (and fight over) one environment; and it writes paths into build.ninja unescaped, so
+a cache folder with a space in its name broke every build. Here everything is explicit:
+the programs are found once (jitk/toolchain.py) and named by absolute path, every path
+and flag is quoted for the shell and escaped for ninja, and nothing in the process's
+environment changes. From tvm-ffi jitk takes its headers' and its library's locations
+(tvm_ffi.libinfo). ninja runs, by its path, under jitk/ninja_guard.py, which stops the
+compilers when the builder dies or the build runs past JITK_LOCK_TIMEOUT."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -18,30 +28,25 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import tvm_ffi
-import tvm_ffi.cpp
-from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path
+from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from . import cache, toolchain
+from . import cache, loader, toolchain
 from .lock import lock_timeout
 
 logger = logging.getLogger("jitk")
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
-GUARD_DIR = ".jitk-bin"  # inside the staging folder; removed before publication
-# Builds change process-wide environment variables that tvm-ffi reads; one at a time.
-_env_lock = threading.Lock()
 # The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
-# nvcc's file(line)), fatal errors (nvcc fatal), the linker's and the loader's.
+# nvcc's file(line)), fatal errors (nvcc fatal), the linker's, the loader's and ninja's own.
 _DECISIVE = re.compile(r"\bfatal\b|\berror\b|undefined (reference|symbol)|multiple definition"
                        r"|^jitk: ", re.IGNORECASE)
-_NOT_DECISIVE = re.compile(r"^(ninja|FAILED:|\[\d+/\d+\]|stdout:|stderr:)|^\d+ errors? detected")
+_NOT_DECISIVE = re.compile(r"^(ninja: build stopped|FAILED:|\[\d+/\d+\])"
+                           r"|^\d+ errors? detected")
 
 
 class JitCompileError(RuntimeError):
@@ -62,66 +67,115 @@ def decisive_lines(log: str) -> list[str]:
             if _DECISIVE.search(line) and not _NOT_DECISIVE.search(line)]
 
 
-def compile_error(module: str, log: str) -> JitCompileError:
+def compile_error(module: str, log: str, folder: Path, ninja: list[str]) -> JitCompileError:
+    """The error of a build that failed in `folder`: the failing compiler command, or
+    ninja's when no compiler failed (a missing input fails before any compiler runs), as a
+    command to run again; the decisive lines, else the log's last line."""
     lines = log.splitlines()
-    command = ""
+    failed = shlex.join(ninja)
     for i, line in enumerate(lines):
         if line.startswith("FAILED:") and i + 1 < len(lines):
-            command = lines[i + 1].strip()
+            failed = lines[i + 1].strip()
             break
-    errors = [line for line in decisive_lines(log) if line.strip() != command]
-    return JitCompileError(module, command, errors, log)
+    errors = [line for line in decisive_lines(log) if line.strip() != failed]
+    if not errors:
+        errors = [line for line in lines if line.strip()][-1:] or ["the build printed nothing"]
+    return JitCompileError(module, f"cd {shlex.quote(str(folder))} && {failed}", errors, log)
 
 
 @dataclass(frozen=True)
 class BuildSpec:
     name: str
     entry: Path  # the published folder
+    key: str  # the cache key, recorded in the entry
+    in_place: bool  # entry is a build_directory (jitk/cache.py)
     archs: tuple[str, ...]
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key
     include_dir: Path  # jitk's headers, hashed into the key
-    build_kwargs: dict
+    flags: dict[str, list[str]]  # "cflags", "cuda_cflags", "ldflags", "include_dirs"
 
 
-def _write_guard(staging: Path) -> Path:
-    """A `ninja` first on PATH that runs the real one under jitk/ninja_guard.py."""
-    real = shutil.which("ninja")
-    if real is None:
-        raise toolchain.ToolchainError("jitk builds with ninja, which is not on PATH "
-                                       "(pip install ninja)")
-    folder = staging / GUARD_DIR
-    folder.mkdir()
-    command = [sys.executable or "python3", "-I", str(GUARD), str(os.getpid()),
-               str(lock_timeout()), real]
-    script = folder / "ninja"
-    script.write_text(f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n')
-    script.chmod(0o755)
-    return folder
+def _object(source: str) -> str:
+    """The object file, and with `.d` its dependency file, of a generated source."""
+    return f"{Path(source).stem}.o"
 
 
-@contextlib.contextmanager
-def _build_env(archs: tuple[str, ...], guard: Path) -> Iterator[None]:
-    """tvm-ffi takes the CUDA root and target architectures from the environment, and
-    runs the `ninja` it finds on PATH; the linker finds libcudart on LIBRARY_PATH too."""
-    with _env_lock:
-        settings = {"PATH": f"{guard}{os.pathsep}{os.environ.get('PATH', '')}"}
-        if archs:
-            settings["CUDA_HOME"] = str(toolchain.cuda_home())
-            settings["TVM_FFI_CUDA_ARCH_LIST"] = " ".join(archs)
-            toolchain.link_cudart(guard)  # a wheel-installed toolkit's libcudart
-            library_path = [str(guard), os.environ.get("LIBRARY_PATH")]
-            settings["LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
-        saved = {key: os.environ.get(key) for key in settings}
-        os.environ.update(settings)
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+def _ninja_value(text: str) -> str:
+    """`text` as the value of a ninja variable ('$' is ninja's escape character)."""
+    if "\n" in text:
+        raise ValueError(f"jitk cannot build with a line break in a path or flag: {text!r}")
+    return text.replace("$", "$$")
+
+
+def _arguments(*words: object) -> str:
+    """Words for the shell that ninja runs each command with, quoted one by one."""
+    return _ninja_value(shlex.join(str(word) for word in words))
+
+
+def gencode_flags(archs: tuple[str, ...]) -> list[str]:
+    """nvcc's targets: machine code for each architecture, and for a multi-architecture
+    ("fat") build the PTX of its newest generic one (toolchain.ptx_arch), which the driver
+    compiles for a GPU newer than the list."""
+    flags = [f"-gencode=arch=compute_{a.replace('.', '')},code={toolchain.sm_name(a)}"
+             for a in archs]
+    if ptx := toolchain.ptx_arch(archs):
+        number = ptx.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+def build_file(spec: BuildSpec) -> str:
+    """build.ninja for `spec`: the sources are compiled to objects and linked into
+    `<name>.so`. Build statements name only generated files, relative to the build folder
+    (nvcc hands its input's path to a shell unescaped); every outside path is in a variable,
+    quoted for the shell and escaped for ninja."""
+    flags = spec.flags
+    includes = [f"-I{path}" for path in dict.fromkeys(
+        [*flags["include_dirs"], find_include_path(), find_dlpack_include_path()])]
+    tvm_ffi_lib = Path(find_libtvm_ffi())
+    ldflags = [f"-L{tvm_ffi_lib.parent}", "-l" + tvm_ffi_lib.stem.removeprefix("lib")]
+    lines = ["ninja_required_version = 1.3",
+             f"cxx = {_arguments(toolchain.host_compiler())}",
+             f"cxxflags = {_arguments(*flags['cflags'], *includes)}"]
+    # Each build is a fresh one, so ninja needs no record of the headers; jitk reads the
+    # compilers' dependency files itself (_headers_read).
+    rules = ["rule compile",
+             "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out", ""]
+    if spec.archs:
+        cuda_cflags = ["-ccbin", toolchain.nvcc_host_compiler(), *gencode_flags(spec.archs),
+                       *flags["cuda_cflags"], *includes]
+        lines += [f"nvcc = {_arguments(toolchain.nvcc_path())}",
+                  f"cuda_cflags = {_arguments(*cuda_cflags)}"]
+        rules += ["rule compile_cuda",
+                  "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
+                  "$out.d $cuda_cflags -c $in -o $out", ""]
+        ldflags += toolchain.cudart_link_flags()
+    lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
+    rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
+    objects = {file_name: _object(file_name) for file_name in spec.sources}
+    builds = [f"build {obj}: {'compile_cuda' if src.endswith('.cu') else 'compile'} {src}"
+              for src, obj in objects.items()]
+    library = f"{spec.name}.so"
+    builds += [f"build {library}: link {' '.join(objects.values())}", f"default {library}"]
+    return "\n".join([*lines, "", *rules, *builds, ""])
+
+
+def _run_ninja(module: str, staging: Path) -> None:
+    """Runs ninja in `staging` under the guard; raises JitCompileError when the build fails."""
+    timeout = lock_timeout()
+    ninja = [toolchain.ninja(), "-v"]
+    guarded = [sys.executable or "python3", "-I", str(GUARD), str(os.getpid()), str(timeout),
+               *ninja]
+    try:  # the guard stops the build at `timeout`; this only bounds a guard gone wrong
+        done = subprocess.run(guarded, cwd=staging, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace",
+                              timeout=timeout + 60, check=False)
+    except subprocess.TimeoutExpired as stopped:
+        reason = f"jitk: the build guard did not stop the build within {timeout + 60:g} s"
+        raise JitCompileError(module, shlex.join(guarded), [reason], str(stopped)) from None
+    if done.returncode != 0:
+        raise compile_error(module, done.stdout, staging, ninja)
 
 
 def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
@@ -129,62 +183,83 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
     or by a version in the key (tvm-ffi's, the CUDA toolkit's, the host compiler's), as
     path prefixes, both as given and with links resolved."""
     roots = [staging, spec.include_dir, Path(find_include_path()),
-             Path(find_dlpack_include_path()), *toolchain.host_system_include_dirs()]
+             Path(find_dlpack_include_path())]
+    for compiler in toolchain.compilers(cuda=bool(spec.archs)):
+        roots += toolchain.system_include_dirs(compiler)
     if spec.archs:
         roots.append(toolchain.cuda_home())
     spellings = {os.path.normpath(p) for root in roots for p in (root, os.path.realpath(root))}
     return tuple(spelling.rstrip(os.sep) + os.sep for spelling in spellings)
 
 
+def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
+    """The files each compiler read, from the make-style dependency file it wrote beside
+    its object: a backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
+    paths = []
+    for source in sources:
+        text = (staging / f"{_object(source)}.d").read_text().replace("\\\n", " ")
+        words = re.findall(r"(?:\\.|[^\s\\])+", text.partition(":")[2])
+        for word in words:
+            path = re.sub(r"\\([ #])", r"\1", word)
+            paths.append(path if source.endswith(".cu") else path.replace("$$", "$"))
+    return paths
+
+
 def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
     """Digests of the headers the build read that nothing in the key covers: the kernel's
     own includes, checked on every load so that editing one rebuilds."""
-    out = subprocess.run([shutil.which("ninja") or "ninja", "-t", "deps"], cwd=staging,
-                         capture_output=True, text=True, timeout=60, check=True)
     covered = _covered_by_key(spec, staging)
     listed = {os.path.realpath(path) for path in spec.kernel_files}
     headers = {}
-    for line in out.stdout.splitlines():
-        path = os.path.normpath(line.strip())
-        if not line.startswith("    ") or path.startswith(covered):
-            continue
-        if os.path.realpath(path) not in listed:
+    for read in _headers_read(staging, spec.sources):
+        path = os.path.normpath(staging / read)  # the sources are named relative to it
+        if not path.startswith(covered) and os.path.realpath(path) not in listed:
             headers[cache.portable(path)] = cache.digest(Path(path))
     return dict(sorted(headers.items()))
 
 
 def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
-    """Builds `spec` in a fresh staging folder, loads it, publishes it as `spec.entry` and
-    returns the loaded module. A failed build raises JitCompileError and leaves its folder
-    for inspection until the next build of the same entry."""
-    for stale in cache.staging_folders(spec.entry.parent):
-        if cache.entry_of(stale) == spec.entry.name:  # we hold the lock: its builder is gone
-            shutil.rmtree(stale, ignore_errors=True)
+    """Builds `spec` in a fresh folder on this host, copies it onto the cache's file system,
+    loads it from there, publishes it as `spec.entry` and returns the loaded module. A failed
+    build raises JitCompileError and leaves its folder for inspection until the next build
+    of the same entry."""
+    for stale in cache.old_stagings(spec.entry):  # we hold the lock: their builders are gone
+        shutil.rmtree(stale, ignore_errors=True)
     staging = cache.new_staging(spec.entry)
     for file_name, text in spec.sources.items():
         (staging / file_name).write_text(text)
-    guard = _write_guard(staging)
+    (staging / "build.ninja").write_text(build_file(spec))
     started = time.perf_counter()
-    try:
-        with _build_env(spec.archs, guard):
-            tvm_ffi.cpp.build(spec.name, build_directory=str(staging),
-                              sources=[str(staging / f) for f in spec.sources],
-                              **spec.build_kwargs)
-    except RuntimeError as error:
-        raise compile_error(spec.name, str(error)) from None
+    _run_ninja(spec.name, staging)
     seconds = time.perf_counter() - started
     library = staging / f"{spec.name}.so"
-    try:
-        module = tvm_ffi.load_module(str(library))  # before publication: it cannot vanish
-    except Exception as error:
-        raise JitCompileError(spec.name, f"dlopen {library}", [str(error)], str(error)) from None
-    shutil.rmtree(guard)
+    sha256 = cache.digest(library)
     cache.write_meta(staging, {
-        "module": spec.name, "library": library.name, "archs": list(spec.archs),
-        "build_seconds": round(seconds, 3), "built_at": time.time(),
-        "sha256": cache.digest(library), "headers": _own_headers(spec, staging)})
-    cache.publish(staging, spec.entry)
+        "module": spec.name, "key": spec.key, "library": library.name,
+        "archs": list(spec.archs), "build_seconds": round(seconds, 3), "built_at": time.time(),
+        "sha256": sha256, "headers": _own_headers(spec, staging)})
+    private = cache.copy_in(staging, spec.entry, spec.in_place)
+    shutil.rmtree(staging)
+    try:  # before publication: it cannot vanish, and a library that does not load stays out
+        module = _load_copy(private / library.name, sha256)
+    except Exception as error:
+        shutil.rmtree(private, ignore_errors=True)
+        raise JitCompileError(spec.name, f"dlopen {private / library.name}", [str(error)],
+                              str(error)) from None
+    if spec.in_place:
+        cache.publish_in_place(private, spec.entry)
+    else:
+        cache.publish(private, spec.entry, spec.key)
     logger.info("jitk: built %s for %s in %.2f s (%s)", spec.name,
                 ", ".join(toolchain.sm_name(a) for a in spec.archs) or "host only", seconds,
                 spec.entry)
     return module
+
+
+def _load_copy(library: Path, sha256: str) -> tvm_ffi.Module:
+    """Loads the copied library from the descriptor that shows it is the one built."""
+    fd = os.open(library, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    if cache.digest_fd(fd) != sha256:
+        os.close(fd)
+        raise OSError(f"{library} differs from the library built (copied wrongly)")
+    return loader.load_from_fd(fd)

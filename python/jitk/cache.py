@@ -1,43 +1,69 @@
 """The on-disk module cache: where it is, how an entry is published and checked, what is in it.
 
     <root>/<module>_<key>/            a published entry; never changed once published
-    <root>/<module>_<key>.lock        its build lock (jitk/lock.py); only builds take it
-    <root>/.staging/<entry>.<pid>.<n> a build in progress, private to its builder
-    <root>/.trash/<entry>.<pid>.<n>   an entry on its way out
+    <root>/<module>_<key>.lock        its build lock (jitk/lock.py), or in $JITK_LOCK_DIR
+    <root>/.staging/<entry>.<owner>   a finished build being published, private to its builder
+    <root>/.trash/<entry>.<owner>     an entry on its way out
 
-A build runs in a staging folder and becomes the entry in one rename, with jitk-meta.json
-written last inside it, so a reader finds a whole entry or none. Reading takes no lock and
-writes nothing: the entry is checked (the library against the digest taken when it was
-built, the builder's own headers against theirs) and loaded. An entry is removed by renaming
-it into .trash first, so a reader never sees half of one."""
+(<owner> is "<host>-<pid>-<n>".) A build runs in a folder on its own host ($JITK_STAGING_DIR,
+default the temporary folder), is copied into a private folder on the cache's file system,
+loaded from there and becomes the entry in one rename, with jitk-meta.json written last:
+rename within one file system is atomic on a local and a network file system alike, so a
+reader finds a whole entry or none. A build that finds an entry already published (another
+host built it meanwhile) discards its copy. Reading takes no lock and writes nothing: the
+entry is checked (who may have written it, the library against the digest taken when it was
+built, the builder's own headers against theirs) and its library loaded from the descriptor
+that was hashed. An entry is removed by renaming it into .trash first, so a reader never
+sees half of one.
+
+A build_directory given to load_jit is an entry of its own, jitk's only if jitk made it: its
+lock and private copies live in its .jitk folder, and a new build replaces its files, with
+the record removed first and written last."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .lock import JitLockError, lock_path, release, try_lock
+from . import trust
+from .lock import SUFFIX as LOCK_SUFFIX
+from .lock import JitLockError, lock_folder, lock_path, release, try_lock
+
+logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
+STAGING_ENV = "JITK_STAGING_DIR"
 META_FILE = "jitk-meta.json"
 FORMAT = 2  # of an entry; part of every cache key
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
+OWN_DIR = ".jitk"  # a build_directory's lock and private copies
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Stands for PACKAGE_DIR in keys and recorded paths, so that a cache filled by one
 # installation of jitk is hit by another one of the same version elsewhere.
 PACKAGE_MARK = "<jitk>"
+# A private copy made on another host is left alone this long: its builder may still be
+# copying it (seconds); after that it is a leftover of a killed one.
+FOREIGN_COPY_SECONDS = 3600
 
 
 def cache_root() -> Path:
-    """$JITK_CACHE_DIR, else ~/.cache/jitk."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jitk").expanduser()
+    """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jitk").expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{CACHE_ENV}={str(root)!r} is a file; it must name a folder (jitk "
+                         "makes it if it is missing)")
+    return root
 
 
 def portable(path: Path | str) -> str:
@@ -56,6 +82,14 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def digest_fd(fd: int) -> str:
+    hashed, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        hashed.update(chunk)
+        offset += len(chunk)
+    return hashed.hexdigest()
+
+
 def read_meta(entry: Path) -> dict | None:
     """The entry's record, or None when there is no (readable) entry."""
     try:
@@ -67,56 +101,173 @@ def read_meta(entry: Path) -> dict | None:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What a reader found: a checked library to load, or why there is none to load
-    (`problem` is None when there is simply no entry)."""
+    """What a reader found: a checked library, open at `fd` (jitk/loader.py takes it over),
+    or why there is none to load (`problem` is None when there is simply no entry)."""
 
     library: Path | None = None
+    fd: int | None = None
     problem: str | None = None
 
 
-def look_up(entry: Path) -> Lookup:
-    """Checks an entry as a reader does, without a lock or a write: its record, its library
-    against the recorded digest, and the kernel's own headers against theirs."""
+def _library_name(meta: dict) -> str | None:
+    """The library's file name from the record, if it names a file inside the entry."""
+    name = meta.get("library")
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        return None
+    return name
+
+
+def _open_library(entry: Path, meta: dict) -> tuple[int | None, str | None]:
+    """The library's descriptor, or why it cannot be used (both None: the entry went)."""
+    name = _library_name(meta)
+    if name is None:
+        return None, f"its {META_FILE} names {meta.get('library')!r}, not a file in the entry"
+    try:
+        return os.open(entry / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), None
+    except FileNotFoundError:
+        return None, (f"{entry / name} is missing" if entry.is_dir() else None)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, f"{entry / name} is a symbolic link"
+        return None, f"{entry / name} cannot be read: {error.strerror}"
+
+
+def _headers_problem(meta: dict) -> str | None:
+    for recorded, expected in meta.get("headers", {}).items():
+        try:
+            if digest(local(recorded)) != expected:
+                return f"{local(recorded)} changed since it was built"
+        except OSError as error:
+            return f"{local(recorded)} cannot be read: {error.strerror}"
+    return None
+
+
+def look_up(entry: Path, key: str) -> Lookup:
+    """Checks an entry as a reader does, without a lock or a write: who may have written it,
+    its record and key, its library against the recorded digest (read through the
+    descriptor that the caller loads), and the kernel's own headers against theirs. Raises
+    JitCacheTrustError for an entry that others could have written."""
     meta = read_meta(entry)
     if meta is None:
         damaged = (entry / META_FILE).exists()
         return Lookup(problem=f"its {META_FILE} is damaged" if damaged else None)
     if meta.get("format") != FORMAT:
         return Lookup(problem=f"it was written by another jitk (format {meta.get('format')})")
-    library = entry / str(meta.get("library"))
+    if meta.get("key") != key:
+        return Lookup(problem="it was built from other inputs: other kernel files, flags "
+                      "or template arguments")
     try:
-        if digest(library) != meta.get("sha256"):
-            return Lookup(problem=f"{library.name} is damaged (its digest changed)")
-        for recorded, expected in meta.get("headers", {}).items():
-            if digest(local(recorded)) != expected:
-                return Lookup(problem=f"{local(recorded)} changed since it was built")
-    except FileNotFoundError as error:
-        if not entry.is_dir():
-            return Lookup()  # removed while we looked
-        return Lookup(problem=f"{error.filename} is missing")
-    except OSError as error:
-        return Lookup(problem=f"{error.filename} cannot be read: {error.strerror}")
-    return Lookup(library=library)
+        trust.check(entry, "the cache entry")
+    except FileNotFoundError:
+        return Lookup()  # removed while we looked
+    fd, problem = _open_library(entry, meta)
+    if fd is None:
+        return Lookup(problem=problem)
+    library = entry / meta["library"]
+    try:
+        trust.check(library, "the library", os.fstat(fd))
+        if digest_fd(fd) != meta.get("sha256"):
+            problem = f"{library.name} is damaged (its digest changed)"
+        else:
+            problem = _headers_problem(meta)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem:
+        os.close(fd)
+        return Lookup(problem=problem)
+    return Lookup(library=library, fd=fd)
+
+
+def is_complete(entry: Path, key: str) -> bool:
+    """Whether `entry` holds a whole, usable build of `key`."""
+    found = look_up(entry, key)
+    if found.fd is not None:
+        os.close(found.fd)
+    return found.library is not None
 
 
 def write_meta(staging: Path, meta: dict) -> None:
     (staging / META_FILE).write_text(json.dumps({"format": FORMAT, **meta}, indent=1))
 
 
+def make_folder(folder: Path) -> None:
+    """Creates `folder` (and its parents) writable by its owner, or the trusted group."""
+    folder.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
+
+
 def _private_name(entry: Path) -> str:
-    return f"{entry.name}.{os.getpid()}.{time.monotonic_ns()}"
+    return f"{entry.name}.{_host()}-{os.getpid()}-{time.monotonic_ns()}"
 
 
-def entry_of(private: Path) -> str:
-    """The entry name a staging or trash folder belongs to."""
-    return private.name.rsplit(".", 2)[0]
+_PRIVATE_NAME = re.compile(r"^[^.]+\.(?P<host>.+)-(?P<pid>\d+)-\d+$")
+
+
+def _abandoned(private: Path) -> bool:
+    """Whether a private copy's builder is gone: on this host, its process has ended;
+    elsewhere (or from an older jitk), the copy is older than any publication takes."""
+    owner = _PRIVATE_NAME.match(private.name)
+    if owner and owner["host"] == _host():
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's
+        return False
+    return time.time() - private.stat().st_mtime > FOREIGN_COPY_SECONDS
+
+
+def staging_root() -> Path:
+    """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
+    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir()).expanduser()
+
+
+def _staging_prefix(entry: Path) -> str:
+    where = hashlib.sha256(str(entry).encode()).hexdigest()[:8]
+    return f"jitk-{re.sub(r'[^A-Za-z0-9_]+', '_', entry.name[:80])}-{where}-"
 
 
 def new_staging(entry: Path) -> Path:
-    """A fresh private folder for a build of `entry`, on its file system."""
-    staging = entry.parent / STAGING_DIR / _private_name(entry)
-    staging.mkdir(parents=True)
-    return staging
+    """A fresh folder, private to this process, for a build of `entry` on this host."""
+    root = staging_root()
+    make_folder(root)
+    return Path(tempfile.mkdtemp(prefix=_staging_prefix(entry), dir=root))
+
+
+def old_stagings(entry: Path) -> list[Path]:
+    """This user's earlier build folders of `entry` on this host: failed builds, kept for
+    inspection, and killed ones. Only the holder of the entry's lock may remove them."""
+    root = staging_root()
+    found = root.glob(f"{_staging_prefix(entry)}*") if root.is_dir() else ()
+    return sorted(p for p in found if p.is_dir() and p.stat().st_uid == os.geteuid())
+
+
+def build_lock_path(entry: Path, in_place: bool = False) -> Path:
+    """The lock a build of `entry` holds: a build_directory keeps its own inside it."""
+    return entry / OWN_DIR / "build.lock" if in_place else lock_path(entry)
+
+
+def _copies_folder(entry: Path, in_place: bool) -> Path:
+    return entry / OWN_DIR / STAGING_DIR.lstrip(".") if in_place else entry.parent / STAGING_DIR
+
+
+def copy_in(staging: Path, entry: Path, in_place: bool = False) -> Path:
+    """A private copy of the finished build in `staging`, on the entry's file system (the
+    build folder holds files only), its record written last."""
+    private = _copies_folder(entry, in_place) / _private_name(entry)
+    make_folder(private.parent)
+    private.mkdir(mode=trust.folder_mode())
+    for source in sorted((p for p in staging.iterdir() if p.is_file()),
+                         key=lambda p: p.name == META_FILE):
+        target = private / source.name
+        shutil.copyfile(source, target)
+        target.chmod(trust.file_mode(source.stat().st_mode))
+    return private
 
 
 def staging_folders(root: Path) -> list[Path]:
@@ -128,7 +279,7 @@ def discard(entry: Path) -> bool:
     """Removes an entry: renamed into the trash (one step for readers), then deleted.
     Returns False when it was already gone."""
     trash = entry.parent / TRASH_DIR / _private_name(entry)
-    trash.parent.mkdir(exist_ok=True)
+    make_folder(trash.parent)
     try:
         entry.rename(trash)
     except FileNotFoundError:
@@ -137,17 +288,58 @@ def discard(entry: Path) -> bool:
     return True
 
 
-def publish(staging: Path, entry: Path) -> None:
-    """Makes the finished build in `staging` the entry, in one rename. The caller holds the
-    build lock and found no usable entry, so one still there is damaged or stale: it goes
-    first (a reader in between finds none, waits on the lock and finds the new one)."""
-    try:
-        staging.rename(entry)
-    except OSError as error:
-        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
+def publish(private: Path, entry: Path, key: str) -> None:
+    """Makes the private copy the entry, in one rename. The caller holds the build lock and
+    found no usable entry, but a builder on another host (whose locks are its own) may have
+    published one since: a complete one stays and ours is discarded; a damaged or stale one
+    goes first (a reader in between finds none, and waits on the lock or builds)."""
+    for _ in range(3):
+        try:
+            private.rename(entry)
+            return
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if is_complete(entry, key):
+            logger.info("jitk: %s was published meanwhile (by another host); this build's "
+                        "copy is discarded", entry)
+            shutil.rmtree(private, ignore_errors=True)
+            return
         discard(entry)
-        staging.rename(entry)
+    shutil.rmtree(private, ignore_errors=True)
+    raise OSError(errno.EBUSY, f"jitk could not publish {entry}: other processes kept "
+                  "replacing it with unusable entries")
+
+
+def publish_in_place(private: Path, folder: Path) -> None:
+    """Replaces the build in a build_directory by the private copy: its record goes first
+    and the new one comes last, so a reader finds a whole build or no record."""
+    (folder / META_FILE).unlink(missing_ok=True)
+    trash = folder / OWN_DIR / TRASH_DIR.lstrip(".") / private.name
+    make_folder(trash)
+    for old in folder.iterdir():
+        if old.name != OWN_DIR:
+            old.rename(trash / old.name)
+    for new in sorted(private.iterdir(), key=lambda p: p.name == META_FILE):  # record last
+        new.rename(folder / new.name)
+    private.rmdir()
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def check_build_directory(folder: Path) -> None:
+    """A build_directory is jitk's only if jitk made it: a folder that is not empty and
+    holds no jitk build is refused (ValueError), never emptied."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ValueError(f"load_jit(build_directory=...): {folder} is a file, not a folder")
+    if (folder / META_FILE).is_file() or (folder / OWN_DIR).is_dir():
+        return
+    if next(folder.iterdir(), None) is not None:
+        raise ValueError(
+            f"load_jit(build_directory=...): {folder} is not empty and holds no jitk build "
+            f"(no {META_FILE}); jitk builds only in a new or empty folder, or one it built "
+            "before, because a new build replaces a folder's contents. Give another folder")
 
 
 @dataclass(frozen=True)
@@ -203,23 +395,18 @@ def _discard_all(folders: list[Path]) -> tuple[int, list[str]]:
 
 
 def tidy(root: Path) -> list[str]:
-    """Removes what no build owns any more: staging folders of finished, failed or killed
-    builds (a build holds its entry's lock while its folder exists), lock files nobody
-    holds, and the trash. Returns what could not be removed."""
+    """Removes what no build owns any more: private copies whose builder is gone (another
+    host's once they are an hour old), lock files nobody holds, and the trash. Returns what
+    could not be removed."""
     failures = []
-    for staging in staging_folders(root):
+    for private in staging_folders(root):
         try:
-            fd = try_lock(lock_path(root / entry_of(staging)))
-        except JitLockError as error:
-            failures.append(str(error))
-            continue
-        if fd is None:
-            continue  # a build is running there
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            release(fd)
-    for path in sorted(root.glob("*.lock")) if root.is_dir() else ():
+            if _abandoned(private):
+                shutil.rmtree(private, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # its builder published it
+    locks = lock_folder(root)
+    for path in sorted(locks.glob(f"*{LOCK_SUFFIX}")) if locks.is_dir() else ():
         try:
             fd = try_lock(path)
         except JitLockError as error:
@@ -245,28 +432,42 @@ def clear(root: Path | None = None) -> tuple[int, list[str]]:
 
 
 def select_for_pruning(entries: list[CacheEntry], older_than_days: float | None = None,
-                       keep: int | None = None, max_bytes: int | None = None
-                       ) -> list[CacheEntry]:
-    """The entries (newest first) that go: older than the age, beyond the newest `keep` of
-    their module, then the oldest of the rest until the rest fits in `max_bytes`."""
+                       keep: int | None = None, max_bytes: int | None = None,
+                       targets: list[tuple[str, ...]] | None = None) -> list[CacheEntry]:
+    """The entries (newest first) that go: older than the age, beyond the newest `keep`
+    versions of their configuration, then the oldest of the rest until the cache fits in
+    `max_bytes`. A configuration is a module name (which holds the template arguments) built
+    for one set of architectures, so versions are counted per architecture. Without
+    `targets`, the newest version of each configuration always stays: a cache filled for
+    several GPUs keeps serving each of them. With `targets` (architecture sets, () for host
+    code), only entries built for one of them are selected, their last versions included."""
+    def configuration(entry: CacheEntry) -> tuple[str, tuple[str, ...]]:
+        return entry.module, tuple(sorted(entry.archs))
+
+    wanted = None if targets is None else {tuple(sorted(t)) for t in targets}
+    candidates = [e for e in entries if wanted is None or configuration(e)[1] in wanted]
+    newest: dict[tuple[str, tuple[str, ...]], CacheEntry] = {}
+    for entry in entries:  # newest first
+        newest.setdefault(configuration(entry), entry)
+    protected = set(newest.values()) if wanted is None else set()
     doomed: set[CacheEntry] = set()
     if older_than_days is not None:
-        doomed.update(e for e in entries if e.age_seconds > older_than_days * 86400)
+        doomed.update(e for e in candidates if e.age_seconds > older_than_days * 86400)
     if keep is not None:
-        seen: dict[str, int] = {}
-        for entry in entries:  # newest first
-            seen[entry.module] = seen.get(entry.module, 0) + 1
-            if seen[entry.module] > keep:
+        seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        for entry in candidates:  # newest first
+            seen[configuration(entry)] = seen.get(configuration(entry), 0) + 1
+            if seen[configuration(entry)] > keep:
                 doomed.add(entry)
     if max_bytes is not None:
-        kept = [e for e in entries if e not in doomed]
-        total = sum(e.size_bytes for e in kept)
-        for entry in reversed(kept):  # oldest first
+        total = sum(e.size_bytes for e in entries if e not in doomed)
+        for entry in reversed(candidates):  # oldest first
             if total <= max_bytes:
                 break
-            doomed.add(entry)
-            total -= entry.size_bytes
-    return [e for e in entries if e in doomed]
+            if entry not in doomed and entry not in protected:
+                doomed.add(entry)
+                total -= entry.size_bytes
+    return [e for e in entries if e in doomed and e not in protected]
 
 
 def prune(doomed: list[CacheEntry], root: Path | None = None) -> tuple[int, list[str]]:

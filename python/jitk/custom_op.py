@@ -27,23 +27,37 @@ autograd formula: a jitk kernel is a forward computation.
 An op that returns nothing and writes no tensor argument exists for what it does outside
 torch's view (a wait on a flag, a copy through raw pointers), so it is registered as having
 side effects: no graph pass removes it.
+Each op's OpInfo (name, body, signature, written arguments, reference, tolerance, tuning
+space, operator) is in one registry, `registered_ops()`. Both call paths, the eager function
+and the operator's kernel (through a trampoline), call one slot, `_jitk_fn` in the eager
+function's globals; OpInfo.refresh() binds it to the body, or to the reference in reference
+mode (`JITK_REFERENCE=rmsnorm,...` or `all`, read when an op is defined;
+`with jitk.reference_mode(...)`), wrapped by each call wrapper (`add_call_wrapper`). With
+neither, the slot is the body itself: a call costs no more than before.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import dataclasses
 import functools
 import inspect
+import os
+import re
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["op"]
+__all__ = ["OpInfo", "Tolerance", "add_call_wrapper", "find_op", "op", "reference_mode",
+           "registered_ops", "remove_call_wrapper"]
 
 _NONE = type(None)
+_QUALIFIED_NAME = re.compile(r"[A-Za-z_]\w*::[A-Za-z_]\w*", re.ASCII)
 _SEQUENCES = (list, collections.abc.Sequence)
 
 
@@ -131,15 +145,28 @@ def _describe(value: object) -> str:
     return f"{name} {value!r}" if isinstance(value, bool | int | float | str) else name
 
 
+# Marks tensors as written in place, as aten's in-place ops do, so that autograd refuses a
+# backward that would read a saved tensor a kernel overwrote. One call for all of them.
+_bump_versions = torch._C._increment_version
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of an argument: itself, those of a list, none for None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in value if v is not None] if isinstance(value, list | tuple) else []
+
+
 class _Call:
     """The checked half of a call: every argument's type, then the operator, or the function
     itself where nothing traces and every tensor is plain."""
 
     def __init__(self, label: str, kinds: dict[str, _Kind], keyword_only: list[str],
-                 fn: Callable, operator: torch._ops.OpOverload) -> None:
-        self.label, self.kinds, self.fn, self.operator = label, kinds, fn, operator
+                 slot: dict, operator: torch._ops.OpOverload, written: list[str]) -> None:
+        self.label, self.kinds, self.slot, self.operator = label, kinds, slot, operator
         self.keyword_only = keyword_only
         self.positional = len(kinds) - len(keyword_only)
+        self.written = [list(kinds).index(name) for name in written]
 
     def __call__(self, values: tuple) -> object:
         for (name, kind), value in zip(self.kinds.items(), values):
@@ -152,27 +179,41 @@ class _Call:
                 or torch._C._len_torch_function_stack()
                 or not all(k.plain(v) for k, v in zip(self.kinds.values(), values))):
             return self.operator(*args, **kwargs)
-        return self.fn(*args, **kwargs)
+        result = self.slot["_jitk_fn"](*args, **kwargs)
+        if self.written:
+            _bump_versions([t for i in self.written for t in _tensors(values[i])])
+        return result
 
 
 _EAGER_PATH = """\
 def _jitk_eager({parameters}):
     if (not _jitk_dynamo() and {fast}
             and not _jitk_dispatch_modes() and not _jitk_function_modes()):
-        return _jitk_fn({arguments})
+        _jitk_result = _jitk_fn({arguments})
+        {bump}
+        return _jitk_result
     return _jitk_call(({values},))
 """
 
 
+def _written_expression(signature: inspect.Signature, written: list[str]) -> str:
+    """The list of tensors that a fast-path call wrote, as Python source. The fast path
+    takes tensors and None only: lists go through _Call."""
+    items = [name if signature.parameters[name].annotation is torch.Tensor
+             else f"*(() if {name} is None else ({name},))" for name in written]
+    return f"_jitk_bump([{', '.join(items)}])" if items else "pass"
+
+
 def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str, _Kind],
-                    call: _Call) -> Callable:
+                    namespace: dict, written: list[str]) -> Callable:
     """A function with fn's parameters whose common case (no tracing, plain arguments of the
-    annotated types) is a few inlined type tests and fn itself. It is generated so that
-    Python binds the arguments, as it does for fn: nothing is parsed per call."""
-    namespace = {**_FAST_NAMES, "_jitk_fn": fn, "_jitk_call": call,
-                 "_jitk_dynamo": torch.compiler.is_dynamo_compiling,
-                 "_jitk_dispatch_modes": torch._C._len_torch_dispatch_stack,
-                 "_jitk_function_modes": torch._C._len_torch_function_stack}
+    annotated types) is a few inlined type tests and a call of the slot `_jitk_fn` in
+    `namespace` (its globals). It is generated so that Python binds the arguments, as it does
+    for fn: nothing is parsed per call."""
+    namespace.update(_FAST_NAMES, _jitk_bump=_bump_versions,
+                     _jitk_dynamo=torch.compiler.is_dynamo_compiling,
+                     _jitk_dispatch_modes=torch._C._len_torch_dispatch_stack,
+                     _jitk_function_modes=torch._C._len_torch_function_stack)
     parameters, arguments = [], []
     for param in signature.parameters.values():
         if param.kind is param.KEYWORD_ONLY and "*" not in parameters:
@@ -186,7 +227,7 @@ def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str,
                          else f"{param.name}={param.name}")
     source = _EAGER_PATH.format(
         parameters=", ".join(parameters), arguments=", ".join(arguments),
-        values=", ".join(kinds), fast=" and ".join(
+        values=", ".join(kinds), bump=_written_expression(signature, written), fast=" and ".join(
             kind.fast.format(v=name) for name, kind in kinds.items()) or "True")
     exec(compile(source, f"<jitk.op {fn.__qualname__}>", "exec"), namespace)  # noqa: S102
     return functools.update_wrapper(namespace["_jitk_eager"], fn)
@@ -234,7 +275,9 @@ def _automatic_fake(label: str, signature: inspect.Signature) -> Callable:
 
 
 def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | None = None,
-       tags: Sequence[torch.Tag] = ()) -> Callable[[Callable], Callable]:
+       tags: Sequence[torch.Tag] = (), reference: Callable | None = None,
+       tolerance: Tolerance | dict[torch.dtype, Tolerance] | None = None,
+       cases: Callable[[], Iterable] | None = None) -> Callable[[Callable], Callable]:
     """Decorator: `fn` becomes the operator `torch.ops.<namespace>.<name>` for
     qualified_name "<namespace>::<name>", and the function returned calls it (see the module
     docstring). `mutates_args` names every tensor parameter fn writes; an op must not
@@ -242,14 +285,34 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
     fake implementation where jitk cannot write it. `tags` are torch.Tag values for the
     operator: torch.Tag.cudagraph_unsafe keeps it out of the CUDA graphs Inductor records
     (mode="reduce-overhead"), which hand an operator copies of graph inputs, where it needs
-    the caller's own memory (a flag, a pinned host cache). The operator is the `op`
-    attribute."""
-    if not isinstance(qualified_name, str) or qualified_name.count("::") != 1:
-        raise ValueError(f"jitk.op: the name must be 'namespace::name', got {qualified_name!r}")
-    if isinstance(mutates_args, str):
+    the caller's own memory (a flag, a pinned host cache). `reference` is a plain-torch
+    function of the same parameters and semantics (in-place writes included): what the parity
+    harness (jitk.testing.check_op) compares with, and what reference mode runs instead.
+    `tolerance` is the largest difference from it the op allows (a Tolerance, or one per
+    result dtype; see Tolerance). `cases` is a function returning the parity harness's
+    default cases (jitk.testing.Case values). The operator
+    is the `op` attribute, the OpInfo the `info` attribute."""
+    if not isinstance(qualified_name, str) or not _QUALIFIED_NAME.fullmatch(qualified_name):
+        raise ValueError(f"jitk.op: the name must be 'namespace::name', two identifiers "
+                         f"(letters, digits, _), got {qualified_name!r}")
+    given = mutates_args
+    mutates_args = tuple(given) if isinstance(given, Iterable) and not isinstance(given, str) \
+        else (given,)
+    if not all(isinstance(name, str) for name in mutates_args) or isinstance(given, str):
         raise TypeError(f"jitk.op('{qualified_name}'): mutates_args takes parameter names, "
-                        f"e.g. ('out',), got {mutates_args!r}")
-    mutates_args = tuple(mutates_args)
+                        f"e.g. ('out',), or () for none, got {given!r}")
+    if reference is not None and not callable(reference):
+        raise TypeError(f"jitk.op('{qualified_name}'): reference must be a function, got "
+                        f"{_describe(reference)}")
+    if cases is not None and not callable(cases):
+        raise TypeError(f"jitk.op('{qualified_name}'): cases must be a function returning "
+                        f"jitk.testing.Case values, got {_describe(cases)}")
+    tolerances = tolerance.values() if isinstance(tolerance, dict) else (tolerance,)
+    if tolerance is not None and not all(isinstance(t, Tolerance) for t in tolerances):
+        raise TypeError(f"jitk.op('{qualified_name}'): tolerance must be a jitk.Tolerance or a "
+                        f"dict of them by dtype, got {_describe(tolerance)}")
+    if qualified_name in _REGISTRY:
+        raise ValueError(f"jitk.op: '{qualified_name}' is defined already")
     namespace, label = qualified_name.split("::")
 
     def decorate(fn: Callable) -> Callable:
@@ -260,6 +323,10 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
                                 "reserved")
         kinds = {name: _kind(param.annotation, f"jitk.op('{qualified_name}'): '{name}'")
                  for name, param in signature.parameters.items()}
+        if unknown := [name for name in mutates_args if name not in kinds]:
+            raise ValueError(f"jitk.op('{qualified_name}'): mutates_args names "
+                             f"{', '.join(map(repr, unknown))}, not a parameter of "
+                             f"{fn.__qualname__}")
         fake_impl = fake or _automatic_fake(qualified_name, signature)
 
         # infer_schema reads annotations through __signature__: these are evaluated already,
@@ -267,18 +334,211 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
         def prototype() -> None: ...
         prototype.__signature__ = signature
         schema = torch.library.infer_schema(prototype, mutates_args=mutates_args)
+        # The slot both paths call: the eager function's globals, and the operator's kernel
+        # through a trampoline. OpInfo.refresh() rebinds it.
+        slot = {"_jitk_fn": fn}
+
+        def through_slot(*args: object, **kwargs: object) -> object:
+            return slot["_jitk_fn"](*args, **kwargs)
+
         library = _library(namespace)
         library.define(label + schema, tags=tuple(tags))
-        library.impl(label, fn, "CompositeExplicitAutograd")
+        library.impl(label, through_slot, "CompositeExplicitAutograd")
         torch.library.register_fake(qualified_name, fake_impl, lib=library)
         operator = getattr(getattr(torch.ops, namespace), label).default
         if signature.return_annotation in (None, _NONE) and not mutates_args:
             torch.fx.node.has_side_effect(operator)
         keyword_only = [name for name, param in signature.parameters.items()
                         if param.kind is param.KEYWORD_ONLY]
-        eager = _eager_function(fn, signature, kinds,
-                                _Call(label, kinds, keyword_only, fn, operator))
-        eager.op = operator
+        slot["_jitk_call"] = _Call(label, kinds, keyword_only, slot, operator,
+                                   list(mutates_args))
+        eager = _eager_function(fn, signature, kinds, slot, list(mutates_args))
+        info = OpInfo(qualified_name, fn, signature, mutates_args, reference, tolerance,
+                      operator, eager, slot, cases)
+        eager.op, eager.info = operator, info
+        _REGISTRY[qualified_name] = info
+        info.refresh()
         return eager
 
     return decorate
+
+
+class Tolerance(NamedTuple):
+    """How far an op's results may be from its reference's, per element: |got - want| <=
+    atol + rtol * |want|. None (the default) means torch.testing.assert_close's defaults for
+    the result's dtype."""
+
+    atol: float
+    rtol: float
+
+
+@dataclasses.dataclass(eq=False)
+class OpInfo:
+    """What jitk knows about one operator; `registered_ops()` lists them. `cases` gives the
+    parity harness's default cases (jitk.testing); `tuning` is the TuningSpace a kernel
+    module attaches (jitk.autotune), or None."""
+
+    name: str
+    fn: Callable
+    signature: inspect.Signature
+    mutates_args: tuple[str, ...]
+    reference: Callable | None
+    tolerance: Tolerance | dict[torch.dtype, Tolerance] | None
+    operator: torch._ops.OpOverload
+    eager: Callable
+    slot: dict = dataclasses.field(repr=False)
+    cases: Callable | None = None
+    tuning: object = None
+
+    @property
+    def label(self) -> str:
+        """The name without its namespace: 'rmsnorm' for 'jitk::rmsnorm'."""
+        return self.name.split("::")[1]
+
+    def tolerance_for(self, dtype: torch.dtype) -> Tolerance | None:
+        """The declared tolerance for results of `dtype`; None: assert_close's default."""
+        if isinstance(self.tolerance, dict):
+            return self.tolerance.get(dtype)
+        return self.tolerance
+
+    def uses_reference(self) -> bool:
+        return self.reference is not None and _reference_selects(self)
+
+    def refresh(self) -> None:
+        """Rebinds the slot both call paths use: the body or, in reference mode, the reference;
+        then wrapped by each call wrapper, in the order they were added. With neither, the
+        slot is the body itself, and a call costs what it did before wrappers existed."""
+        fn = self.fn
+        if self.uses_reference():
+            fn = self.reference
+            if _selection() not in _warned_selection:
+                fn = _warning_first(fn)
+        for factory in _CALL_WRAPPERS:
+            fn = factory(self, fn) or fn
+        self.slot["_jitk_fn"] = fn
+
+
+_REGISTRY: dict[str, OpInfo] = {}
+# factory(info, fn) -> a function to call instead of fn, or None to leave fn as it is.
+_CALL_WRAPPERS: list[Callable[[OpInfo, Callable], Callable | None]] = []
+
+
+def registered_ops() -> dict[str, OpInfo]:
+    """Every operator jitk.op defined in this process, by qualified name ('jitk::rmsnorm')."""
+    return dict(_REGISTRY)
+
+
+def find_op(name: str) -> OpInfo:
+    """The OpInfo of a qualified name, or of a bare one ('rmsnorm') if one namespace has it."""
+    if not isinstance(name, str):
+        raise TypeError(f"find_op: name must be a str, got {_describe(name)}")
+    found = [info for key, info in _REGISTRY.items() if name in (key, info.label)]
+    if len(found) != 1:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        problem = f"no jitk op named {name!r}" if not found else \
+            f"{name!r} names {len(found)} ops; give the namespace"
+        raise KeyError(f"{problem} (registered: {known})")
+    return found[0]
+
+
+def refresh_all() -> None:
+    for info in _REGISTRY.values():
+        info.refresh()
+
+
+def add_call_wrapper(factory: Callable[[OpInfo, Callable], Callable | None]) -> None:
+    """Wraps every op's calls, present and future: factory(info, fn) returns what to call in
+    fn's place (it must call fn), or None to leave that op alone. Eager calls and calls
+    through the operator both go through it."""
+    if not callable(factory):
+        raise TypeError(f"add_call_wrapper: factory must be callable, got {_describe(factory)}")
+    if factory not in _CALL_WRAPPERS:
+        _CALL_WRAPPERS.append(factory)
+    refresh_all()
+
+
+def remove_call_wrapper(factory: Callable) -> None:
+    """Undoes add_call_wrapper(factory); a factory never added raises ValueError."""
+    _CALL_WRAPPERS.remove(factory)
+    refresh_all()
+
+
+# ---------------------------------------------------------------------------------------
+# Reference mode: named ops run their references instead of their kernels, process-wide
+# (the slot is one per op), to bisect a wrong answer or run where a kernel cannot build.
+
+REFERENCE_ENV = "JITK_REFERENCE"
+_reference_stack: list[frozenset[str]] = []  # reference_mode's selections, innermost last
+_warned_selection: set[frozenset[str]] = set()
+
+
+def _parse_selection(names: object, where: str) -> frozenset[str]:
+    if isinstance(names, str):
+        names = names.split(",")
+    if not isinstance(names, Iterable):
+        raise TypeError(f"{where}: ops must be 'all', a comma-separated str or a list of op "
+                        f"names, got {_describe(names)}")
+    selection = frozenset(name.strip() for name in names)
+    if not all(isinstance(name, str) for name in selection):
+        raise TypeError(f"{where}: every op name must be a str")
+    return selection - {""}
+
+
+def _environment_selection() -> frozenset[str]:
+    return _parse_selection(os.environ.get(REFERENCE_ENV, ""), REFERENCE_ENV)
+
+
+def _selected(info: OpInfo, selection: frozenset[str]) -> bool:
+    return bool(selection & {"all", info.name, info.label})
+
+
+def _selection() -> frozenset[str]:
+    return _reference_stack[-1] if _reference_stack else _environment_selection()
+
+
+def _reference_selects(info: OpInfo) -> bool:
+    return _selected(info, _selection())
+
+
+def _warning_first(fn: Callable) -> Callable:
+    """fn, preceded on the first call by the one warning of this selection, which names every
+    op it switched; the slots then hold the references themselves."""
+    def first_call(*args: object, **kwargs: object) -> object:
+        selection = _selection()
+        if selection not in _warned_selection:
+            _warned_selection.add(selection)
+            switched = sorted(info.name for info in _REGISTRY.values() if info.uses_reference())
+            warnings.warn(f"jitk reference mode ({', '.join(sorted(selection))}): these ops run "
+                          f"their plain-torch references, not their kernels: "
+                          f"{', '.join(switched)}", stacklevel=3)
+            refresh_all()
+        return fn(*args, **kwargs)
+
+    return first_call
+
+
+@contextlib.contextmanager
+def reference_mode(ops: object = "all"):
+    """Within the block, the named ops ('all', 'rmsnorm,fused_add_rmsnorm', or a list; bare
+    or qualified names) run their references; the others run their kernels, whatever
+    JITK_REFERENCE says. Process-wide, not per thread: every thread's calls switch."""
+    selection = _parse_selection(ops, "reference_mode")
+    unknown = [name for name in selection if name != "all"
+               and not any(_selected(info, frozenset({name})) for info in _REGISTRY.values())]
+    if unknown:
+        raise KeyError(f"reference_mode: no jitk op named {', '.join(sorted(unknown))} "
+                       f"(registered: {', '.join(sorted(_REGISTRY)) or 'none'})")
+    _reference_stack.append(selection)
+    refresh_all()
+    try:
+        yield
+    finally:
+        _reference_stack.pop()
+        refresh_all()
+
+
+# Call logging (JITK_LOGLEVEL, jitk/api_log.py) wraps every op through the hook above; at
+# level 0 it leaves the slot alone.
+from . import api_log  # noqa: E402
+
+add_call_wrapper(api_log.call_wrapper)

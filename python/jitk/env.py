@@ -8,15 +8,15 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import os
-import shutil
 import sys
+from collections.abc import Callable
 
 from . import __version__, cache, toolchain
 
-KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "driver", "gpus",
-        "target_archs", "cache", "settings")
+KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
+        "driver", "gpus", "target_archs", "cache", "settings")
 NVCC_KEYS = ("path", "source", "version", "toolkit", "error")
-HOST_COMPILER_KEYS = ("path", "source", "version", "error")
+COMPILER_KEYS = ("path", "source", "version", "error")
 GPU_KEYS = ("index", "name", "capability", "sm_count")
 TARGET_KEYS = ("archs", "source", "error")
 CACHE_KEYS = ("dir", "entries", "bytes")
@@ -34,20 +34,21 @@ def _nvcc() -> dict:
     try:
         path, found["source"] = toolchain.find_nvcc()
         found["path"] = str(path)
-        found["version"] = toolchain.nvcc_version()
+        found["version"] = toolchain.compiler_versions([str(path)])[0]
         found["toolkit"] = str(toolchain.cuda_home())
     except toolchain.ToolchainError as error:
         found["error"] = str(error)
     return found
 
 
-def _host_compiler() -> dict:
-    found = dict.fromkeys(HOST_COMPILER_KEYS)
-    found["source"] = "CXX" if os.environ.get("CXX") else "default: c++ on PATH"
+def _compiler(locate: Callable[[], str], setting: str, default: str) -> dict:
+    """A host compiler: the one for C++ sources and the link ($CXX), or the one nvcc runs
+    for CUDA sources' host code ($NVCC_CCBIN)."""
+    found = dict.fromkeys(COMPILER_KEYS)
+    found["source"] = setting if os.environ.get(setting) else f"default: {default} on PATH"
     try:
-        name = toolchain.host_compiler()
-        found["path"] = shutil.which(name) or name
-        found["version"] = toolchain.host_compiler_version()
+        found["path"] = locate()
+        found["version"] = toolchain.compiler_versions([found["path"]])[0]
     except toolchain.ToolchainError as error:
         found["error"] = str(error)
     return found
@@ -102,7 +103,8 @@ def collect() -> dict:
         "torch": _installed("torch"),
         "tvm_ffi": _installed("apache-tvm-ffi"),
         "nvcc": _nvcc(),
-        "host_compiler": _host_compiler(),
+        "host_compiler": _compiler(toolchain.host_compiler, "CXX", "c++"),
+        "nvcc_host_compiler": _compiler(toolchain.nvcc_host_compiler, "NVCC_CCBIN", "gcc"),
         "driver": _driver(),
         "gpus": _gpus(),
         "target_archs": _target_archs(),
@@ -116,9 +118,14 @@ def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB"
 
 
+def _compiler_line(found: dict) -> str:
+    return f"{found['path']} ({found['source']}), " \
+        f"{found['version'] or 'error: ' + str(found['error'])}"
+
+
 def render(report: dict) -> str:
     """The report as lines of `name: value`."""
-    nvcc, host, target = report["nvcc"], report["host_compiler"], report["target_archs"]
+    nvcc, target = report["nvcc"], report["target_archs"]
     gpus = [f"cuda:{g['index']} {g['name']} (sm_{g['capability'].replace('.', '')}, "
             f"{g['sm_count']} SMs)" for g in report["gpus"]]
     archs = (f"{', '.join(toolchain.sm_name(a) for a in target['archs'])} "
@@ -129,8 +136,8 @@ def render(report: dict) -> str:
         ("apache-tvm-ffi", report["tvm_ffi"] or "not installed"),
         ("nvcc", f"{nvcc['path']} ({nvcc['source']}), {nvcc['version']}; toolkit "
                  f"{nvcc['toolkit']}" if not nvcc["error"] else f"error: {nvcc['error']}"),
-        ("host compiler", f"{host['path']} ({host['source']}), "
-                          f"{host['version'] or 'error: ' + str(host['error'])}"),
+        ("host compiler", _compiler_line(report["host_compiler"])),
+        ("nvcc's host compiler", _compiler_line(report["nvcc_host_compiler"])),
         ("driver", report["driver"] or "none found"),
         ("GPUs", "; ".join(gpus) or "none visible"),
         ("builds for", archs),

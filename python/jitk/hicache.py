@@ -8,13 +8,15 @@ SGLang 0.5.23's, names, forms and defaults (README.md lists what still differs):
 Rows and pages. A cache is seen as rows ("slots") of `element_dim` contiguous elements, in
 the order of `cache.view(-1, element_dim)`; the slots may sit under one stride (a flat cache,
 rows possibly padded) or two (a paged cache: pages of slots, e.g. the [page, page_size, ...]
-layer view of SGLang's page_first_direct host layout). By default `element_dim` is the last
-dimension, as in SGLang; where that would differ from a whole token's row (every dimension
-after the first, jitk's old default) the call is refused and says which to pass. With
-`page_size` P, the indices come in runs of P consecutive slots and only the first index of
-each run (page) is read: the lists' length must be a multiple of P, and a page may not
-straddle two pages of a paged cache. Rows must be a multiple of 16 bytes and 16-byte aligned.
-A cache lives on the GPU or in pinned host memory (pageable memory is refused).
+layer view of SGLang's page_first_direct host layout). `element_dim` defaults to the last
+dimension, as in SGLang (SGLang's pools pass it). Every index names one slot, whatever
+`page_size` says: as in SGLang, `page_size` is a hint (here: the run of consecutive slots
+"auto" may expect), never a change to which rows move. jitk's pages are asked for by name:
+with `index_granularity="page"` the lists come in runs of `page_size` consecutive slots and
+only the first index of each run is read (their length must be a multiple of `page_size`,
+and a page may not straddle two pages of a paged cache). Rows must be a multiple of 16 bytes
+and 16-byte aligned. A cache lives on the GPU or in pinned host memory (pageable memory is
+refused).
 
 Methods (`method=`), every one selectable:
 - "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
@@ -22,61 +24,85 @@ Methods (`method=`), every one selectable:
   indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
   and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
   GEMM) its blocks wait for SMs, and its bandwidth drops with them.
-- "copy_engine": the GPU's copy engines, one batched submission per call; no SM is used,
-  so the bandwidth holds beside compute. The indices (and all-layer pointer tables) must be
-  CPU tensors: the call reads them on the host and refuses an index it cannot move. Under
-  CUDA graph capture the copies are recorded one node each with the addresses of that
-  moment: replays repeat those pages, at about a third of the eager bandwidth. `unroll`
-  and `block_quota` do not apply.
-- "auto" (default): the kernel for indices on the GPU; for indices on the host, the copy
-  engines when one copy would move at least COPY_ENGINE_MIN_PAGE_BYTES (a page of rows
-  packed back to back), else the kernel if the indices are pinned (measured on an H100: a
-  copy costs the engines and the driver about a microsecond whatever its size).
+- "copy_engine": the GPU's copy engines, one batched submission per call (on the legacy
+  default stream, which the batch calls refuse, on a stream of jitk's that waits for it and
+  that it waits for); no SM is used, so the bandwidth holds beside compute. A call whose
+  destination rows overlap its source rows is refused (no order of its copies is defined).
+  All-layer copies join the current stream of the GPU their pointer tables point into. The
+  indices (and all-layer pointer tables) must be CPU tensors: the call reads them on the
+  host and refuses an index it cannot move. Under CUDA graph capture the copies are
+  recorded one node each with the addresses of that moment: replays repeat those pages, at
+  about a third of the eager bandwidth. `unroll` and `block_quota` do not apply.
+- "auto" (default): the method that moves the given tensors fastest on their own (measured
+  on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
+  size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
+  copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
+  half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
+  copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
+  packed rows, SGLang's pages, where the lists' first page is such a run; else one row),
+  else the kernel on a copy of the indices made on the GPU during the call. So under
+  "auto" host indices, pinned or not, are always read during the call; only
+  method="kernel" reads pinned ones in place, in stream order. Where the kernel cannot run
+  (no GPU tensor to place it, or all-layer pointer tables on the host) the copy engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
 used), and so is the upper bound of the indices unless num_tokens_src / num_tokens_dst are
 given. Calls allocate no GPU memory (the copy engines' host-side lists grow once per
-thread and are reused) and never synchronize.
+thread and are reused), except "auto"'s GPU copies of host indices (PyTorch's caching
+allocator), and never synchronize.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from . import api_log
 from .cpp_args import make_cpp_args
-from .custom_op import op
+from .custom_op import Tolerance, op
 from .jit import load_jit
 from .streams import current_stream
 
 __all__ = [
+    "can_use_hicache_jit_kernel",
+    "can_use_write_back_jit_kernel",
     "precompile_configs",
     "transfer_hicache_all_layer",
     "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+    "transfer_hicache_all_layer_staged_lf_pf",
     "transfer_hicache_one_layer",
     "transfer_hicache_one_layer_mla",
 ]
 
 METHODS = ("auto", "kernel", "copy_engine")
+# What one index names: a slot (SGLang's meaning, whatever page_size is) or a page of
+# page_size slots (jitk's page entry, asked for by name).
+INDEX_GRANULARITIES = ("token", "page")
 # Python's copy of the rules the C++ side (hicache_layout.cuh) holds for the template
 # arguments, applied before any build; tests/test_hicache.py pins the pair.
 VECTOR_BYTES = 16
 MAX_ELEMENT_BYTES = 1 << 20
 UNROLLS = (1, 2, 4, 8)
+_EXACT = Tolerance(0.0, 0.0)  # a transfer moves bytes
 # Four 16-byte vectors per thread, read before any is written: 1024 threads x 4 vectors = 64
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
-# "auto" with host indices: the copy engines from pages of this many bytes (per cache) on.
-COPY_ENGINE_MIN_PAGE_BYTES = 16 << 10
+# "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
+# KiB reaches a pinned copy_; 16 KiB gives 6-34 GB/s against the kernel's 44-50).
+COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
+# "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
+KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
-_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh"]
+_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
 _ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
@@ -101,10 +127,19 @@ def _kernel_module(element_size: int, unroll: int) -> _Entries:
 @functools.cache
 def _copy_module():
     """The copy-engine entry points: one module for every element size."""
-    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported")
+    names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
+             "pointer_device")
     return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
+
+
+@functools.cache
+def _staged_module():
+    """The staged write-back (a gather kernel and the copy engines): every element size."""
+    return load_jit("hicache_staged", cuda_files=[_CUDA_FILES[0], *_CUDA_FILES[2:]],
+                    cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
+                                   for name in ("lf_pf", "lf_pf_mla")])
 
 
 @functools.cache
@@ -145,34 +180,80 @@ def _unroll(unroll: object) -> int:
     return value
 
 
-def _element_dim(cache: torch.Tensor, element_dim: object, name: str) -> int:
-    """SGLang's default (the last dimension), refused where it would silently differ from a
-    whole token's row (every dimension after the first, jitk's old default)."""
+def _element_dim(cache: torch.Tensor, element_dim: object) -> int:
+    """SGLang's default: the last dimension."""
     if element_dim is not None:
         return _int(element_dim, "element_dim", 1)
-    last = cache.shape[-1] if cache.dim() > 0 else 1
-    whole_row = math.prod(cache.shape[1:])
-    if whole_row != last:
-        raise ValueError(
-            f"hicache: element_dim is ambiguous for '{name}' of shape {tuple(cache.shape)}: "
-            f"SGLang's default is the last dimension ({last}), jitk's was every dimension "
-            f"after the first ({whole_row}); pass element_dim={whole_row} to move whole "
-            f"tokens, or element_dim={last} for rows of the last dimension")
-    return last
+    return cache.shape[-1] if cache.dim() > 0 else 1
 
 
-def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int]) -> str:
-    """The method to run; `copy_bytes()` is what one copy-engine copy would move, asked only
-    where the choice needs it (not on a kernel call's path)."""
+def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
+    """(the page_size hint, the slots one index names) after checking both."""
+    hint = _int(1 if page_size is None else page_size, "page_size", 1)
+    if index_granularity not in INDEX_GRANULARITIES:
+        raise ValueError(f"hicache: index_granularity must be one of {INDEX_GRANULARITIES}, "
+                         f"got {index_granularity!r}")
+    return hint, _slots_per_index(hint, index_granularity)
+
+
+def _slots_per_index(page_size: int | None, index_granularity: str) -> int:
+    """The slots one index names (unchecked: the references use it too)."""
+    return (page_size or 1) if index_granularity == "page" else 1
+
+
+def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int],
+            kernel_gpu: int | None) -> str:
+    """The method to run: `method` itself, or "auto"'s choice. `copy_bytes()` is what one
+    copy-engine copy would move, asked only where the choice needs it; `kernel_gpu` the GPU
+    the kernel would run on, None where it cannot run."""
     if method not in METHODS:
         raise ValueError(f"hicache: method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     if indices.is_cuda:
         return "kernel"
-    if not indices.is_pinned() or copy_bytes() >= COPY_ENGINE_MIN_PAGE_BYTES:
+    return _auto(copy_bytes(), kernel_gpu is not None)
+
+
+def _auto(copy_bytes: int, kernel_runs: bool) -> str:
+    """"auto" for host indices: the copy engines where their copies are large enough to
+    reach the link's bandwidth, else the kernel (on GPU copies of the indices) if it can
+    run; tests/test_hicache.py holds the decision table."""
+    if copy_bytes >= COPY_ENGINE_MIN_COPY_BYTES or not kernel_runs:
         return "copy_engine"
-    return "kernel"
+    return KERNEL_ON_COPIED_INDICES
+
+
+def _run(indices_dst: torch.Tensor, indices_src: torch.Tensor, hint: int) -> int:
+    """The run of consecutive slots "auto" expects of host indices: the page_size hint where
+    the first page of both lists is such a run (SGLang's pages), else 1 (token indices, as
+    HiSparse passes them with page_size=64). Only the first page is read: a hint the rest of
+    the lists break still misleads "auto"."""
+    if hint == 1 or indices_dst.numel() < hint:
+        return 1
+    for indices in (indices_dst, indices_src):
+        first = indices[:hint]
+        if not torch.equal(first - first[0], torch.arange(hint, dtype=indices.dtype)):
+            return 1
+    return hint
+
+
+def _on_gpu(tensors: tuple, positions: tuple[int, int], gpu: int) -> tuple:
+    """`tensors` with the index lists at `positions` replaced by copies on `gpu`, read now:
+    from pageable memory the copy returns once the host has read the source; a pinned one
+    is first copied to pageable memory, so that it is read now too, not in stream order."""
+    moved = list(tensors)
+    for at in positions:
+        indices = moved[at]
+        if indices.is_pinned():
+            indices = torch.empty_like(indices, pin_memory=False).copy_(indices)
+        moved[at] = indices.to(f"cuda:{gpu}", non_blocking=True)
+    return tuple(moved)
+
+
+def _gpu_of(*tensors: torch.Tensor) -> int | None:
+    """The GPU of the first tensor on one, or None."""
+    return next((t.device.index for t in tensors if t.is_cuda), None)
 
 
 def _packed(cache: torch.Tensor, element_dim: int) -> bool:
@@ -186,6 +267,17 @@ def _packed(cache: torch.Tensor, element_dim: int) -> bool:
     return True
 
 
+def _tables_gpu(tensors: tuple, caches: int) -> int | None:
+    """The GPU the first layer of the copy engines' pointer tables (host tensors) points
+    into, source first; None (the current GPU) where neither points into a GPU's memory."""
+    for table in (tensors[caches + 1], tensors[0]):
+        if table.numel() > 0 and not table.is_cuda:
+            device = _copy_module().pointer_device(int(table[0]))
+            if device >= 0:
+                return device
+    return None
+
+
 def _stream(*tensors: torch.Tensor) -> int:
     """The handle of PyTorch's current stream on the GPU of the first GPU tensor (the
     current GPU if none): the copy engines' calls may have no GPU tensor to tell. Without a
@@ -194,8 +286,216 @@ def _stream(*tensors: torch.Tensor) -> int:
     return current_stream(devices[0] if devices else None)[1]
 
 
+def _instantiation(method: str, element_size: int, unroll: int, quota: int | None) -> dict:
+    """What a call's log notes about the code it runs (JITK_LOGLEVEL=3)."""
+    if method != "kernel":
+        return {"module": "hicache_copy"}
+    return {"kernel": f"jitk::hicache::HiCache<{element_size}, {unroll}>",
+            "block_quota": "default" if quota is None else quota}
+
+
+# ---------------------------------------------------------------------------- references
+# Plain torch, as the docstrings above define the transfers (the parity harness and reference
+# mode run them), with the ops' parameters and defaults. A run of slots that leaves its cache,
+# or straddles a paged cache's pages, is skipped, as the kernel skips it. One small function
+# per op; the argument checks stay the kernels', except what the references read to move rows.
+def _page_slots(indices: torch.Tensor, pages: int) -> torch.Tensor:
+    """Each moved row's slot: the first index of its run of `pages` (1: every index its own
+    run), plus its place in the run."""
+    indices = indices.to(torch.int64)
+    place = torch.arange(indices.numel(), device=indices.device)
+    return indices[place - place % pages] + place % pages
+
+
+def _runs_held(first: torch.Tensor, pages: int, slots: int | None,
+               page_rows: int | None) -> torch.Tensor:
+    """Which runs of `pages` slots lie inside a cache of `slots` slots (None: unbounded),
+    within one of its pages of `page_rows` slots (None: not paged)."""
+    held = first >= 0
+    if slots is not None:
+        held &= first <= slots - pages
+    if page_rows is not None:
+        held &= first % page_rows + pages <= page_rows
+    return held
+
+
+def _moved_slots(indices_dst: torch.Tensor, indices_src: torch.Tensor, pages: int,
+                 dst: tuple[int | None, int | None], src: tuple[int | None, int | None],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, source) slots of every row that moves, on `device`: the rows of each
+    run held on both sides; `dst` and `src` are each side's (slots, page_rows)."""
+    to = _page_slots(indices_dst, pages).to(device)
+    take = _page_slots(indices_src, pages).to(device)
+    place = torch.arange(to.numel(), device=device) % pages
+    held = _runs_held(to - place, pages, *dst) & _runs_held(take - place, pages, *src)
+    return to[held], take[held]
+
+
+def _slot_rows(cache: torch.Tensor, element_dim: int) -> tuple[torch.Tensor, int, int | None]:
+    """(rows, slots, page_rows): the cache as [slot, element] rows in view order (a view, so
+    writes land in the cache), its slot count, and the slots of one page where the slots
+    step with two strides (None: one)."""
+    trailing = next(k for k in range(cache.dim() + 1)
+                    if math.prod(cache.shape[k:]) == element_dim)
+    leading = cache.flatten(trailing) if trailing < cache.dim() else cache.unsqueeze(-1)
+    slots = math.prod(cache.shape[:trailing])
+    try:
+        return leading.view(slots, element_dim), slots, None
+    except RuntimeError:  # a paged cache: pages of [page_rows, element_dim] rows
+        page_rows = slots // leading.shape[0]
+        return leading.view(leading.shape[0], page_rows, element_dim), slots, page_rows
+
+
+def _row(page_rows: int | None, slots: torch.Tensor) -> tuple:
+    """The index that reaches `slots` in `_slot_rows`'s rows."""
+    return (slots,) if page_rows is None else (slots // page_rows, slots % page_rows)
+
+
+def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
+               indices_src: torch.Tensor, element_dim: int | None, page_size: int | None,
+               index_granularity: str) -> None:
+    """One cache's transfer, either granularity: the row copy every one-layer op makes."""
+    element_dim = _element_dim(dst, element_dim)
+    pages = _slots_per_index(page_size, index_granularity)
+    dst_rows, dst_slots, dst_page = _slot_rows(dst, element_dim)
+    src_rows, src_slots, src_page = _slot_rows(src, element_dim)
+    to, take = _moved_slots(indices_dst, indices_src, pages, (dst_slots, dst_page),
+                            (src_slots, src_page), dst.device)
+    dst_rows[_row(dst_page, to)] = src_rows[_row(src_page, take.to(src.device))].to(dst.device)
+
+
+def _one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+                         indices_src, *, element_dim=None, unroll=None, block_quota=None,
+                         page_size=None, method="auto", index_granularity="token") -> None:
+    for dst, src in ((k_cache_dst, k_cache_src), (v_cache_dst, v_cache_src)):
+        _copy_rows(dst, indices_dst, src, indices_src, element_dim, page_size,
+                   index_granularity)
+
+
+def _one_layer_mla_reference(cache_dst, indices_dst, cache_src, indices_src, *,
+                             element_dim=None, unroll=None, block_quota=None, page_size=None,
+                             method="auto", index_granularity="token") -> None:
+    _copy_rows(cache_dst, indices_dst, cache_src, indices_src, element_dim, page_size,
+               index_granularity)
+
+
+def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
+    """`size` bytes at a raw address as a uint8 tensor on `device` (a pinned host address is
+    reached from the GPU through unified addressing)."""
+    storage = torch._C._construct_storage_from_data_pointer(address, device, size)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _reference_device() -> torch.device:
+    """Where the references reach memory behind raw pointers: the current GPU, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _layer_layout(stride: int, page_stride: int | None, hint: int) -> tuple[int, int | None, int]:
+    """(row stride, slots per page or None, page stride) of an all-layer side, read as the
+    kernel reads it: pages of `hint` slots, unless the page stride is the row stride's run."""
+    if page_stride is None:
+        return stride, None, 0
+    if hint == 1:  # a page of one slot: its stride is the row stride
+        return page_stride, None, 0
+    if page_stride == hint * stride:
+        return stride, None, 0
+    return stride, hint, page_stride
+
+
+def _offsets(slots: torch.Tensor, layout: tuple[int, int | None, int]) -> torch.Tensor:
+    stride, page_rows, page_stride = layout
+    if page_rows is None:
+        return slots * stride
+    return slots // page_rows * page_stride + slots % page_rows * stride
+
+
+def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_stride: int,
+                 dst_stride: int, element_size: int | None, page_size: int | None,
+                 num_tokens_src: int | None, num_tokens_dst: int | None,
+                 src_page_stride: int | None, dst_page_stride: int | None,
+                 index_granularity: str) -> None:
+    """Every all-layer op's copy, either granularity, through the pointer tables."""
+    hint, pages = page_size or 1, _slots_per_index(page_size, index_granularity)
+    src_layout = _layer_layout(src_stride, src_page_stride, hint)
+    dst_layout = _layer_layout(dst_stride, dst_page_stride, hint)
+    device = _reference_device()
+    to, take = _moved_slots(indices_dst, indices_src, pages, (num_tokens_dst, dst_layout[1]),
+                            (num_tokens_src, src_layout[1]), device)
+    if not to.numel():
+        return
+    row = torch.arange(element_size or src_stride, device=device)
+    to_at = _offsets(to, dst_layout)[:, None] + row
+    take_at = _offsets(take, src_layout)[:, None] + row
+    for table_dst, table_src in zip(ptrs_dst, ptrs_src):
+        for dst_base, src_base in zip(table_dst.tolist(), table_src.tolist()):
+            src = _bytes_at(src_base, int(take_at.max()) + 1, device)
+            _bytes_at(dst_base, int(to_at.max()) + 1, device)[to_at] = src[take_at]
+
+
+def _all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
+                         indices_src, *, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
+                         element_size=None, unroll=None, block_quota=None, page_size=None,
+                         num_tokens_src=None, num_tokens_dst=None,
+                         kv_cache_src_page_stride_bytes=None,
+                         kv_cache_dst_page_stride_bytes=None, method="auto",
+                         index_granularity="token") -> None:
+    _copy_layers([k_ptr_dst, v_ptr_dst], indices_dst, [k_ptr_src, v_ptr_src], indices_src,
+                 kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, page_size,
+                 num_tokens_src, num_tokens_dst, kv_cache_src_page_stride_bytes,
+                 kv_cache_dst_page_stride_bytes, index_granularity)
+
+
+def _all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
+                             cache_src_stride_bytes, cache_dst_stride_bytes, element_size=None,
+                             unroll=None, block_quota=None, page_size=None, num_tokens_src=None,
+                             num_tokens_dst=None, cache_src_page_stride_bytes=None,
+                             cache_dst_page_stride_bytes=None, method="auto",
+                             index_granularity="token") -> None:
+    _copy_layers([ptr_dst], indices_dst, [ptr_src], indices_src, cache_src_stride_bytes,
+                 cache_dst_stride_bytes, element_size, page_size, num_tokens_src,
+                 num_tokens_dst, cache_src_page_stride_bytes, cache_dst_page_stride_bytes,
+                 index_granularity)
+
+
+def _write_back_pages(tables: list, src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                      stagings: list, dsts: list, page_size: int) -> None:
+    """The staged write-back of each cache: its pages of every layer (rows back to back at
+    the table's addresses) gathered into the staging buffer a chunk at a time, each chunk
+    then written to its host pages."""
+    take, to = _page_slots(src_indices, page_size), _page_slots(dst_indices, page_size)
+    if not to.numel():
+        return
+    for table, staging, dst in zip(tables, stagings, dsts):
+        staging, dst = (t.view(t.shape[0], t.shape[1], -1) for t in (staging, dst))
+        row = staging.shape[2]
+        size = (int(take.max()) + 1) * row * staging.element_size()
+        pages = torch.stack([_bytes_at(base, size, staging.device).view(staging.dtype)
+                             .view(-1, row)[take.to(staging.device)]
+                             for base in table.tolist()], dim=1)
+        chunk = staging.shape[0] // page_size * page_size
+        for first in range(0, to.numel(), chunk):
+            staged = staging[:min(chunk, to.numel() - first)]
+            staged.copy_(pages[first:first + chunk])
+            dst[to[first:first + chunk]] = staged.to(dst.device)
+
+
+def _staged_reference(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v,
+                      dst_k, dst_v, *, page_size, element_size=None, unroll=None,
+                      block_quota=None) -> None:
+    _write_back_pages([k_ptr_src, v_ptr_src], src_indices, dst_indices,
+                      [staging_k, staging_v], [dst_k, dst_v], page_size)
+
+
+def _staged_mla_reference(ptr_src, src_indices, dst_indices, staging, dst, *, page_size,
+                          element_size=None, unroll=None, block_quota=None) -> None:
+    _write_back_pages([ptr_src], src_indices, dst_indices, [staging], [dst], page_size)
+
+
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
+    reference=_one_layer_reference, tolerance=_EXACT, cases=lambda: _one_layer_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
@@ -210,13 +510,17 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """k_cache_dst[indices_dst[i]] = k_cache_src[indices_src[i]], the same for V."""
     _one_layer(2, (k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-                   indices_src), element_dim, unroll, block_quota, page_size, method)
+                   indices_src), element_dim, unroll, block_quota, page_size, method,
+               index_granularity)
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
+    reference=_one_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _one_layer_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
@@ -229,24 +533,31 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
     page_size: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """cache_dst[indices_dst[i]] = cache_src[indices_src[i]]: one cache (MLA's latent KV)."""
     _one_layer(1, (cache_dst, indices_dst, cache_src, indices_src), element_dim, unroll,
-               block_quota, page_size, method)
+               block_quota, page_size, method, index_granularity)
 
 
 def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
-               block_quota: object, page_size: object, method: object) -> None:
+               block_quota: object, page_size: object, method: object,
+               index_granularity: object) -> None:
     """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
-    dst_name = "k_cache_dst" if caches == 2 else "cache_dst"
-    element_dim = _element_dim(dst, element_dim, dst_name)
+    element_dim = _element_dim(dst, element_dim)
     element_size = _element_size(element_dim * dst.element_size(),
                                  f"element_dim {element_dim} of {dst.dtype}")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
+    hint, pages = _pages(page_size, index_granularity)
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(dst, src)
     chosen = _method(method, indices_dst, lambda: element_size * (
-        pages if _packed(dst, element_dim) and _packed(src, element_dim) else 1))
+        _run(tensors[caches], tensors[2 * caches + 1], hint)
+        if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(element_size, unroll)
         entry = entries.one_layer if caches == 2 else entries.one_layer_mla
@@ -258,7 +569,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
 
 
 # ---------------------------------------------------------------------------- all layers
-@op("jitk::transfer_hicache_all_layer", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_reference, tolerance=_EXACT, cases=lambda: _all_layer_cases(False))
 def transfer_hicache_all_layer(
     k_ptr_dst: torch.Tensor,
     v_ptr_dst: torch.Tensor,
@@ -278,6 +590,7 @@ def transfer_hicache_all_layer(
     kv_cache_src_page_stride_bytes: int | None = None,
     kv_cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """For every layer l, in one call: slot indices_dst[i] of layer l's K (and V) cache at
     k_ptr_dst[l] gets slot indices_src[i] of the cache at k_ptr_src[l]. The pointer tables
@@ -293,10 +606,12 @@ def transfer_hicache_all_layer(
                ("kv_cache_src_page_stride_bytes", kv_cache_src_page_stride_bytes),
                ("kv_cache_dst_page_stride_bytes", kv_cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
-@op("jitk::transfer_hicache_all_layer_mla", mutates_args=())  # writes through pointers only
+@op("jitk::transfer_hicache_all_layer_mla", mutates_args=(),  # writes through pointers only
+    reference=_all_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: _all_layer_cases(True))
 def transfer_hicache_all_layer_mla(
     ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -314,6 +629,7 @@ def transfer_hicache_all_layer_mla(
     cache_src_page_stride_bytes: int | None = None,
     cache_dst_page_stride_bytes: int | None = None,
     method: str = "auto",
+    index_granularity: str = "token",
 ) -> None:
     """transfer_hicache_all_layer for one cache per layer (MLA)."""
     _all_layer(1, (ptr_dst, indices_dst, ptr_src, indices_src),
@@ -322,13 +638,13 @@ def transfer_hicache_all_layer_mla(
                ("cache_src_page_stride_bytes", cache_src_page_stride_bytes),
                ("cache_dst_page_stride_bytes", cache_dst_page_stride_bytes),
                element_size, unroll, block_quota, page_size, num_tokens_src, num_tokens_dst,
-               method)
+               method, index_granularity)
 
 
 def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple,
                src_page_stride: tuple, dst_page_stride: tuple, element_size: object,
                unroll: object, block_quota: object, page_size: object, num_tokens_src: object,
-               num_tokens_dst: object, method: object) -> None:
+               num_tokens_dst: object, method: object, index_granularity: object) -> None:
     """The all-layer call; the strides come as (Python name, value)."""
     strides = [_int(value, name, 1) for name, value in (src_stride, dst_stride)]
     if element_size is None:
@@ -338,14 +654,20 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         size = _element_size(strides[0], src_stride[0])
     else:
         size = _element_size(_int(element_size, "element_size", 1), "element_size")
-    pages = _int(1 if page_size is None else page_size, "page_size", 1)
-    layout = (*strides, size, pages, *(_optional(value, name, 1)
+    hint, pages = _pages(page_size, index_granularity)
+    layout = (*strides, size, pages, hint, *(_optional(value, name, 1)
                                        for name, value in (src_page_stride, dst_page_stride)),
               _optional(num_tokens_src, "num_tokens_src", 0),
               _optional(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
+    gpu = _gpu_of(tensors[0])  # the pointer tables': the kernel reads them there
     chosen = _method(method, tensors[caches],
-                     lambda: size * (pages if strides[0] == size == strides[1] else 1))
+                     lambda: size * (_run(tensors[caches], tensors[2 * caches + 1], hint)
+                                     if strides[0] == size == strides[1] else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, size, unroll, quota))
     if chosen == "kernel":
         entries = _kernel_module(size, unroll)
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
@@ -353,7 +675,139 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
     else:
         entries = _copy_entries()
         entry = entries.all_layer if caches == 2 else entries.all_layer_mla
-        entry(*tensors, *layout, _stream())
+        entry(*tensors, *layout, current_stream(_tables_gpu(tensors, caches))[1])
+
+
+
+# ---------------------------------------------------------------------------- parity cases
+def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0):
+    """A bf16 cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain
+    CPU memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
+    on_gpu = where == "gpu" or device.type == "cpu"
+    if paged:
+        whole = torch.randn(tokens // paged, paged + 3, *row, device=device if on_gpu else "cpu")
+        cache = whole.to(torch.bfloat16)[:, :paged]
+    else:
+        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(torch.bfloat16)
+    return cache if on_gpu else cache.pin_memory()
+
+
+def _index_list(slots: int, count: int, run: int, first_only: bool, device: torch.device,
+                out_of_range: bool = False) -> torch.Tensor:
+    """`count` distinct runs of `run` consecutive slots (SGLang's pages) as an index list;
+    first_only: each run's first index, then garbage (-7) that the transfer must not read.
+    out_of_range: the first run starts past the end (skipped)."""
+    firsts = torch.randperm(slots // run)[:count] * run
+    if out_of_range:
+        firsts[0] = slots
+    indices = firsts[:, None] + torch.arange(run)
+    if first_only:
+        indices[:, 1:] = -7
+    return indices.flatten().to(device)
+
+
+# (label, dst, src, page_size, index_granularity, paged cache, out of range, host indices)
+_ONE_LAYER = (("host->gpu", "gpu", "host", None, "token", 0, False, False),
+              ("gpu->host", "host", "gpu", 1, "token", 0, False, False),
+              ("gpu->gpu token indices, page_size 4", "gpu", "gpu", 4, "token", 0, False,
+               False),
+              ("gpu->gpu an index per page of 4", "gpu", "gpu", 4, "page", 0, False, False),
+              ("host->gpu paged cache, token indices", "gpu", "host", 4, "token", 8, False,
+               False),
+              ("host->gpu paged cache, an index per page", "gpu", "host", 4, "page", 8, False,
+               False),
+              ("gpu->gpu a slot out of range", "gpu", "gpu", None, "token", 0, True, False),
+              ("gpu->gpu a page out of range", "gpu", "gpu", 2, "page", 0, True, False),
+              ("host->gpu indices on the host", "gpu", "host", 4, "token", 0, False, True))
+
+
+def _one_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, dst_at, src_at, page_size, granularity, paged, out_of_range,
+             host_indices):
+        row = (576,) if mla else (2, 64)  # MLA: element_dim defaults to the last dimension
+        where = torch.device("cpu") if host_indices else device
+        run, first_only = page_size or 1, granularity == "page"
+        dst_indices = _index_list(64, 12, run, first_only, where)
+        src_indices = _index_list(96, 12, run, first_only, where, out_of_range)
+        caches = [(_cache(64, row, dst_at, device, paged), _cache(96, row, src_at, device))
+                  for _ in range(1 if mla else 2)]
+        kwargs = {"page_size": page_size, "index_granularity": granularity,
+                  "element_dim": None if mla else 128}
+        return (*(dst for dst, _ in caches), dst_indices, *(src for _, src in caches),
+                src_indices), kwargs
+
+    return [Case(label, functools.partial(make, **dict(zip(
+        ("dst_at", "src_at", "page_size", "granularity", "paged", "out_of_range",
+         "host_indices"), values)))) for label, *values in _ONE_LAYER]
+
+
+def _pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], device=device)
+
+
+def _all_layer_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, page_size: int | None, granularity: str, paged: bool):
+        layers, row, run = 3, 256 if mla else 128, page_size or 1  # bf16 elements
+        stride = 2 * row
+        # paged: the source's pages of page_size slots are two rows apart, so its slot 95
+        # is row 95 // run * (run + 2) + run - 1 of its layer
+        src_rows = 96 // run * (run + 2) if paged else 96
+        caches = {f"{side}{c}[{layer}]": _cache(64, (row,), "gpu", device) if side == "dst"
+                  else _cache(src_rows, (row,), "host", device)
+                  for side in ("dst", "src") for c in range(1 if mla else 2)
+                  for layer in range(layers)}
+        tables = [[_pointer_table([caches[f"{side}{c}[{layer}]"] for layer in range(layers)],
+                                  device) for side in ("dst", "src")]
+                  for c in range(1 if mla else 2)]
+        prefix = "cache" if mla else "kv_cache"
+        kwargs = {f"{prefix}_src_stride_bytes": stride, f"{prefix}_dst_stride_bytes": stride,
+                  "page_size": page_size, "num_tokens_src": 96, "num_tokens_dst": 64,
+                  "index_granularity": granularity}
+        if paged:
+            kwargs[f"{prefix}_src_page_stride_bytes"] = stride * (run + 2)
+        first_only = granularity == "page"
+        args = (*(d for d, _ in tables), _index_list(64, 8, run, first_only, device),
+                *(s for _, s in tables),
+                _index_list(96, 8, run, first_only, device, out_of_range=True))
+        # every cache stays alive with the case: the tables point into them
+        return args, kwargs, caches
+
+    return [Case("host->gpu, 3 layers", lambda device: make(device, None, "token", False)),
+            Case("host->gpu, 3 layers, token indices, page_size 4, page stride",
+                 lambda device: make(device, 4, "token", True)),
+            Case("host->gpu, 3 layers, an index per page of 4, page stride",
+                 lambda device: make(device, 4, "page", True))]
+
+
+def _staged_cases(mla: bool) -> list:
+    from .testing import Case
+
+    def make(device, page_size: int, staged_pages: int):
+        layers, row, count = 3, 256 if mla else 128, 5  # 5 pages of bf16 rows
+        caches = range(1 if mla else 2)
+        pools = {f"src{c}[{layer}]": _cache(16 * page_size, (row,), "gpu", device)
+                 for c in caches for layer in range(layers)}
+        tables = [_pointer_table([pools[f"src{c}[{layer}]"] for layer in range(layers)],
+                                 device) for c in caches]
+        stagings = [_cache(staged_pages * page_size, (layers, row), "gpu", device)
+                    for _ in caches]
+        dsts = [_cache(8 * page_size, (layers, row), "host", device) for _ in caches]
+        args = (*tables, _index_list(16 * page_size, count, page_size, True, device),
+                _index_list(8 * page_size, count, page_size, True, torch.device("cpu")),
+                *stagings, *dsts)
+        # the source layers stay alive with the case (the tables point into them); compared
+        # too: the write-back must not write them
+        return args, {"page_size": page_size}, pools
+
+    staging = ("staging",) if mla else ("staging_k", "staging_v")
+    return [Case("pages of 4, staging for 2 (3 chunks)", lambda device: make(device, 4, 2),
+                 outputs=staging),
+            Case("pages of 1, staging for all", lambda device: make(device, 1, 8),
+                 outputs=staging)]
 
 
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what
@@ -365,4 +819,116 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) for the copy engines and the kernel of each common element size."""
     kernels = [(f"element_size={size}", functools.partial(_kernel_module, size, DEFAULT_UNROLL))
                for size in _COMMON_ELEMENT_SIZES]
-    return [("copy engines", _copy_module), *kernels]
+    return [("copy engines", _copy_module), ("staged write-back", _staged_module), *kernels]
+
+
+# ------------------------------------------------------------------ staged write-back
+@op("jitk::transfer_hicache_all_layer_staged_lf_pf",
+    mutates_args=("staging_k", "staging_v", "dst_k", "dst_v"),
+    reference=_staged_reference, tolerance=_EXACT, cases=lambda: _staged_cases(False),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_staged_lf_pf(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """SGLang's staged write-back: whole pages of every layer of a GPU pool (K and V layers
+    at k_ptr_src[l] / v_ptr_src[l], rows of element_size bytes back to back) to a pinned host
+    pool in page_first layout (dst_k / dst_v: [tokens, layers, ...]), through the GPU staging
+    buffers staging_k / staging_v ([tokens, layers, ...], any number of whole pages).
+
+    Page p is named by its first index: src_indices[p * page_size] (a GPU tensor) and
+    dst_indices[p * page_size] (a CPU int64 tensor, read during the call and checked
+    against the host pool). Per chunk of pages the staging buffers hold, a kernel gathers
+    the pages into them, then the copy engines move each page (one copy per run of
+    consecutive host pages) to the host, on PyTorch's current stream. `element_size` defaults
+    to a staging row; `block_quota` caps the gather's blocks; `unroll` is accepted for
+    SGLang's signature and has nothing to tune here."""
+    _staged(2, (k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v, dst_k,
+                dst_v), page_size, element_size, unroll, block_quota)
+
+
+@op("jitk::transfer_hicache_all_layer_mla_staged_lf_pf", mutates_args=("staging", "dst"),
+    reference=_staged_mla_reference, tolerance=_EXACT, cases=lambda: _staged_cases(True),
+    tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
+def transfer_hicache_all_layer_mla_staged_lf_pf(
+    ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    """transfer_hicache_all_layer_staged_lf_pf for one cache per layer (MLA, or one side of
+    a pool whose K and V rows differ)."""
+    _staged(1, (ptr_src, src_indices, dst_indices, staging, dst), page_size, element_size,
+            unroll, block_quota)
+
+
+def _staged(caches: int, tensors: tuple, page_size: object, element_size: object,
+            unroll: object, block_quota: object) -> None:
+    """The staged call: `tensors` in the entry point's order, caches and staging buffers
+    seen as [tokens, layers, row] as SGLang views them."""
+    pages = _int(page_size, "page_size", 1)
+    _unroll(unroll)
+    quota = _optional(block_quota, "block_quota", 1)
+    first_staging = caches + 2
+    buffers = list(tensors)
+    for at in range(first_staging, len(buffers)):
+        cache = buffers[at]
+        if cache.dim() < 2:
+            raise ValueError(f"hicache: the staging buffers and host pools are [tokens, layers, "
+                             f"...]; got a tensor of shape {tuple(cache.shape)}")
+        buffers[at] = cache.view(cache.shape[0], cache.shape[1], -1)
+    staging = buffers[first_staging]
+    row_bytes = staging.shape[2] * staging.element_size()
+    size = row_bytes if element_size is None else _int(element_size, "element_size", 1)
+    _element_size(size, "element_size" if element_size is not None else "a staging row")
+    entry = _staged_module().lf_pf if caches == 2 else _staged_module().lf_pf_mla
+    entry(*buffers, pages, size, quota)
+
+
+# ------------------------------------------------------------------------------ gates
+# SGLang's pools ask these before they pick the JIT path: False (with a warning logged)
+# where a module cannot be built or loaded, never an exception.
+def can_use_hicache_jit_kernel(*, element_size: int, unroll: int | None = None,
+                               block_quota: int | None = None,
+                               page_size: int | None = None) -> bool:
+    """Whether transfers of rows of `element_size` bytes can run (page_size: any hint)."""
+    return _can_build(lambda: (_kernel_module(_element_size(element_size, "element_size"),
+                                              _unroll(unroll)),
+                               _optional(block_quota, "block_quota", 1),
+                               _int(1 if page_size is None else page_size, "page_size", 1),
+                               _copy_module()), element_size)
+
+
+def can_use_write_back_jit_kernel(*, element_size: int, unroll: int | None = None,
+                                  block_quota: int | None = None) -> bool:
+    """Whether the staged write-back can run for rows of `element_size` bytes."""
+    return _can_build(lambda: (_element_size(element_size, "element_size"), _unroll(unroll),
+                               _optional(block_quota, "block_quota", 1), _staged_module()),
+                      element_size)
+
+
+def _can_build(build: Callable[[], object], element_size: object) -> bool:
+    try:
+        build()
+    except Exception as error:  # noqa: BLE001 - a gate answers, whatever the build raised
+        logging.getLogger(__name__).warning(
+            "hicache: no JIT kernel for element_size=%r: %s", element_size, error)
+        return False
+    return True

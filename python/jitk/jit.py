@@ -1,14 +1,15 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is tvm-ffi's (ninja); the exports are jitk's (jitk/export.h, on tvm-ffi's
+The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export.h, on tvm-ffi's
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
 build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
 header and kernel file and the compiler versions, independent of where jitk is installed,
 with the target architectures named after it (a lookup takes an entry built for more); a
-cache that readers use without locks or writes, filled by builds published in one rename
-(jitk/cache.py, jitk/build.py); a mode that never compiles; compile errors that show the
-compiler's own lines; and a load-time check that the library holds
-code for the GPU it is about to run on."""
+cache that readers use without locks or writes once they have checked who could have
+written it (jitk/trust.py), filled by builds published in one rename (jitk/cache.py,
+jitk/build.py); a mode that never compiles; compile errors that show the compiler's own
+lines; and a load-time check that the library holds code for the GPU it is about to run
+on."""
 
 from __future__ import annotations
 
@@ -18,17 +19,15 @@ import json
 import logging
 import os
 import re
-import shlex
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import tvm_ffi
 
-from . import cache, toolchain
+from . import cache, loader, precompile, toolchain, trust
 from .build import BuildSpec, JitCompileError, build_and_publish
-from .lock import build_lock
+from .lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 
@@ -38,11 +37,11 @@ PACKAGE_DIR = cache.PACKAGE_DIR
 INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "csrc"
 
-DEFAULT_CFLAGS = ("-std=c++20", "-O3")
-DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr")
+DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
+DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 # Bind every symbol at load: a missing one fails the builder's load, before publication,
 # rather than killing the process at the first call that needs it.
-DEFAULT_LDFLAGS = ("-Wl,-z,now",)
+DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
 DISABLE_ENV = "JITK_DISABLE_JIT"
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
@@ -100,11 +99,14 @@ def _module_name(parts: tuple[object, ...]) -> str:
     return name
 
 
-def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str) -> list:
+def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: str,
+            one: str = "{!r}") -> list:
     """A list argument: a list or tuple of `kinds` (a bare string is refused: it would be
-    read one character at a time)."""
+    read one character at a time). `one` writes a single item from a bare string, for the
+    hint."""
     if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Iterable):
-        hint = f"; write {parameter}=[{value!r}]" if isinstance(value, str | os.PathLike) else ""
+        hint = f"; write {parameter}=[{one.format(str(value))}]" \
+            if isinstance(value, str | os.PathLike) else ""
         raise TypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
                         f"{type(value).__name__}{hint}")
     items = list(value)
@@ -120,19 +122,26 @@ def _resolve_sources(files: object, parameter: str) -> list[Path]:
     for file in _listed(files, parameter, (str, os.PathLike), "paths (str or os.PathLike)"):
         path = Path(file)
         found = path if path.is_absolute() else KERNEL_DIR / path
+        if found.is_dir():
+            raise IsADirectoryError(f"load_jit({parameter}=...): '{found}' is a folder; give "
+                                    "the kernel files in it, each by its path")
         if not found.is_file():
-            where = "" if path.is_absolute() else f" in {KERNEL_DIR}"
-            raise FileNotFoundError(
-                f"load_jit({parameter}=...): '{file}' not found{where}; "
-                "give an absolute path for a file outside the jitk package"
-            )
+            where = " (a path that is not absolute names a file in the jitk package; give " \
+                "an absolute path for your own)" if not path.is_absolute() else ""
+            raise FileNotFoundError(f"load_jit({parameter}=...): '{found}' not found{where}")
         resolved.append(found.resolve())
     return resolved
 
 
+def _as_given(path: Path) -> str:
+    """A resolved kernel file as load_jit takes it: a name in jitk/csrc, else absolute."""
+    return str(path.relative_to(KERNEL_DIR)) if path.is_relative_to(KERNEL_DIR) else str(path)
+
+
 def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:
     checked = []
-    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)"):
+    for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)",
+                           one="({!r}, '<C++ function or static member>')"):
         if len(wrapper) != 2 or not all(isinstance(part, str) for part in wrapper):
             raise TypeError(f"load_jit({parameter}=...): expected (export_name, cpp_callable) "
                             f"as two strings, got {wrapper!r}")
@@ -153,7 +162,9 @@ def _check_build_directory(value: object) -> Path | None:
     if not isinstance(value, str | os.PathLike) or not str(value):
         raise TypeError(f"load_jit(build_directory=...): expected a path or None, got "
                         f"{type(value).__name__} {value!r:.60}")
-    return Path(value).expanduser().resolve()
+    folder = Path(value).expanduser().resolve()
+    cache.check_build_directory(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------ the key
@@ -185,62 +196,49 @@ def _cache_key(material: dict, sources: list[Path]) -> str:
     for path in sources:
         digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ loading
-def _caller_module() -> str | None:
-    """The module that called load_jit, for the hint of a cache miss."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") in (__name__, "functools"):
-        frame = frame.f_back
-    return frame.f_globals.get("__name__") if frame is not None else None
-
-
-def _miss_error(spec: BuildSpec, template_args: tuple[object, ...],
+def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
                 problem: str | None) -> JitCacheMissError:
-    caller = _caller_module()
-    has_configs = callable(getattr(sys.modules.get(caller or ""), "precompile_configs", None))
-    arch = f" --arch {shlex.quote(';'.join(spec.archs))}" if spec.archs else ""
-    if has_configs:
-        extra = "" if caller.startswith("jitk.") else f"JITK_PRECOMPILE_MODULES={caller} "
-        fill = (f"`{extra}python -m jitk precompile{arch} --module {caller}` (its common "
-                "configurations; add this one to its precompile_configs() if it is not there)")
-    else:
-        fill = (f"one run of this call with compiling allowed, or `JITK_PRECOMPILE_MODULES="
-                f"<your module> python -m jitk precompile{arch}` once your module's "
-                "precompile_configs() lists it")
     why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
     return JitCacheMissError(
         f"jitk: module '{spec.name}' (template arguments: "
         f"{', '.join(map(str, template_args)) or 'none'}; architectures: "
         f"{', '.join(toolchain.sm_name(a) for a in spec.archs) or 'host only'}) is needed, "
         f"but {why} ({spec.entry}) and JIT compilation is disabled ({DISABLE_ENV}=1 or "
-        f"jitk.disable_jit()). Fill the cache where compiling is allowed, with {fill}.")
+        f"jitk.disable_jit()). Fill the cache where compiling is allowed with this entry: "
+        f"`{precompile.call_command(call, spec.archs)}` (or, for a kernel module's common "
+        "configurations, `python -m jitk precompile`).")
 
 
-def _load_published(library: Path) -> tvm_ffi.Module | None:
-    """The loaded library, or None when its entry vanished meanwhile (a cache clear)."""
-    try:
-        return tvm_ffi.load_module(str(library))
-    except Exception:
-        if library.exists():
-            raise
-        return None
-
-
-def _usable(entry: Path) -> cache.Lookup:
-    found = cache.look_up(entry)
+def _look_up_entry(entry: Path, key: str) -> cache.Lookup:
+    found = cache.look_up(entry, key)
     if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = cache.look_up(entry)
+        found = cache.look_up(entry, key)
     return found
 
 
-def _covering_entries(spec: BuildSpec) -> list[tuple[Path, tuple[str, ...]]]:
-    """Entries of the same build for other sets of architectures (same folder name up to
-    the architectures' tag) that serve every architecture of `spec`, those with machine
+def _look_up(spec: BuildSpec) -> cache.Lookup:
+    """The entry's checked library, after checking who may have written the cache."""
+    root = spec.entry if spec.in_place else spec.entry.parent
+    if root.exists():
+        trust.check(root, "the build directory" if spec.in_place else "the cache")
+    return _look_up_entry(spec.entry, spec.key)
+
+
+def _entry_key(build_key: str, archs: tuple[str, ...]) -> str:
+    """The key an entry records: its build's (which leaves the architectures out) with the
+    architectures it was built for, so that a build_directory rebuilt for others is stale."""
+    return hashlib.sha256(f"{build_key}:{';'.join(archs)}".encode()).hexdigest()
+
+
+def _covering_entries(spec: BuildSpec, build_key: str) -> list[tuple[Path, tuple[str, ...]]]:
+    """Entries of the same build for other sets of architectures (the same folder name up
+    to the architectures' tag) that serve every architecture of `spec`, those with machine
     code for all of them first. Read only when the exact entry is missing."""
-    prefix = spec.entry.name.rsplit("_", 1)[0] + "_"
+    prefix = f"{spec.name}_{build_key[:16]}_"
     try:
         names = sorted(name for name in os.listdir(spec.entry.parent) if name.startswith(prefix)
                        and "." not in name and name != spec.entry.name)
@@ -252,46 +250,47 @@ def _covering_entries(spec: BuildSpec) -> list[tuple[Path, tuple[str, ...]]]:
         try:
             built = toolchain.parse_archs(";".join(map(str, meta.get("archs") or ())))
         except toolchain.ToolchainError:
-            continue  # not an entry of this build; look_up would refuse it anyway
+            continue  # not an entry of this build; its key check would refuse it anyway
         ways = [toolchain.serves(built, wanted) for wanted in spec.archs]
         if all(ways):
             ranked.append(("ptx" in ways, name, built))
     return [(spec.entry.parent / name, built) for _, name, built in sorted(ranked)]
 
 
-def _load_cached(spec: BuildSpec, any_archs: bool
+def _load_cached(spec: BuildSpec, build_key: str | None
                  ) -> tuple[tvm_ffi.Module | None, tuple[str, ...], str | None]:
-    """The module from the exact entry, else (when `any_archs`) from an entry for more
-    architectures that covers these; with the architectures it holds, or why the exact
-    entry cannot be used."""
-    found = _usable(spec.entry)
-    if found.library and (module := _load_published(found.library)):
-        return module, spec.archs, None
-    for entry, built in _covering_entries(spec) if any_archs and spec.archs else ():
-        other = _usable(entry)
-        if other.library and (module := _load_published(other.library)):
+    """The module from the exact entry, else (given the build's key, in the shared cache)
+    from an entry for more architectures that covers these; with the architectures it holds,
+    or why the exact entry cannot be used."""
+    found = _look_up(spec)
+    if found.fd is not None:
+        return loader.load_from_fd(found.fd), spec.archs, None
+    for entry, built in _covering_entries(spec, build_key) if build_key and spec.archs else ():
+        other = _look_up_entry(entry, _entry_key(build_key, built))
+        if other.fd is not None:
             logger.info("jitk: %s for %s served by %s", spec.name, ", ".join(spec.archs), entry)
-            return module, built, None
+            return loader.load_from_fd(other.fd), built, None
     return None, spec.archs, found.problem
 
 
-def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], any_archs: bool
-                    ) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
+def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
+                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
     """The module of `spec`, the architectures it holds code for and whether this call built
-    it. A complete, intact entry is loaded without a lock or a write; anything else is built
-    under the entry's lock."""
+    it. A complete, intact entry (or, given `build_key`, one for more architectures) is
+    loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
-    module, archs, problem = _load_cached(spec, any_archs)
+    lock_timeout()
+    module, archs, problem = _load_cached(spec, build_key)
     if module:
         return module, archs, False
     if disabled:
-        raise _miss_error(spec, template_args, problem)
+        raise _miss_error(spec, template_args, call, problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
-    with build_lock(spec.entry):
+    with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
         # another process may have built it meanwhile
-        module, archs, problem = _load_cached(spec, any_archs)
+        module, archs, problem = _load_cached(spec, build_key)
         if module:
             return module, archs, False
         if problem:
@@ -322,11 +321,12 @@ def load_jit(
     files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
-    `build_directory` replaces the cache entry's folder. `min_arch` (e.g. "9.0") is the
-    oldest GPU architecture the CUDA code builds for: an older target is refused, naming
-    the module, before anything is compiled. A cached entry built for more architectures
-    than the targets (precompile --arch "8.0 9.0 10.0") serves them when it holds machine
-    code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
+    `build_directory` replaces the cache entry's folder: a new folder, an empty one or one
+    that jitk built before (a folder holding other files is refused). `min_arch` (e.g.
+    "9.0") is the oldest GPU architecture the CUDA code builds for: an older target is
+    refused, naming the module, before anything is compiled. A cached entry built for more
+    architectures than the targets (precompile --arch "8.0 9.0 10.0") serves them when it
+    holds machine code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     """
     name = _module_name(name_parts)
@@ -361,26 +361,34 @@ def load_jit(
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
     if has_cuda:
         sources["cuda.cu"] = _render_source(name, cuda_paths, cuda_exports, True)
-    build_kwargs = {
-        "extra_cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
-        "extra_cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
-        "extra_ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
-        "extra_include_paths": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
+    build_flags = {
+        "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
+        "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
+        "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
+        "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
-    compilers = [toolchain.host_compiler_version()]
-    if has_cuda:
-        compilers.append(toolchain.nvcc_version())
+    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda))
     kernel_files = cpp_paths + cuda_paths
-    # The architectures are not in the key but in the folder's name, after it, so that a
-    # process can find an entry built for more architectures than it asks for.
-    key = _cache_key({"name": name, "compilers": compilers, "tvm_ffi": tvm_ffi.__version__,
-                      "sources": sources, "build_kwargs": build_kwargs}, kernel_files)
-    folder = f"{name}_{key}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
+    # The architectures are not in the build's key but in the folder's name, after it, so
+    # that a process can find an entry built for more architectures than it asks for.
+    build_key = _cache_key({"name": name, "compilers": compilers,
+                            "tvm_ffi": tvm_ffi.__version__, "sources": sources,
+                            "flags": build_flags}, kernel_files)
+    folder = f"{name}_{build_key[:16]}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
     entry = build_dir or cache.cache_root().expanduser().resolve() / folder
-    build_kwargs["extra_cuda_cflags"] += toolchain.ptx_flags(archs)  # named by the tag
-    spec = BuildSpec(name, entry, archs, sources, tuple(kernel_files), INCLUDE_DIR,
-                     build_kwargs)
-    module, held, _ = _build_and_load(spec, name_parts[1:], any_archs=build_dir is None)
+    spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
+                     sources, tuple(kernel_files), INCLUDE_DIR, build_flags)
+    # The call as `python -m jitk precompile --call` replays it: the arguments given, with
+    # include folders made absolute (a kernel file's relative name is the package's own).
+    call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
+            "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
+            "cuda_wrappers": cuda_exports, **flags,
+            "extra_include_paths": build_flags["include_dirs"][1:],
+            "build_directory": str(build_dir) if build_dir else None,
+            "min_arch": min_arch}
+    call = {key: value for key, value in call.items() if value}
+    module, held, _ = _build_and_load(spec, name_parts[1:], call,
+                                      None if build_dir else build_key)
     if held:
         toolchain.check_runs_on_current_gpu(name, held)
     return module

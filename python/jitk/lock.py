@@ -1,4 +1,7 @@
-"""The build lock of one cache entry: an flock on `<entry>.lock` beside the entry.
+"""The build lock of one cache entry: an flock on `<entry>.lock` beside the entry, or in
+$JITK_LOCK_DIR when that is set (a host-local folder for a cache on a network file system,
+whose locks may not reach other hosts: builds there may then run twice, and publication
+stays atomic; jitk/cache.py). A build_directory's lock is in its own .jitk folder.
 
 Only a build takes it; loading a finished entry takes no lock. An flock belongs to the
 process holding it, so the kernel releases it when that process dies, however it dies: a
@@ -18,9 +21,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from . import trust
+
 TIMEOUT_ENV = "JITK_LOCK_TIMEOUT"
+LOCK_DIR_ENV = "JITK_LOCK_DIR"
 DEFAULT_TIMEOUT = 300.0
 SUFFIX = ".lock"
+# Group members may build in a cache of the trusted group (jitk/trust.py); others only read.
+MODE = 0o664
 
 
 class JitLockError(RuntimeError):
@@ -38,18 +46,26 @@ def lock_timeout() -> float:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise JitLockError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds "
+                         f"(how long to wait for a build; default {DEFAULT_TIMEOUT:g})")
     return seconds
 
 
+def lock_folder(root: Path) -> Path:
+    """Where the build locks of the cache at `root` are: $JITK_LOCK_DIR, else `root`."""
+    folder = os.environ.get(LOCK_DIR_ENV, "").strip()
+    return Path(folder).expanduser() if folder else root
+
+
 def lock_path(entry: Path) -> Path:
-    return entry.with_name(entry.name + SUFFIX)
+    """The build lock of a cache entry."""
+    return lock_folder(entry.parent) / (entry.name + SUFFIX)
 
 
 def _open(path: Path) -> int:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)  # a new (or just cleared) cache
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())  # a new cache
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, MODE)
     except OSError as error:
         raise JitLockError(f"jitk cannot create the build lock {path}: {error.strerror} "
                            f"(errno {error.errno}); building needs a writable cache (set "
@@ -99,10 +115,9 @@ def release(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def build_lock(entry: Path, timeout: float | None = None) -> Iterator[None]:
-    """Holds the build lock of `entry` for the body, waiting at most `timeout` seconds
-    (default $JITK_LOCK_TIMEOUT) for another process to release it."""
-    path = lock_path(entry)
+def build_lock(path: Path, entry: Path, timeout: float | None = None) -> Iterator[None]:
+    """Holds the build lock at `path`, of `entry`, for the body, waiting at most `timeout`
+    seconds (default $JITK_LOCK_TIMEOUT) for another process to release it."""
     timeout = lock_timeout() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     pause = 0.01

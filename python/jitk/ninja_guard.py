@@ -1,14 +1,15 @@
 """Runs ninja for one jitk build so that the build ends with the process that asked for it.
 
-tvm-ffi starts `ninja` by name. During a jitk build, PATH leads it to a small script in the
-staging folder that runs this file (standard library only) as
+jitk/build.py runs this file (standard library only) with ninja's path and arguments:
 
-    python -I ninja_guard.py BUILDER_PID TIMEOUT_SECONDS REAL_NINJA [ninja arguments...]
+    python -I ninja_guard.py BUILDER_PID TIMEOUT_SECONDS NINJA [ninja arguments...]
 
 Ninja stops its compilers when it gets SIGTERM, SIGINT or SIGHUP (each compiler runs in its
 own process group, which ninja signals). This guard makes sure it gets one: when the builder
 dies, however it dies (the kernel's parent-death signal, PR_SET_PDEATHSIG, on the guard and
-on ninja); when the guard is signalled; and when the build runs past its time limit."""
+on ninja; it follows the thread that started the guard, which waits for it throughout);
+when the guard is signalled; and when the build runs past its time limit. What the guard
+itself stops, it says on stderr, in a line that starts with "jitk: "."""
 
 import ctypes
 import os
@@ -18,6 +19,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 TIMEOUT_EXIT = 124
+ORPHANED_EXIT = 125
 
 
 def die_with_parent() -> None:
@@ -31,8 +33,10 @@ def die_with_parent() -> None:
 def main() -> int:
     builder, timeout, ninja_path, *args = sys.argv[1:]
     die_with_parent()
-    if os.getppid() != int(builder):
-        return 1  # the builder died before the guard could ask to be told
+    if os.getppid() != int(builder):  # the builder died before the guard could ask to be told
+        print(f"jitk: the process that started this build (pid {builder}) is gone, so the "
+              "build did not start", file=sys.stderr, flush=True)
+        return ORPHANED_EXIT
     ninja = subprocess.Popen([ninja_path, *args], preexec_fn=die_with_parent)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda received, _: ninja.send_signal(received))

@@ -29,8 +29,10 @@ from typing import NamedTuple
 
 import torch
 
+from . import api_log
+from .autotune import TuningSpace
 from .cpp_args import make_cpp_args
-from .custom_op import op
+from .custom_op import Tolerance, op
 from .jit import load_jit
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
@@ -45,18 +47,21 @@ class _Kernels(NamedTuple):
     fused_add_rmsnorm: Callable
 
 
-@functools.cache
-def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
-    """The module for one hidden size and dtype; raises before building for ones it lacks."""
+def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"rmsnorm supports float32, float16 and bfloat16 inputs, got {dtype}")
     if not 1 <= hidden <= _MAX_HIDDEN:
         raise ValueError(f"rmsnorm needs a hidden size (last dimension) of 1 to {_MAX_HIDDEN}, "
                          f"got {hidden}")
-    args = make_cpp_args(hidden, dtype)
-    norm = f"jitk::norm::RMSNorm<{args}>"
+
+
+def _load(name: str, hidden: int, dtype: torch.dtype, *tuning: object) -> _Kernels:
+    _check_kernel_args(hidden, dtype)
+    args, knobs = make_cpp_args(hidden, dtype), make_cpp_args(*tuning)
+    tune = f", jitk::norm::Tuning<{knobs}>" if tuning else ""
+    norm = f"jitk::norm::RMSNorm<{args}{tune}>"
     module = load_jit(
-        "rmsnorm", *args,
+        name, *args, *knobs,
         cuda_files=["rmsnorm.cuh"],
         cuda_wrappers=[("rmsnorm", f"{norm}::run"),
                        ("fused_add_rmsnorm", f"{norm}::run_fused_add")],
@@ -65,24 +70,109 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
 
 
+@functools.cache
+def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
+    """The module for one hidden size and dtype with the default launch knobs (rmsnorm.cuh's
+    DefaultTuning); raises before building for ones it lacks."""
+    return _load("rmsnorm", hidden, dtype)
+
+
+# ---------------------------------------------------------------------------- tuning
+# jitk::norm::Tuning's knobs, in its template order, and what jitk.autotune tries. Left out
+# of the search: the weight prefetch (it pays where each layer's weight is cold, which a
+# tuning loop over one weight never sees) and PDL (it pays between different kernels).
+_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
+          "max_vec_bytes": (16,), "register_cap": (True, False)}
+
+
+def _default_knobs(bucket: tuple) -> dict:
+    """rmsnorm.cuh's DefaultTuning."""
+    hidden, dtype, _ = bucket
+    return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
+            "pdl": True, "max_vec_bytes": 16, "register_cap": True}
+
+
+@functools.cache
+def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
+    return _load("rmsnorm_tuned", hidden, dtype, *tuning)
+
+
+def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
+    hidden, dtype, _ = bucket
+    if knobs == _default_knobs(bucket):
+        return _kernels(hidden, dtype)
+    return _tuned_kernels(hidden, dtype, tuple(knobs[name] for name in _KNOBS))
+
+
+def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
+    """The row count rounded up to a power of two: tuned choices are kept per bucket."""
+    return 1 << (input.numel() // hidden - 1).bit_length() if hidden else 1
+
+
 # Argument types are checked by the operator layer (jitk.op) before the bodies below run;
 # the values the kernel cannot take are refused here, before any module is built. This is
-# every eager call's path: one Python call, the checks inline.
-def _kernels_for(function: str, input: torch.Tensor, eps: float) -> _Kernels:
+# every eager call's path: one Python call, the eps check and one dict lookup by exact shape
+# (the tuning space's call cache); the shape bucket is worked out only for a new shape.
+def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float) -> Callable:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
                          f"{_FLOAT32_MAX:.7g}), got {eps!r}")
+    kernel = space.calls.get((input.shape, input.dtype))
+    if kernel is None:
+        kernel = space.calls[input.shape, input.dtype] = space.lookup(_bucket(function, input))
+    return kernel
+
+
+def _bucket(function: str, input: torch.Tensor) -> tuple:
     try:
         hidden = input.shape[-1]
     except IndexError:
         raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
                          "(the hidden size)") from None
-    return _kernels(hidden, input.dtype)
+    bucket = hidden, input.dtype, _rows_bucket(input, hidden)
+    if api_log.noting:
+        _note_choice(function, bucket)
+    return bucket
 
 
-@op("jitk::rmsnorm", mutates_args=("out",))
+def _note_choice(function: str, bucket: tuple) -> None:
+    """The call log's note (JITK_LOGLEVEL=3): the instantiation and the knobs it runs with."""
+    hidden, dtype, rows = bucket
+    space = _RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE
+    knobs = space.config(bucket)
+    api_log.note(kernel=f"jitk::norm::RMSNorm<{make_cpp_args(hidden, dtype)}>",
+                 rows_bucket=rows, tuning="default" if knobs == _default_knobs(bucket) else
+                 "/".join(f"{name}={value}" for name, value in knobs.items()))
+
+
+# The references: float32 throughout, rounded once to the dtype, as the kernel does. The
+# kernel's sum of squares runs in another order: a result may differ by an ulp or two.
+def _normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                       eps: float) -> None:
+    out.copy_(_normalized(input, weight, eps))
+
+
+def _fused_add_rmsnorm_reference(input: torch.Tensor, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float = 1e-6) -> None:
+    residual.add_(input)  # rounded to the residual's dtype, then normalised as stored
+    input.copy_(_normalized(residual, weight, eps))
+
+
+# Two ulps of each dtype (bfloat16 2^-7, float16 2^-10) relative, plus as much absolute for
+# results near zero; float32 differs only in the order of the sum.
+_TOLERANCE = {torch.bfloat16: Tolerance(2**-6, 2**-6), torch.float16: Tolerance(2**-9, 2**-9),
+              torch.float32: Tolerance(1e-5, 1e-5)}
+
+
+@op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
+    tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"))
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    _kernels_for("rmsnorm", input, eps).rmsnorm(input, weight, out, eps)
+    _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps)(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -95,18 +185,93 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
-@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"))
+@op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"),
+    reference=_fused_add_rmsnorm_reference, tolerance=_TOLERANCE,
+    cases=lambda: _cases("fused_add_rmsnorm"))
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _kernels_for("fused_add_rmsnorm", input, eps).fused_add_rmsnorm(input, residual, weight,
-                                                                    eps)
+    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps)(input, residual, weight, eps)
+
+
+def _space(entry: str) -> TuningSpace:
+    def bucket(input: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        return _bucket(entry, input)
+
+    def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+        x = torch.randn(*shape, device=device).to(dtype)
+        weight = torch.randn(shape[-1], device=device).to(dtype)
+        if entry == "rmsnorm":  # out of place, as a model's pre-attention norm
+            return (x, weight, torch.empty_like(x), 1e-6), {}
+        return (x, torch.randn_like(x), weight), {}
+
+    return TuningSpace(_KNOBS, bucket, _default_knobs,
+                       lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
+                       outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
+                       shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
+                                    for hidden in (4096, 5120, 7168, 8192, 12288)))
+
+
+_RMSNORM_SPACE = _space("rmsnorm").attach(_rmsnorm)
+_FUSED_SPACE = _space("fused_add_rmsnorm").attach(fused_add_rmsnorm)
+
+
+# ---------------------------------------------------------------------------- parity cases
+# (rows, hidden): one row, odd counts (a block's last turn part empty), an odd hidden size
+# (element-wise path), q/k-norm's 128, model widths, and rows read twice (past 1024 threads x
+# 16 registers); each as a contiguous tensor, a slice of wider rows, and heads of a QKV buffer.
+_SHAPES = ((1, 4096), (77, 5120), (3, 7), (33, 128), (5, 12288), (2, 65536 + 8))
+
+
+def _layouts(rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
+    return {
+        "contiguous": lambda: torch.randn(rows, hidden, device=device).to(dtype),
+        "strided rows": lambda: torch.randn(rows, hidden + 24, device=device).to(dtype)[
+            :, 8:8 + hidden],
+        "qkv heads": lambda: torch.randn(rows, 3, 2, hidden, device=device).to(dtype)[:, 0],
+    }
+
+
+def _cases(entry: str) -> list:
+    from .testing import Case
+
+    cases = []
+    for dtype in _SUPPORTED_DTYPES:
+        for rows, hidden in _SHAPES:
+            for layout in ("contiguous", "strided rows", "qkv heads"):
+                def make(device, rows=rows, hidden=hidden, dtype=dtype, layout=layout):
+                    x = _layouts(rows, hidden, dtype, device)[layout]()
+                    weight = torch.randn(hidden, device=device).to(dtype)
+                    if entry == "rmsnorm":
+                        return (x, weight, torch.empty_like(x), 1e-6), {}
+                    return (x, torch.randn_like(x), weight), {"eps": 1e-5}
+
+                label = f"{str(dtype).removeprefix('torch.')} {rows}x{hidden} {layout}"
+                cases.append(Case(label, make, ("out",) if entry == "rmsnorm" else ()))
+        if entry == "rmsnorm":  # in place: out is the input
+            def in_place(device, dtype=dtype):
+                x = torch.randn(9, 4096, device=device).to(dtype)
+                return (x, torch.randn(4096, device=device).to(dtype), x, 1e-6), {}
+            cases.append(Case(f"{str(dtype).removeprefix('torch.')} 9x4096 in place", in_place,
+                              ("out",)))
+    return cases
+
+
+# Common model widths in bfloat16, plus the head dimension that q/k norms use: what
+# precompile builds and what `python -m jitk fib export` describes.
+COMMON_SIZES = ((128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
+                (8192, torch.bfloat16), (4096, torch.float16))
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """Common model widths in bfloat16 (each module holds both entry points), plus the
-    head dimension that q/k norms use."""
-    configs = [(128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
-               (8192, torch.bfloat16), (4096, torch.float16)]
-    return [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
-             functools.partial(_kernels, hidden, dtype)) for hidden, dtype in configs]
+    head dimension that q/k norms use; then every choice the tuning file records."""
+    defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
+                 functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
+    tuned = {}
+    for space in (_RMSNORM_SPACE, _FUSED_SPACE):
+        for (hidden, dtype, rows), knobs in space.recorded():
+            bucket = (hidden, getattr(torch, dtype), rows)
+            label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
+            tuned[label] = functools.partial(_kernels_with, bucket, knobs)
+    return [*defaults, *tuned.items()]

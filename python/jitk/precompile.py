@@ -3,16 +3,20 @@
 Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
 calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own
 modules). Here every thunk runs once per target architecture, in a pool of worker
-processes, so that a later first call in a new process only loads from the cache. Whether a
+processes, so that a later first call in a new process only loads from the cache. A
+recorded load_jit call (`--call`, which a cache miss's message prints) is replayed the same
+way, to build exactly the entry that was missed. Whether a
 thunk built anything is what load_jit counted (jit.build_count()), not what it logged."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import multiprocessing
 import os
 import re
+import shlex
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,15 +35,24 @@ class PrecompileError(RuntimeError):
     """A kernel module could not be imported or has no precompile_configs()."""
 
 
+# load_jit's keyword parameters, which a recorded call may give (tests/test_cli.py pins them).
+CALL_PARAMETERS = ("cpp_files", "cuda_files", "cpp_wrappers", "cuda_wrappers", "extra_cflags",
+                   "extra_cuda_cflags", "extra_ldflags", "extra_include_paths",
+                   "build_directory", "min_arch")
+CALL_MODULE = "load_jit"  # what a task that replays a recorded call is listed under
+
+
 @dataclass(frozen=True)
 class Task:
     module: str
     index: int
     label: str
     arch: str  # a JITK_CUDA_ARCH value: one architecture, or several for one fat library
+    call: str | None = None  # a recorded load_jit call (JSON) to replay instead of a thunk
 
     def describe(self) -> str:
-        archs = "+".join(toolchain.sm_name(a) for a in toolchain.parse_archs(self.arch))
+        archs = "+".join(toolchain.sm_name(a) for a in toolchain.parse_archs(self.arch)) \
+            if self.arch else "host"
         return f"{short_name(self.module)} {self.label} ({archs})"
 
 
@@ -83,8 +96,27 @@ def config_labels(modules: list[str]) -> tuple[dict[str, list[str]], list[str]]:
             continue
         if not callable(getattr(module, "precompile_configs", None)):
             raise PrecompileError(f"kernel module {name} has no precompile_configs()")
-        labels[name] = [label for label, _ in module.precompile_configs()]
+        labels[name] = [label for label, _ in checked_configs(name, module)]
     return labels, missing
+
+
+def checked_configs(name: str, module: ModuleType) -> list[tuple[str, Callable[[], object]]]:
+    """The module's precompile_configs(), or a PrecompileError that says what is wrong."""
+    try:
+        configs = module.precompile_configs()
+    except Exception as error:
+        raise PrecompileError(f"{name}.precompile_configs() raised {type(error).__name__}: "
+                              f"{error}") from error
+    rule = "a list of (label: str, thunk: callable) pairs"
+    if not isinstance(configs, list | tuple):
+        raise PrecompileError(f"{name}.precompile_configs() must return {rule}, got "
+                              f"{type(configs).__name__} {configs!r:.60}")
+    for i, config in enumerate(configs):
+        if not (isinstance(config, tuple | list) and len(config) == 2
+                and isinstance(config[0], str) and callable(config[1])):
+            raise PrecompileError(f"{name}.precompile_configs() must return {rule}; item {i} "
+                                  f"is {config!r:.60}")
+    return list(configs)
 
 
 def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
@@ -94,8 +126,55 @@ def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
             for index, label in enumerate(module_labels)]
 
 
+def call_command(call: dict, archs: tuple[str, ...]) -> str:
+    """The shell command that builds the entry of a recorded load_jit call (its arguments as
+    JSON values, as load_jit records them for a miss): the same call, for the same
+    architectures."""
+    arch = f" --arch {shlex.quote(';'.join(archs))}" if archs else ""
+    text = json.dumps(call, separators=(",", ":"))
+    return f"python -m jitk precompile{arch} --call {shlex.quote(text)}"
+
+
+def read_call(text: str) -> dict:
+    """A recorded call, checked for its form (load_jit checks the values themselves)."""
+    rule = ('a JSON object {"name_parts": [...], ...} with load_jit\'s keyword arguments, as '
+            "a cache miss's message prints it")
+    try:
+        call = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--call takes {rule}; it is not JSON ({error})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name_parts"), list):
+        raise ValueError(f"--call takes {rule}; got {text!r:.80}")
+    if unknown := sorted(set(call) - {"name_parts", *CALL_PARAMETERS}):
+        raise ValueError(f"--call: {', '.join(unknown)} is not a load_jit argument; expected "
+                         f"name_parts and any of {', '.join(CALL_PARAMETERS)}")
+    return call
+
+
+def call_tasks(calls: list[str], archs: list[str]) -> list[Task]:
+    """One task per recorded call and architecture (none given: host code only)."""
+    tasks = []
+    for index, text in enumerate(calls):
+        label = " ".join(map(str, read_call(text)["name_parts"]))
+        tasks += [Task(CALL_MODULE, index, label, arch, text) for arch in archs or [""]]
+    return tasks
+
+
+def is_cuda_call(text: str) -> bool:
+    call = read_call(text)
+    return bool(call.get("cuda_files") or call.get("cuda_wrappers"))
+
+
+def _replay(text: str) -> object:
+    from .jit import load_jit
+
+    call = read_call(text)
+    return load_jit(*call.pop("name_parts"), **call)
+
+
 def _init_worker(arch: str) -> None:
-    os.environ[toolchain.ARCH_ENV] = arch
+    if arch:  # "" builds host code only
+        os.environ[toolchain.ARCH_ENV] = arch
     os.environ.pop("JITK_DISABLE_JIT", None)  # precompiling is building, asked for by name
 
 
@@ -116,15 +195,18 @@ def _workers_see_no_gpu() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def _run_in_worker(module: str, index: int) -> tuple[float, bool, str | None]:
-    """Runs one thunk; returns its seconds, whether it built, and its error if any."""
+def _run_in_worker(task: Task) -> tuple[float, bool, str | None]:
+    """Runs one task; returns its seconds, whether it built, and its error if any."""
     from .jit import build_count
 
     started = time.perf_counter()
     builds_before = build_count()
     try:
-        _, thunk = importlib.import_module(module).precompile_configs()[index]
-        thunk()
+        if task.call is not None:
+            _replay(task.call)
+        else:
+            _, thunk = importlib.import_module(task.module).precompile_configs()[task.index]
+            thunk()
         error = None
     except Exception as failure:  # reported with the task's name, not raised
         error = f"{type(failure).__name__}: {failure}"
@@ -144,7 +226,7 @@ def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list
         with _workers_see_no_gpu(), ProcessPoolExecutor(
                 max_workers=min(jobs, len(group)), mp_context=context,
                 initializer=_init_worker, initargs=(arch,)) as pool:
-            futures = {pool.submit(_run_in_worker, task.module, task.index): task
+            futures = {pool.submit(_run_in_worker, task): task
                        for task in group}
             for future in as_completed(futures):
                 try:

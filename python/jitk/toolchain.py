@@ -1,5 +1,6 @@
-"""The build toolchain: where the CUDA toolkit is, which GPU architectures to build for,
-and which compilers are in use (part of every cache key)."""
+"""The build toolchain, each program found once and named by its path: ninja, the
+compilers in use (their versions are part of every cache key), where the CUDA toolkit is,
+and which GPU architectures to build for."""
 
 from __future__ import annotations
 
@@ -123,15 +124,15 @@ def find_nvcc() -> tuple[Path, str]:
     return cuda_home() / "bin" / "nvcc", str(DEFAULT_ROOT)
 
 
-def link_cudart(folder: Path) -> None:
-    """The linker looks for libcudart.so in the toolkit's lib64; the wheels have only
-    lib/libcudart.so.13. Links that one into `folder`, for a build's LIBRARY_PATH."""
+def cudart_link_flags() -> list[str]:
+    """The linker's flags for the toolkit's libcudart: lib64/libcudart.so in an installed
+    toolkit; the nvidia-cuda-runtime wheel has only lib/libcudart.so.13, named exactly."""
     root = cuda_home()
     if (root / "lib64" / "libcudart.so").exists():
-        return
-    for library in sorted((root / "lib").glob("libcudart.so.*")):
-        (folder / "libcudart.so").symlink_to(library)
-        return
+        return [f"-L{root / 'lib64'}", "-lcudart"]
+    for library in sorted((root / "lib").glob("libcudart.so.*")):  # the shortest name first
+        return [f"-L{library.parent}", f"-l:{library.name}"]
+    return [f"-L{root / 'lib64'}", "-lcudart"]  # the linker's error names what is missing
 
 
 def parse_archs(text: str) -> tuple[str, ...]:
@@ -196,14 +197,6 @@ def ptx_arch(archs: tuple[str, ...]) -> str | None:
     listed = canonical_archs(archs)
     generic = [arch for arch in listed if not _split(arch)[2]]
     return generic[-1] if len(listed) > 1 and generic else None
-
-
-def ptx_flags(archs: tuple[str, ...]) -> list[str]:
-    ptx = ptx_arch(archs)
-    if ptx is None:
-        return []
-    number = ptx.replace(".", "")
-    return [f"-gencode=arch=compute_{number},code=compute_{number}"]
 
 
 def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
@@ -274,34 +267,86 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
         raise ToolchainError(f"cannot run {command[0]}: {error}") from error
 
 
-def _first_line(command: list[str]) -> str:
-    out = _run(command)
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    if out.returncode != 0 or not lines:
-        raise ToolchainError(f"'{' '.join(command)}' failed: {out.stderr.strip()}")
-    return lines[-1] if "nvcc" in command[0] else lines[0]
-
-
-def host_compiler() -> str:
-    return os.environ.get("CXX", "c++")
+@functools.cache
+def _located(program: str, setting: str) -> str:
+    """The absolute path of `program` (a name on PATH or a path), looked up once. Links are
+    kept: ccache, for one, tells compilers apart by the name it is started as."""
+    found = shutil.which(program)
+    if found is None:
+        raise ToolchainError(f"jitk cannot find {program!r} ({setting}): not an executable "
+                             f"file or a program on PATH; install it or set {setting}")
+    return os.path.abspath(found)
 
 
 @functools.cache
-def host_compiler_version() -> str:
-    return _first_line([host_compiler(), "--version"])
+def ninja() -> str:
+    """The ninja that runs builds: the one on PATH, else the one beside this Python (pip's)."""
+    found = shutil.which("ninja") or shutil.which("ninja", path=os.path.dirname(sys.executable))
+    if found is None:
+        raise ToolchainError("jitk builds with ninja, which is neither on PATH nor beside "
+                             f"{sys.executable} (pip install ninja)")
+    return os.path.abspath(found)
+
+
+def host_compiler() -> str:
+    """The compiler of C++ sources and of the link: $CXX, else c++."""
+    return _located(os.environ.get("CXX") or "c++", "CXX")
+
+
+def nvcc_host_compiler() -> str:
+    """The compiler nvcc runs for the host half of CUDA sources, given to it as -ccbin:
+    $NVCC_CCBIN (a compiler or its folder, as nvcc takes it), else gcc, nvcc's own default."""
+    chosen = os.environ.get("NVCC_CCBIN") or "gcc"
+    if os.path.isdir(chosen):
+        chosen = os.path.join(chosen, "gcc")
+    return _located(chosen, "NVCC_CCBIN")
+
+
+def compilers(cuda: bool) -> list[str]:
+    """The compilers a build runs: $CXX (C++ sources and the link), and for CUDA sources
+    nvcc and its host compiler. Their versions are part of the cache key."""
+    if cuda:
+        return [host_compiler(), nvcc_path(), nvcc_host_compiler()]
+    return [host_compiler()]
+
+
+_versions: dict[str, str] = {}
+
+
+def _version_line(compiler: str, query: subprocess.Popen) -> str:
+    try:
+        out, err = query.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        query.kill()
+        out, err = query.communicate()
+    lines = [line for line in out.splitlines() if line.strip()]
+    if query.returncode != 0 or not lines:
+        raise ToolchainError(f"'{compiler} --version' failed (exit {query.returncode}): "
+                             f"{err.strip()[-500:]}")
+    return lines[-1] if "nvcc" in compiler else lines[0]  # nvcc says its release last
+
+
+def compiler_versions(compilers: list[str]) -> list[str]:
+    """The version line of each compiler (part of every cache key). The ones not asked yet
+    are asked side by side: each query is a few milliseconds of a warm load."""
+    asking: dict[str, subprocess.Popen] = {}
+    failure = None
+    for compiler in dict.fromkeys(c for c in compilers if c not in _versions):
+        try:
+            asking[compiler] = subprocess.Popen([compiler, "--version"], text=True,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as error:
+            failure = ToolchainError(f"cannot run {compiler}: {error.strerror}")
+            break
+    for compiler, query in asking.items():  # every started query is answered and reaped
+        _versions[compiler] = _version_line(compiler, query)
+    if failure:
+        raise failure
+    return [_versions[c] for c in compilers]
 
 
 def nvcc_path() -> str:
     return str(find_nvcc()[0])
-
-
-@functools.cache
-def _nvcc_version(nvcc: str) -> str:
-    return _first_line([nvcc, "--version"])
-
-
-def nvcc_version() -> str:
-    return _nvcc_version(nvcc_path())
 
 
 @functools.cache
@@ -341,19 +386,13 @@ def check_buildable(archs: tuple[str, ...]) -> None:
 
 
 @functools.cache
-def host_system_include_dirs() -> tuple[Path, ...]:
-    """The host compilers' own include directories (their headers change with their
-    versions, which are part of every cache key): jitk's host compiler, and the g++ that
-    nvcc runs for its host pass, which may be another version."""
-    dirs: list[Path] = []
-    for compiler in dict.fromkeys([host_compiler(), shutil.which("g++")]):
-        if compiler is None:
-            continue
-        lines = _run([compiler, "-x", "c++", "-E", "-v", os.devnull]).stderr.splitlines()
-        try:
-            first = lines.index("#include <...> search starts here:") + 1
-            last = lines.index("End of search list.", first)
-        except ValueError:
-            continue
-        dirs += [Path(line.strip()).resolve() for line in lines[first:last]]
-    return tuple(dict.fromkeys(dirs))
+def system_include_dirs(compiler: str) -> tuple[Path, ...]:
+    """A host compiler's own include directories (their headers change with its version,
+    which is part of every cache key)."""
+    lines = _run([compiler, "-x", "c++", "-E", "-v", os.devnull]).stderr.splitlines()
+    try:
+        first = lines.index("#include <...> search starts here:") + 1
+        last = lines.index("End of search list.", first)
+    except ValueError:
+        return ()
+    return tuple(Path(line.strip()).resolve() for line in lines[first:last])

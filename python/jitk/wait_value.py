@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -128,7 +129,8 @@ _warned: set[int] = set()
 # Tests set this to run the fallback on a GPU that does not need it.
 _force_spin = os.environ.get("JITK_WAIT_VALUE_SPIN") == "1"
 
-_INT64_RANGE = (-(2**63), 2**63 - 1)
+# A flag's values, by its dtype; a flag of another dtype is refused by the C++ checks.
+_BITS = {torch.int32: 32, torch.int64: 64}
 
 
 class _Kernels(NamedTuple):
@@ -153,12 +155,15 @@ def _kernels() -> _Kernels:
 
 
 def _check_value(flag: torch.Tensor, value: int) -> None:
-    """What cannot reach the C++ checks: a value that is no int or wider than int64."""
+    """A value that is no int, or one the flag's dtype cannot hold: refused here, with one
+    error type for every width."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"value must be an int, got {type(value).__name__}")
-    if not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+    limit = 1 << (_BITS.get(flag.dtype, 64) - 1)
+    if not -limit <= value < limit:
         dtype = str(flag.dtype).removeprefix("torch.")
-        raise ValueError(f"value must fit in the {dtype} flag, got {value}")
+        raise ValueError(f"value must fit in the {dtype} flag, got {value} (it holds "
+                         f"{-limit} to {limit - 1}; a mask of all ones is -1)")
 
 
 def _compare_code(op: str) -> int:
@@ -178,7 +183,78 @@ def _note(path: int) -> None:
                       "(Fallback)", RuntimeWarning, stacklevel=3)
 
 
+# References: the host does what the front end would, so they cannot be captured in a CUDA
+# graph, and a wait holds the calling thread (up to REFERENCE_WAIT_S) rather than the stream.
+# The write waits for the stream's earlier work, then stores; the wait polls the flag until
+# it passes, and only then does the caller enqueue what follows.
+REFERENCE_WAIT_S = 30.0
+
+
+def _passes(flag_value: int, value: int, op: str, bits: int) -> bool:
+    def signed(v: int) -> int:
+        v &= (1 << bits) - 1
+        return v - (1 << bits) if v >> (bits - 1) else v
+
+    if op == "geq":
+        return signed(flag_value - value) >= 0
+    if op == "eq":
+        return signed(flag_value) == signed(value)
+    if op == "and":
+        return signed(flag_value & value) != 0
+    return signed(~(flag_value | value)) != 0
+
+
+def _wait_reference(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
+    _compare_code(op)
+    _check_value(flag, value)
+    bits = flag.element_size() * 8
+    deadline = time.monotonic() + REFERENCE_WAIT_S
+    while not _passes(int(flag[0]), value, op, bits):  # a GPU flag's read waits for the stream
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream_wait_value reference: flag[0] did not pass {op!r} "
+                               f"against {value} within {REFERENCE_WAIT_S:.0f} s")
+        time.sleep(1e-4)
+
+
+def _write_reference(flag: torch.Tensor, value: int = 1) -> None:
+    _check_value(flag, value)
+    if not flag.is_cuda and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # the stream's earlier work comes first
+    flag[0] = value
+
+
+def _flag_cases(write: bool) -> list:
+    """Flags of both widths on the GPU and pinned on the host; for waits, every comparison
+    with a value the flag passes already (a parity check must not hang)."""
+    from .testing import Case
+
+    # (op, flag's value, value compared)
+    passing = (("eq", 7, 7), ("geq", 5, 3), ("geq", -(2**31), 2**31 - 1), ("and", 6, 2),
+               ("nor", 0, -2))
+    cases = []
+    for dtype, where in ((torch.int32, "gpu"), (torch.int64, "gpu"), (torch.int32, "host")):
+        def flag(device, start, dtype=dtype, where=where):
+            made = torch.tensor([start, 11], dtype=dtype, device=device if where == "gpu"
+                                else "cpu")
+            return made.pin_memory() if where == "host" and device.type == "cuda" else made
+
+        name = f"{str(dtype).removeprefix('torch.')} on the {where}"
+        if write:
+            cases.append(Case(f"{name}, write -5", lambda device, flag=flag: (
+                (flag(device, 3), -5), {})))
+            continue
+        for compare, start, value in passing:
+            if dtype == torch.int64 and compare == "geq" and start < 0:
+                start = -(2**63)  # the wrap-around case at the int64 edge
+                value = 2**63 - 1
+            cases.append(Case(f"{name}, {compare} {value}", lambda device, flag=flag,
+                              start=start, value=value, compare=compare: (
+                                  (flag(device, start), value, compare), {})))
+    return cases
+
+
 @op("jitk::stream_wait_value", mutates_args=(),  # reads the flag; kept as a side effect
+    reference=_wait_reference, cases=lambda: _flag_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> None:
     """Hold the current stream until flag[0] passes `op` against `value` (see the module)."""
@@ -192,7 +268,8 @@ def stream_wait_value(flag: torch.Tensor, value: int = 1, op: str = "eq") -> Non
         _note(path)
 
 
-@op("jitk::stream_write_value", mutates_args=("flag",),
+@op("jitk::stream_write_value", mutates_args=("flag",), reference=_write_reference,
+    cases=lambda: _flag_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # the flag must be the caller's, not a graph's copy
 def stream_write_value(flag: torch.Tensor, value: int = 1) -> None:
     """Set flag[0] = value once everything before it on the current stream is done."""
@@ -209,6 +286,22 @@ def _capabilities(device: int) -> int:
     """The capability bits (_MEMORY_OPERATIONS, ...) of a GPU's front end, as the driver
     reports them: for tests and benchmarks."""
     return _kernels().stream_memory_operations(device)
+
+
+def _cuda_device(device: torch.device | str | int | None) -> torch.device:
+    """Event's device: a CUDA device (default the current one)."""
+    try:
+        if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+            resolved = torch.device("cuda", device)
+        else:
+            resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type != "cuda":
+        raise ValueError(f"Event(device=...) must be a CUDA device (an index, 'cuda', "
+                         f"'cuda:1'), got {device!r}; for a flag in host memory use "
+                         "Event(host=True)")
+    return resolved
 
 
 class Event:
@@ -238,8 +331,7 @@ class Event:
                                  "on the current device, so no device is given")
             self.flag = torch.zeros(1, dtype=dtype, pin_memory=True)
         else:
-            device = "cuda" if device is None else device
-            self.flag = torch.zeros(1, dtype=dtype, device=device)
+            self.flag = torch.zeros(1, dtype=dtype, device=_cuda_device(device))
         self.host = host
 
     def record(self, value: int = 1) -> None:

@@ -40,12 +40,20 @@ tvm::ffi::String describe(tvm::ffi::TensorView t) {
 
 void refuse(int64_t code) { TVM_FFI_THROW(ValueError) << "refused code " << code; }
 
-// jitk's and tvm-ffi's types side by side, and jitk's matcher on a tvm-ffi view.
+// jitk's and tvm-ffi's types side by side, and jitk's matcher on tvm-ffi's as they are.
 int64_t rows_of_both(jitk::TensorView a, tvm::ffi::Tensor b) {
   jitk::SymbolicSize rows{"rows"};
   jitk::TensorMatcher({rows, -1}).with_dtype<float>().verify(a, "a");
-  jitk::TensorMatcher({rows, -1}).with_dtype<float>().verify(jitk::TensorView(b), "b");  // at:b
+  jitk::TensorMatcher({rows, -1}).with_dtype<float>().verify(b, "b");  // at:b
   return rows.unwrap();
+}
+
+// A check written as SGLang's kernels write it: symbols, a tvm::ffi::TensorView, no name.
+int64_t sglang_style(tvm::ffi::TensorView in, tvm::ffi::TensorView out) {
+  jitk::SymbolicSize rows{"rows"}, cols{"cols"};
+  jitk::TensorMatcher({rows, cols}).with_dtype<float>().verify(in);  // at:sglang
+  jitk::TensorMatcher({rows, cols}).with_dtype<float>().verify(out);
+  return rows.unwrap() * cols.unwrap();
 }
 
 #ifdef __CUDACC__
@@ -63,8 +71,8 @@ struct AddOne {
     jitk::TensorMatcher({n})  // at:add_one
         .with_dtype<float>()
         .with_device<kDLCUDA>(device)
-        .verify(jitk::TensorView(in), "in")
-        .verify(jitk::TensorView(out), "out");
+        .verify(in, "in")
+        .verify(out, "out");
     if (n.unwrap() == 0) return;
     constexpr int kThreads = 256;
     jitk::LaunchKernel(jitk::div_ceil(n.unwrap(), kThreads), kThreads, device.unwrap())(

@@ -196,21 +196,22 @@ struct HiCache {
   static void all_layer(TensorView k_ptr_dst, TensorView v_ptr_dst, TensorView indices_dst,
                         TensorView k_ptr_src, TensorView v_ptr_src, TensorView indices_src,
                         int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                        int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                        int64_t src_slots, int64_t dst_slots, int64_t block_quota) {
+                        int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                        int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                        int64_t block_quota) {
     all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
                       {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src, src_stride,
-                      dst_stride, element_size, page_size, src_page_stride, dst_page_stride,
-                      src_slots, dst_slots, block_quota);
+                      dst_stride, element_size, page_size, page_rows, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, block_quota);
   }
 
   static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
                             TensorView indices_src, int64_t src_stride, int64_t dst_stride,
-                            int64_t element_size, int64_t page_size, int64_t src_page_stride,
-                            int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
-                            int64_t block_quota) {
+                            int64_t element_size, int64_t page_size, int64_t page_rows,
+                            int64_t src_page_stride, int64_t dst_page_stride, int64_t src_slots,
+                            int64_t dst_slots, int64_t block_quota) {
     all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}}, indices_src,
-                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      src_stride, dst_stride, element_size, page_size, page_rows, src_page_stride,
                       dst_page_stride, src_slots, dst_slots, block_quota);
   }
 
@@ -258,14 +259,15 @@ struct HiCache {
   static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
                              const host::Caches<kNumCaches>& src, const TensorView& indices_src,
                              int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                             int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                             int64_t src_slots, int64_t dst_slots, int64_t block_quota) {
+                             int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                             int64_t block_quota) {
     check_block_quota(block_quota);
     RuntimeCheck(element_size == kElementBytes, "element_size is ", element_size,
                  " bytes, but this kernel moves ", kElementBytes);
-    const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
-                                              dst_stride, element_size, page_size, src_page_stride,
-                                              dst_page_stride, src_slots, dst_slots);
+    const host::AllLayerArgs<kNumCaches> args(
+        dst, indices_dst, src, indices_src, src_stride, dst_stride, element_size, page_size,
+        page_rows, src_page_stride, dst_page_stride, src_slots, dst_slots);
     const DLDevice tables = args.tables_device.unwrap();
     RuntimeCheck(tables.device_type == kDLCUDA || args.indices.on_gpu,
                  "the pointer tables and the indices are in host memory: the kernel needs ",

@@ -11,9 +11,15 @@
 // Unlike the kernel, which skips a page it cannot move, this method refuses the call: it sees
 // every index before it submits anything.
 //
-// Under CUDA graph capture (where the batch calls cannot be captured) and on the legacy
-// default stream (which they refuse) each copy is issued on its own; a captured graph then
-// replays the copies of the indices as they were at capture.
+// The batch calls refuse the legacy default stream: there the batches run on a stream of
+// jitk's own (one per device) that waits for the legacy stream's work, and the legacy stream
+// waits for them. Under CUDA graph capture (where the batch calls cannot be captured) each
+// copy is issued on its own, and a captured graph replays the copies of the indices as they
+// were at capture.
+//
+// A batch's copies run in no defined order (nor do the kernel's threads), so a call whose
+// destinations overlap its sources (moves chained inside one cache) is refused before any
+// copy is issued: no order of its copies is the right one.
 #pragma once
 
 #include "hicache_layout.cuh"
@@ -23,6 +29,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -80,6 +88,7 @@ class CopyList {
     srcs_.clear();
     sizes_.clear();
     ops_.clear();
+    is_op_.clear();
   }
 
   // Reads one index per page, checks that every page fits every cache of its side, and
@@ -118,9 +127,7 @@ class CopyList {
       char* to = reinterpret_cast<char*>(dst_base + dst.offset(run.dst, 0));
       const char* from = reinterpret_cast<const char*>(src_base + src.offset(run.src, 0));
       if (packed || run.slots == 1) {
-        dsts_.push(to);
-        srcs_.push(from);
-        sizes_.push(static_cast<size_t>(run.slots * element_bytes));
+        push_copy(to, from, static_cast<size_t>(run.slots * element_bytes));
       } else {
         cudaMemcpy3DBatchOp op{};
         op.src.type = cudaMemcpyOperandTypePointer;
@@ -134,28 +141,32 @@ class CopyList {
         op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
         ops_.push(op);
+        is_op_.push(true);
       }
     }
   }
 
-  void submit(cudaStream_t stream, DebugInfo where = {}) {
-    const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
-    if (!is_capturing(stream, where) && !legacy && batch_supported()) {
-      submit_batches(stream, where);
+  // One contiguous copy, merged into the previous one where it continues it on both sides.
+  void add_copy(void* to, const void* from, size_t bytes) {
+    if (is_op_.size() > 0 && !is_op_.back() &&
+        static_cast<char*>(dsts_.back()) + sizes_.back() == to &&
+        static_cast<const char*>(srcs_.back()) + sizes_.back() == from) {
+      sizes_.back() += bytes;
       return;
     }
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      RuntimeDeviceCheck(cudaMemcpyAsync(dsts_.data()[i], srcs_.data()[i], sizes_.data()[i],
-                                         cudaMemcpyDefault, stream),
-                         where);
-    }
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      const cudaMemcpy3DBatchOp& op = ops_.data()[i];
-      RuntimeDeviceCheck(
-          cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.src.op.ptr.ptr,
-                            op.src.op.ptr.rowLength, op.extent.width, op.extent.height,
-                            cudaMemcpyDefault, stream),
-          where);
+    push_copy(to, from, bytes);
+  }
+
+  void submit(cudaStream_t stream, DebugInfo where = {}) {
+    RuntimeCheck(where, !chained(), "a destination row of this call is also one of its ",
+                 "source rows (moves chained inside one cache): its copies run in no defined ",
+                 "order, so no result would be the right one; split the call");
+    if (is_capturing(stream, where) || !batch_supported()) {
+      submit_in_order(stream, where);
+    } else if (stream == nullptr || stream == cudaStreamLegacy) {
+      submit_beside_legacy(where);
+    } else {
+      submit_batches(stream, where);
     }
   }
 
@@ -173,6 +184,119 @@ class CopyList {
                  ": a page of ", page_size, " slots from there straddles two ", "pages of ", quote,
                  cache, quote, " (", layout.page_rows.divisor, " slots each)");
   }
+
+  void push_copy(void* to, const void* from, size_t bytes) {
+    dsts_.push(to);
+    srcs_.push(from);
+    sizes_.push(bytes);
+    is_op_.push(false);
+  }
+
+  // Every copy on its own, in the order they were added.
+  void submit_in_order(cudaStream_t stream, DebugInfo where) {
+    size_t copy = 0, op = 0;
+    for (size_t i = 0; i < is_op_.size(); ++i) {
+      if (!is_op_.data()[i]) {
+        RuntimeDeviceCheck(cudaMemcpyAsync(dsts_.data()[copy], srcs_.data()[copy],
+                                           sizes_.data()[copy], cudaMemcpyDefault, stream),
+                           where);
+        ++copy;
+        continue;
+      }
+      const cudaMemcpy3DBatchOp& o = ops_.data()[op++];
+      RuntimeDeviceCheck(cudaMemcpy2DAsync(o.dst.op.ptr.ptr, o.dst.op.ptr.rowLength,
+                                           o.src.op.ptr.ptr, o.src.op.ptr.rowLength, o.extent.width,
+                                           o.extent.height, cudaMemcpyDefault, stream),
+                         where);
+    }
+  }
+
+  // Whether a destination overlaps a source: first by the spans the copies cover, then copy
+  // by copy (any 2-d copy among overlapping spans counts as overlapping).
+  bool chained() {
+    Span dst_span, src_span;
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      dst_span.cover(dsts_.data()[i], sizes_.data()[i]);
+      src_span.cover(srcs_.data()[i], sizes_.data()[i]);
+    }
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      const cudaMemcpy3DBatchOp& o = ops_.data()[i];
+      const size_t height = o.extent.height;
+      dst_span.cover(o.dst.op.ptr.ptr, (height - 1) * o.dst.op.ptr.rowLength + o.extent.width);
+      src_span.cover(o.src.op.ptr.ptr, (height - 1) * o.src.op.ptr.rowLength + o.extent.width);
+    }
+    if (!dst_span.overlaps(src_span)) return false;
+    if (ops_.size() > 0) return true;
+    sorted_.clear();
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      const uint64_t first = reinterpret_cast<uint64_t>(srcs_.data()[i]);
+      sorted_.push({first, first + sizes_.data()[i]});
+    }
+    std::sort(sorted_.data(), sorted_.data() + sorted_.size());
+    uint64_t reach = 0;  // sources as disjoint-or-merged spans: running maximum of the ends
+    for (size_t i = 0; i < sorted_.size(); ++i) {
+      reach = std::max(reach, sorted_.data()[i].end);
+      sorted_.data()[i].end = reach;
+    }
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      const uint64_t first = reinterpret_cast<uint64_t>(dsts_.data()[i]);
+      const uint64_t end = first + sizes_.data()[i];
+      // The last source starting before `end` reaches past `first` iff some source overlaps.
+      const Interval* after =
+          std::lower_bound(sorted_.data(), sorted_.data() + sorted_.size(), Interval{end, 0});
+      if (after != sorted_.data() && (after - 1)->end > first) return true;
+    }
+    return false;
+  }
+
+  // The batches on jitk's stream for this device, between two events that order it after the
+  // legacy stream's work so far and the legacy stream's later work after it.
+  void submit_beside_legacy(DebugInfo where) {
+    int device = 0;
+    RuntimeDeviceCheck(cudaGetDevice(&device), where);
+    const cudaStream_t side = batch_stream(device, where);
+    cudaEvent_t before = nullptr, after = nullptr;
+    RuntimeDeviceCheck(cudaEventCreateWithFlags(&before, cudaEventDisableTiming), where);
+    RuntimeDeviceCheck(cudaEventCreateWithFlags(&after, cudaEventDisableTiming), where);
+    RuntimeDeviceCheck(cudaEventRecord(before, cudaStreamLegacy), where);
+    RuntimeDeviceCheck(cudaStreamWaitEvent(side, before, 0), where);
+    submit_batches(side, where);
+    RuntimeDeviceCheck(cudaEventRecord(after, side), where);
+    RuntimeDeviceCheck(cudaStreamWaitEvent(cudaStreamLegacy, after, 0), where);
+    cudaEventDestroy(before);  // released once their work completes
+    cudaEventDestroy(after);
+  }
+
+  // One non-blocking stream per device, made at its first use and kept for the process.
+  static cudaStream_t batch_stream(int device, DebugInfo where) {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<cudaStream_t> streams[kMaxDevices];
+    RuntimeCheck(where, device >= 0 && device < kMaxDevices, "device ", device, " is past the ",
+                 kMaxDevices, " devices the copy engines keep a stream for");
+    cudaStream_t stream = streams[device].load(std::memory_order_acquire);
+    if (stream != nullptr) return stream;
+    cudaStream_t made = nullptr;
+    RuntimeDeviceCheck(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking), where);
+    if (streams[device].compare_exchange_strong(stream, made, std::memory_order_acq_rel)) {
+      return made;
+    }
+    cudaStreamDestroy(made);  // another thread's stream came first
+    return stream;
+  }
+
+  struct Span {
+    uint64_t first = ~uint64_t{0}, end = 0;
+    void cover(const void* at, size_t bytes) {
+      const uint64_t from = reinterpret_cast<uint64_t>(at);
+      first = std::min(first, from);
+      end = std::max(end, from + bytes);
+    }
+    bool overlaps(const Span& other) const { return first < other.end && other.first < end; }
+  };
+  struct Interval {
+    uint64_t first, end;
+    bool operator<(const Interval& other) const { return first < other.first; }
+  };
 
   static constexpr bool batch_supported() { return CUDART_VERSION >= 12080; }
   // Copies per batch call: the driver's host time per host-to-device copy grows with the
@@ -222,6 +346,8 @@ class CopyList {
   Scratch<const void*> srcs_;
   Scratch<size_t> sizes_;
   Scratch<cudaMemcpy3DBatchOp> ops_;
+  Scratch<bool> is_op_;       // the kind of each copy, in the order they were added
+  Scratch<Interval> sorted_;  // chained()'s sources
 };
 
 // The calling thread's copy list, emptied.
@@ -261,22 +387,36 @@ struct CopyEngine {
   static void all_layer(TensorView k_ptr_dst, TensorView v_ptr_dst, TensorView indices_dst,
                         TensorView k_ptr_src, TensorView v_ptr_src, TensorView indices_src,
                         int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                        int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                        int64_t src_slots, int64_t dst_slots, int64_t stream) {
+                        int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                        int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                        int64_t stream) {
     all_layer_impl<2>({{k_ptr_dst, v_ptr_dst}, {"k_ptr_dst", "v_ptr_dst"}}, indices_dst,
                       {{k_ptr_src, v_ptr_src}, {"k_ptr_src", "v_ptr_src"}}, indices_src, src_stride,
-                      dst_stride, element_size, page_size, src_page_stride, dst_page_stride,
-                      src_slots, dst_slots, stream);
+                      dst_stride, element_size, page_size, page_rows, src_page_stride,
+                      dst_page_stride, src_slots, dst_slots, stream);
   }
 
   static void all_layer_mla(TensorView ptr_dst, TensorView indices_dst, TensorView ptr_src,
                             TensorView indices_src, int64_t src_stride, int64_t dst_stride,
-                            int64_t element_size, int64_t page_size, int64_t src_page_stride,
-                            int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
-                            int64_t stream) {
+                            int64_t element_size, int64_t page_size, int64_t page_rows,
+                            int64_t src_page_stride, int64_t dst_page_stride, int64_t src_slots,
+                            int64_t dst_slots, int64_t stream) {
     all_layer_impl<1>({{ptr_dst}, {"ptr_dst"}}, indices_dst, {{ptr_src}, {"ptr_src"}}, indices_src,
-                      src_stride, dst_stride, element_size, page_size, src_page_stride,
+                      src_stride, dst_stride, element_size, page_size, page_rows, src_page_stride,
                       dst_page_stride, src_slots, dst_slots, stream);
+  }
+
+  // The GPU whose memory `address` is in, or -1 for host memory or an unknown address: the
+  // all-layer copies join that GPU's current stream (their pointer tables are host tensors).
+  static int64_t pointer_device(int64_t address) {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, reinterpret_cast<const void*>(address)) !=
+        cudaSuccess) {
+      cudaGetLastError();  // an address the driver does not know: not a GPU's
+      return -1;
+    }
+    const bool on_gpu = attributes.type == cudaMemoryTypeDevice;
+    return on_gpu ? attributes.device : -1;
   }
 
   // The rules Python applies before it builds a kernel module; a test pins the two copies.
@@ -323,14 +463,15 @@ struct CopyEngine {
   static void all_layer_impl(const host::Caches<kNumCaches>& dst, const TensorView& indices_dst,
                              const host::Caches<kNumCaches>& src, const TensorView& indices_src,
                              int64_t src_stride, int64_t dst_stride, int64_t element_size,
-                             int64_t page_size, int64_t src_page_stride, int64_t dst_page_stride,
-                             int64_t src_slots, int64_t dst_slots, int64_t stream) {
+                             int64_t page_size, int64_t page_rows, int64_t src_page_stride,
+                             int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots,
+                             int64_t stream) {
     RuntimeCheck(element_bytes_supported(element_size), "element_size is ", element_size,
                  " bytes; rows must be a positive multiple of 16 bytes, at most ",
                  kMaxElementBytes);
-    const host::AllLayerArgs<kNumCaches> args(dst, indices_dst, src, indices_src, src_stride,
-                                              dst_stride, element_size, page_size, src_page_stride,
-                                              dst_page_stride, src_slots, dst_slots);
+    const host::AllLayerArgs<kNumCaches> args(
+        dst, indices_dst, src, indices_src, src_stride, dst_stride, element_size, page_size,
+        page_rows, src_page_stride, dst_page_stride, src_slots, dst_slots);
     for (const host::Caches<kNumCaches>* side : {&dst, &src}) {
       for (int c = 0; c < kNumCaches; ++c) {
         host::check_host_readable(side->tensors[c], side->names[c]);

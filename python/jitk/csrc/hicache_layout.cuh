@@ -7,7 +7,8 @@
 // page and page_stride apart between pages (SGLang's page_first_direct host layout, whose
 // layer view is [page, page_size, ...]). A transfer moves runs of page_size consecutive slots:
 // index i of a list names slots i .. i + page_size - 1, and only the first index of each page
-// is read.
+// is read. SGLang's calls (every index a slot) come with page_size 1; Python passes a larger
+// one only for index_granularity="page".
 #pragma once
 
 #include <jitk/tensor.h>
@@ -229,7 +230,8 @@ inline void check_reachable(const TensorView& t, const SlotLayout& layout, int64
 struct Indices {
   Indices(const TensorView& dst, const TensorView& src, int64_t page_size, DebugInfo where = {})
       : dst(dst), src(src) {
-    RuntimeCheck(where, page_size >= 1, "page_size must be at least 1, got ", page_size);
+    RuntimeCheck(where, page_size >= 1 && page_size <= kMaxPagedSlots, "page_size must be ",
+                 "between 1 and ", kMaxPagedSlots, ", got ", page_size);
     SymbolicSize length{"indices length"};
     TensorMatcher({length})
         .with_dtype<int32_t, int64_t>(dtype)
@@ -254,14 +256,20 @@ struct Indices {
   bool on_gpu = false;
 };
 
-// body(static_cast<Index*>(nullptr)) for the indices' type.
+// body(static_cast<Index*>(nullptr)) for an index type (int32 or int64).
 template <typename F>
-void dispatch_index(const Indices& indices, F&& body) {
-  if (indices.dtype.unwrap() == dtype_v<int32_t>) {
+void dispatch_index_type(DLDataType dtype, F&& body) {
+  if (dtype == dtype_v<int32_t>) {
     body(static_cast<int32_t*>(nullptr));
   } else {
     body(static_cast<int64_t*>(nullptr));
   }
+}
+
+// The same for the type of a transfer's indices.
+template <typename F>
+void dispatch_index(const Indices& indices, F&& body) {
+  dispatch_index_type(indices.dtype.unwrap(), body);
 }
 
 // One side of a one-layer transfer, checked: all caches the same slots and dtype, rows
@@ -367,16 +375,21 @@ inline SlotLayout all_layer_layout(int64_t stride_bytes, int64_t page_stride_byt
                                    const char* slots_name, DebugInfo where = {}) {
   check_stride_bytes(stride_bytes, element_bytes, stride_name, where);
   RuntimeCheck(where, slots >= kNotGiven, slots_name, " must not be negative, got ", slots);
+  RuntimeCheck(where, page_size >= 1 && page_size <= kMaxPagedSlots, "page_size must be ",
+               "between 1 and ", kMaxPagedSlots, ", got ", page_size);
+  int64_t page_bytes = 0;  // checked: a page stride's lower bound must not overflow
+  const bool page_bytes_fit = !__builtin_mul_overflow(page_size, stride_bytes, &page_bytes);
   if (page_stride_bytes != kNotGiven) {
-    RuntimeCheck(
-        where, page_stride_bytes % kVecBytes == 0 && page_stride_bytes >= page_size * stride_bytes,
-        page_stride_name, " must be a multiple of 16 and at least ", "page_size * ", stride_name,
-        " (", page_size * stride_bytes, " bytes), got ", page_stride_bytes);
+    RuntimeCheck(where, page_bytes_fit, "page_size * ", stride_name, " (", page_size, " * ",
+                 stride_bytes, ") overflows 64 bits");
+    RuntimeCheck(where, page_stride_bytes % kVecBytes == 0 && page_stride_bytes >= page_bytes,
+                 page_stride_name, " must be a multiple of 16 and at least ", "page_size * ",
+                 stride_name, " (", page_bytes, " bytes), got ", page_stride_bytes);
   }
   // Pages of one slot: the page stride is the row stride.
   if (page_size == 1 && page_stride_bytes != kNotGiven) stride_bytes = page_stride_bytes;
   const bool paged =
-      page_stride_bytes != kNotGiven && page_stride_bytes != page_size * stride_bytes;
+      page_size > 1 && page_stride_bytes != kNotGiven && page_stride_bytes != page_bytes;
   const int64_t unbounded = paged ? kMaxPagedSlots : std::numeric_limits<int64_t>::max();
   const int64_t bound = slots == kNotGiven ? unbounded : slots;
   RuntimeCheck(where, !paged || bound <= kMaxPagedSlots, slots_name, " is ", slots,
@@ -390,13 +403,14 @@ template <int kNumCaches>
 struct AllLayerArgs {
   AllLayerArgs(const Caches<kNumCaches>& dst, const TensorView& indices_dst,
                const Caches<kNumCaches>& src, const TensorView& indices_src, int64_t src_stride,
-               int64_t dst_stride, int64_t element_size, int64_t page_size, int64_t src_page_stride,
-               int64_t dst_page_stride, int64_t src_slots, int64_t dst_slots)
+               int64_t dst_stride, int64_t element_size, int64_t page_size, int64_t page_rows,
+               int64_t src_page_stride, int64_t dst_page_stride, int64_t src_slots,
+               int64_t dst_slots)
       : indices(indices_dst, indices_src, page_size) {
     using Names = StrideNames<kNumCaches>;
-    src_layout = all_layer_layout(src_stride, src_page_stride, page_size, src_slots, element_size,
+    src_layout = all_layer_layout(src_stride, src_page_stride, page_rows, src_slots, element_size,
                                   Names::src, Names::src_page, "num_tokens_src");
-    dst_layout = all_layer_layout(dst_stride, dst_page_stride, page_size, dst_slots, element_size,
+    dst_layout = all_layer_layout(dst_stride, dst_page_stride, page_rows, dst_slots, element_size,
                                   Names::dst, Names::dst_page, "num_tokens_dst");
     layers = verify_pointer_tables(dst, src, tables_device);
   }

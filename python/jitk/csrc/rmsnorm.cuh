@@ -35,24 +35,33 @@ inline constexpr int kShortRowsBlockThreads = 128;
 // row is read twice: room to spare in the 64 a 1024-thread block leaves each.
 inline constexpr int kMaxRowRegisters = 16;
 
-// The knobs benchmarks/tune_rmsnorm.py sweeps: registers a thread would rather give x (fewer
-// spread a row wider); block 0 prefetching the weight.
-template <int kRowRegisters_, bool kPrefetchWeight_>
+// The launch knobs jitk.autotune and benchmarks/tune_rmsnorm.py sweep: registers a thread would
+// rather give x (fewer spread a row over more threads); block 0 prefetching the weight; launch
+// with PDL; the widest access in bytes (16, 8 or 4; narrower where the hidden size needs it);
+// the register cap of 8 blocks an SM (kMinBlocks).
+template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
+          bool kRegisterCap_ = true>
 struct Tuning {
+  static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
+  static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
   static constexpr int kRowRegisters = kRowRegisters_;
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
+  static constexpr bool kPdl = kPdl_;
+  static constexpr int kMaxVecBytes = kMaxVecBytes_;
+  static constexpr bool kRegisterCap = kRegisterCap_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
 // vector (a warp's loads cover whole lines); longer: four vectors a thread (5% ahead of two at
 // 8192). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
+// jitk.norm overrides these per shape where `python -m jitk tune` found better.
 template <int kHidden, typename T>
 using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
 
-// The widest access (at most 16 bytes) whose element count divides the hidden size.
+// The widest access (at most max_bytes) whose element count divides the hidden size.
 template <typename T>
-constexpr int widest_vec_size(int hidden) {
-  int size = device::kVec16<T>;
+constexpr int widest_vec_size(int hidden, int max_bytes = 16) {
+  int size = max_of(1, max_bytes / static_cast<int>(sizeof(T)));
   while (hidden % size != 0) size /= 2;
   return size;
 }
@@ -267,7 +276,8 @@ template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMa
 inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
 
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-__global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocks<Tiling, kFusedAdd>))
+__global__ void __launch_bounds__(Tiling::kBlockThreads,
+                                  (Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd> : 1))
     rmsnorm_kernel(const Params p) {
   __shared__ float scratch[2][Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
@@ -352,7 +362,7 @@ struct RMSNorm {
   static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>,
                 "rmsnorm supports float32, float16 and bfloat16");
   static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
-  static constexpr int kVecSize = widest_vec_size<T>(kHidden);
+  static constexpr int kVecSize = widest_vec_size<T>(kHidden, Tune::kMaxVecBytes);
 
   // out = rmsnorm(input) * weight; out may be input.
   static void run(TensorView input, TensorView weight, TensorView out, double eps) {
@@ -409,7 +419,7 @@ struct RMSNorm {
     const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
-        .enable_pdl(kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);
+        .enable_pdl(Tune::kPdl && kPdlOnAllTargets)(rmsnorm_kernel<Tiles, Tune, kFusedAdd>, p);
   }
 };
 

@@ -36,6 +36,19 @@ class ShapeView {
   size_t size_;
 };
 
+// Another library's tensor or view with DLPack's accessors: tvm::ffi::TensorView or Tensor,
+// where a kernel includes tvm-ffi's headers. jitk's checks take them as they are. A
+// constraint, not an include: kernels without tvm-ffi's headers parse none of them.
+template <typename View>
+concept DLPackViewLike = requires(const View& v) {
+  { v.data_ptr() } -> std::convertible_to<void*>;
+  { v.shape().data() } -> std::convertible_to<const int64_t*>;
+  { v.strides().data() } -> std::convertible_to<const int64_t*>;
+  { v.byte_offset() } -> std::convertible_to<uint64_t>;
+  { v.device() } -> std::convertible_to<DLDevice>;
+  { v.dtype() } -> std::convertible_to<DLDataType>;
+};
+
 // A non-owning view of a DLPack tensor: what every jitk entry point receives. The tensor it
 // views (and its shape and strides arrays) must outlive it, as for any view.
 class TensorView {
@@ -45,17 +58,9 @@ class TensorView {
   explicit TensorView(const DLTensor* tensor) : tensor_(*tensor) {
     if (tensor_.strides == nullptr) use_compact_strides();
   }
-  // Another library's tensor or view with DLPack's accessors (tvm::ffi::TensorView or
-  // Tensor), e.g. to check it with a TensorMatcher. Refers to its shape and strides.
-  template <typename View>
-    requires requires(const View& v) {
-      { v.data_ptr() } -> std::convertible_to<void*>;
-      { v.shape().data() } -> std::convertible_to<const int64_t*>;
-      { v.strides().data() } -> std::convertible_to<const int64_t*>;
-      { v.byte_offset() } -> std::convertible_to<uint64_t>;
-      { v.device() } -> std::convertible_to<DLDevice>;
-      { v.dtype() } -> std::convertible_to<DLDataType>;
-    }
+  // Refers to the other view's shape and strides.
+  template <DLPackViewLike View>
+    requires(!std::same_as<View, TensorView>)
   explicit TensorView(const View& view) : TensorView(as_dl_tensor(view)) {}
   TensorView(const TensorView& other) { *this = other; }
   TensorView& operator=(const TensorView& other) {
@@ -260,6 +265,12 @@ class TensorMatcher {
       fail(t, name, cause, where);
     }
     return *this;
+  }
+  // The same check of a tvm::ffi::TensorView or Tensor (SGLang's kernels pass those).
+  template <DLPackViewLike View>
+    requires(!std::same_as<View, TensorView>)
+  const TensorMatcher& verify(const View& t, const char* name = "", DebugInfo where = {}) const {
+    return verify(TensorView(t), name, where);
   }
 
  private:

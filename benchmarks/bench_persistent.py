@@ -1,0 +1,213 @@
+"""The persistent worker against launches and CUDA graphs (issue 21).
+
+A step is a chain of 180 small ops on one row of 4096 bf16, each reading the previous output:
+rmsnorm, scale, add in turn. It runs as
+  (a) 180 eager launches (jitk.rmsnorm, torch.mul, torch.add with out=),
+  (b) one CUDA graph of those 180 kernels, replayed,
+  (c) 180 items pushed to a running worker on 8 SMs (jitk/csrc/persistent_chain.cuh): one
+      batched push of a prepared chain per step, and one push per item.
+Every step time runs from the host's issue to the host seeing the last result (a synchronize,
+or the worker's completion counter), median over many steps; (a) and (b) also by CUDA events.
+Per item: the slope between chains of 18 and 180 items (the op's own time included). First
+item: one scale item, push to host-visible completion. Beside a bf16 GEMM (8192^3 on the rest
+of the GPU): the GEMM's time alone, beside an idle worker, and beside one running chains.
+
+Everything torch launches is run once before the worker starts: a kernel's first launch
+under CUDA's lazy loading would wait for the resident worker (jitk.persistent's docstring).
+
+    python benchmarks/bench_persistent.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
+
+import torch  # noqa: E402
+from common import device_name, parse_args, print_table, write_json  # noqa: E402
+from persistent_cases import chain_items, chain_worker  # noqa: E402
+
+import jitk  # noqa: E402
+
+N, OPS, SHORT_OPS, BLOCKS = 4096, 180, 18, 8
+GEMM = 8192
+# Issue 21's goals (H100).
+GOAL_STEP_VS_GRAPH = 0.5
+GOAL_ITEM_US = 1.0
+GOAL_GEMM_SLOWDOWN = 0.08
+
+
+def eager_chain(x, w, bufs, n_ops):
+    def run():
+        src = x
+        for i in range(n_ops):
+            dst = bufs[i % 2]
+            if i % 3 == 0:
+                jitk.rmsnorm(src, w, out=dst)
+            elif i % 3 == 1:
+                torch.mul(src, 1.25, out=dst)
+            else:
+                torch.add(src, x, out=dst)
+            src = dst
+    return run
+
+
+def host_us(fn, steps: int) -> float:
+    """Median host microseconds from issuing fn to seeing its end (fn waits itself)."""
+    samples = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def event_us(fn, steps: int) -> float:
+    samples = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def synced(fn):
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return run
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    steps = 50 if args.quick else 300
+    torch.manual_seed(0)
+    x = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    bufs = [torch.empty_like(x) for _ in range(2)]
+    a = torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16)
+    gemm = lambda: torch.mm(a, b)
+
+    # (a), (b), and the GEMM alone, before the worker exists.
+    eager = eager_chain(x, w, bufs, OPS)
+    for _ in range(3):
+        eager()
+        gemm()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        eager()
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = [
+        {"how": "(a) 180 eager launches", "step_us": host_us(synced(eager), steps),
+         "events_us": event_us(eager, steps)},
+        {"how": "(b) CUDA graph replay", "step_us": host_us(synced(graph.replay), steps),
+         "events_us": event_us(graph.replay, steps)},
+    ]
+    gemm_alone = event_us(gemm, 20)
+
+    worker = chain_worker(capacity=1024)
+    items, _ = chain_items(x, w, bufs, OPS)
+    batch = worker.prepare(items, chain=True)
+    short = worker.prepare(items[:SHORT_OPS], chain=True)
+    worker.start(blocks=BLOCKS)
+    try:
+        def pushed(prepared):
+            return lambda: worker.wait(worker.push_many(prepared)[-1])
+
+        def one_by_one():
+            last = None
+            for op, kwargs in items:
+                last = worker.push(op, after=last, **kwargs)
+            worker.wait(last)
+
+        for _ in range(10):
+            pushed(batch)()
+        batched_us = host_us(pushed(batch), steps)
+        short_us = host_us(pushed(short), steps)
+        rows.append({"how": "(c) worker, one batched push", "step_us": batched_us})
+        rows.append({"how": "(c) worker, one push per item",
+                     "step_us": host_us(one_by_one, max(10, steps // 5))})
+        first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0], factor=1.0)),
+                        steps)
+        push_only = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            t = worker.push("scale", x=x, y=bufs[0], factor=1.0)
+            push_only.append((time.perf_counter() - start) * 1e6)
+            worker.wait(t)
+        push_us = statistics.median(push_only)
+        per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
+
+        gemm_idle = event_us(gemm, 20)
+        carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        gemm_carved = None
+        if carveout is not None:  # cuBLAS told to leave the worker's SMs alone
+            carveout(BLOCKS)
+            gemm_carved = event_us(gemm, 20)
+            carveout(None)
+        running = threading.Event()
+        running.set()
+        chains = [0]
+
+        def keep_busy():
+            while running.is_set():
+                pushed(batch)()
+                chains[0] += 1
+
+        busy = threading.Thread(target=keep_busy)
+        busy.start()
+        try:
+            gemm_busy = event_us(gemm, 20)
+        finally:
+            running.clear()
+            busy.join(timeout=60)
+    finally:
+        worker.stop(timeout=30)
+
+    graph_us = rows[1]["step_us"]
+    for row in rows:
+        row["per_op_us"] = row["step_us"] / OPS
+        row["vs_graph"] = row["step_us"] / graph_us
+    print(f"{device_name()}; chain of {OPS} ops on 1x{N} bf16; worker on {BLOCKS} blocks")
+    print_table("Step time (host issue to host-visible end), median", rows,
+                ["how", "step_us", "events_us", "per_op_us", "vs_graph"])
+    gemm_rows = [{"gemm": f"bf16 {GEMM}^3 alone", "ms": gemm_alone / 1e3, "slowdown": 0.0},
+                 {"gemm": "beside an idle worker", "ms": gemm_idle / 1e3,
+                  "slowdown": gemm_idle / gemm_alone - 1},
+                 {"gemm": f"beside a busy worker ({chains[0]} chains ran)", "ms": gemm_busy / 1e3,
+                  "slowdown": gemm_busy / gemm_alone - 1}]
+    if gemm_carved is not None:
+        gemm_rows.append({"gemm": f"beside an idle worker, sm_carveout={BLOCKS}",
+                          "ms": gemm_carved / 1e3, "slowdown": gemm_carved / gemm_alone - 1})
+    print_table("GEMM beside the worker (CUDA events, median of 20)", gemm_rows,
+                ["gemm", "ms", "slowdown"])
+    print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us "
+          f"(goal <= {GOAL_ITEM_US}); first item, push to host-visible completion: "
+          f"{first:.1f} us, of which push() on the host {push_us:.1f} us")
+    print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
+          f"{GOAL_STEP_VS_GRAPH}); worst GEMM slowdown: "
+          f"{max(r['slowdown'] for r in gemm_rows):+.1%} (goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
+    write_json(args.json, {"device": device_name(), "steps": rows, "gemm": gemm_rows,
+                           "per_item_us": per_item, "first_item_us": first,
+                           "push_us": push_us})
+
+
+if __name__ == "__main__":
+    main()

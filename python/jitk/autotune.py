@@ -1,0 +1,391 @@
+"""Launch choices per shape, timed on the live GPU and kept in a file beside the build cache.
+
+A kernel module declares an op's TuningSpace (its knobs and their choices, how the op's
+arguments map to a shape bucket, today's defaults, and how to build one choice) and calls
+`space.lookup(bucket)` on its call path: a dict lookup, cached per bucket. What a lookup
+finds, in order: a choice made in this process, the tuning file's entry for this GPU and
+these versions, today's default. Tuning happens only when asked: `python -m jitk tune`,
+`jitk.autotune.tune(...)`, or JITK_AUTOTUNE=1 (a lookup that misses tunes then, on fresh
+tensors shaped like the call's).
+
+`tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
+in turn, candidate after candidate, ROUNDS times; each candidate's figure is its median. Before
+a candidate may win, its results are checked against the op's reference (jitk.testing).
+
+The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
+GPU name and SM count, driver, and the jitk, apache-tvm-ffi and torch versions. Entries for
+another environment are left in the file and ignored (one warning says how many); a file
+that cannot be read is ignored with one warning. Writes merge with what is there, under a
+lock held at most $JITK_LOCK_TIMEOUT seconds, and replace the file atomically.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.metadata
+import itertools
+import json
+import os
+import statistics
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .cache import cache_root
+from .custom_op import OpInfo, find_op
+from .lock import build_lock, lock_path
+from .timing import captured_graph
+
+__all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
+
+FILE_NAME = "autotune.json"
+FORMAT = 1
+AUTOTUNE_ENV = "JITK_AUTOTUNE"
+CALLS_PER_GRAPH, ROUNDS = 20, 7
+
+
+def tuning_file() -> Path:
+    return cache_root() / FILE_NAME
+
+
+def _driver_version() -> str:
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except (OSError, AttributeError):
+        return "none"
+
+
+_ENVIRONMENT: dict | None = None
+
+
+def environment() -> dict:
+    """What a tuned choice holds for: this process's current GPU and versions."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            gpu, sms = props.name, props.multi_processor_count
+        else:
+            gpu, sms = "none", 0
+        _ENVIRONMENT = {"gpu": gpu, "sms": sms, "driver": _driver_version(),
+                        "jitk": __version__, "tvm_ffi": importlib.metadata.version(
+                            "apache-tvm-ffi"), "torch": torch.__version__}
+    return _ENVIRONMENT
+
+
+# ---------------------------------------------------------------------------- the file
+def _key(op: str, bucket: Sequence) -> str:
+    return f"{op} {json.dumps(list(bucket))}"
+
+
+def _read(path: Path) -> tuple[list[dict], str | None]:
+    """The file's entries, and why it was ignored (None when it was read)."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [], None
+    except (OSError, ValueError) as error:
+        return [], f"cannot be read ({error})"
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return [], f"is not a jitk tuning file of format {FORMAT}"
+    entries = document.get("entries")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and {"op", "bucket", "environment", "config"} <= e.keys()
+            for e in entries):
+        return [], "has malformed entries"
+    return entries, None
+
+
+def _identity(entry: dict) -> str:
+    return json.dumps([entry["op"], entry["bucket"], entry["environment"]], sort_keys=True)
+
+
+def record(entries: Iterable[dict], path: Path | None = None) -> None:
+    """Merges `entries` into the file: under its lock, over what other processes wrote
+    (an entry of the same op, bucket and environment is replaced), then an atomic rename."""
+    path = path or tuning_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(lock_path(path), path):
+        merged = {_identity(e): e for e in _read(path)[0]}
+        merged.update({_identity(e): e for e in entries})
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"format": FORMAT, "entries": list(merged.values())},
+                                      indent=1, sort_keys=True))
+        os.replace(staging, path)
+    _STORE.clear()  # read again on the next lookup
+
+
+class _Store:
+    """The file's entries for this environment, read once: {key: config}."""
+
+    def __init__(self) -> None:
+        self._configs: dict[str, dict] | None = None
+
+    def clear(self) -> None:
+        self._configs = None
+
+    def config(self, op: str, bucket: Sequence) -> dict | None:
+        if self._configs is None:
+            self._configs = self._load(tuning_file())
+        return self._configs.get(_key(op, bucket))
+
+    @staticmethod
+    def _load(path: Path) -> dict[str, dict]:
+        entries, problem = _read(path)
+        if problem:
+            warnings.warn(f"jitk.autotune: the tuning file {path} {problem}; it is ignored "
+                          "and today's defaults apply (`python -m jitk tune` writes it anew)",
+                          stacklevel=4)
+            return {}
+        here = environment()
+        mine = [e for e in entries if e["environment"] == here]
+        if len(mine) < len(entries):
+            others = {json.dumps(e["environment"], sort_keys=True) for e in entries} - {
+                json.dumps(here, sort_keys=True)}
+            warnings.warn(f"jitk.autotune: {len(entries) - len(mine)} of {len(entries)} entries "
+                          f"in {path} were tuned for another GPU or other versions "
+                          f"({'; '.join(sorted(others))[:300]}), not this one ({here}); they "
+                          "are ignored", stacklevel=4)
+        return {_key(e["op"], e["bucket"]): e["config"] for e in mine}
+
+
+_STORE = _Store()
+
+
+# ---------------------------------------------------------------------------- the space
+@dataclasses.dataclass(eq=False)
+class TuningSpace:
+    """An op's launch choices.
+
+    knobs:   name -> the values to try (JSON values: int, bool, str).
+    bucket:  a function of the op's arguments -> the shape bucket, a tuple of JSON values
+             (e.g. (hidden, "bfloat16", rows rounded up to a power of two)).
+    default: bucket -> today's knob values (a dict over every knob).
+    build:   (bucket, knob values) -> a function of the op's arguments that runs them.
+    allowed: (bucket, knob values) -> whether to try that combination (default: all).
+    outputs: the op's parameters it only writes, poisoned before each candidate's check.
+    calls:   a cache the op's body may keep by any exact key (e.g. (shape, dtype)) -> what
+             lookup returned, so a call skips working out its bucket; emptied whenever a
+             choice changes.
+    sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, for
+             `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
+    """
+
+    knobs: Mapping[str, Sequence]
+    bucket: Callable[..., tuple]
+    default: Callable[[tuple], dict]
+    build: Callable[[tuple, dict], Callable]
+    allowed: Callable[[tuple, dict], bool] = lambda bucket, config: True
+    outputs: tuple[str, ...] = ()
+    sample: Callable[[tuple, torch.dtype, torch.device], tuple] | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    op: str = ""  # set by attach()
+    calls: dict = dataclasses.field(default_factory=dict, repr=False)
+    _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("bucket", "default", "build", "allowed"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"TuningSpace: '{name}' must be a function")
+        if not self.knobs or not all(isinstance(v, Sequence) and v for v in self.knobs.values()):
+            raise ValueError("TuningSpace: knobs must map each knob's name to a non-empty "
+                             f"sequence of values, got {dict(self.knobs)!r}")
+
+    def attach(self, op: Callable | OpInfo | str) -> TuningSpace:
+        """Records this space as the op's (OpInfo.tuning); returns self."""
+        info = _info(op)
+        self.op, info.tuning = info.name, self
+        return self
+
+    def candidates(self, bucket: tuple) -> list[dict]:
+        """Every allowed combination of the knobs, today's default first."""
+        default = self.default(bucket)
+        every = [dict(zip(self.knobs, values))
+                 for values in itertools.product(*self.knobs.values())]
+        return [default, *(c for c in every if c != default and self.allowed(bucket, c))]
+
+    def lookup(self, bucket: tuple) -> Callable:
+        """The function for a bucket: what this process chose, else the file's, else the
+        default; with JITK_AUTOTUNE=1, a bucket the file lacks is tuned at its first call."""
+        chosen = self._chosen.get(bucket)
+        if chosen is None:
+            config = self._recorded_config(bucket)
+            if config is None and autotune_requested() and torch.cuda.is_available():
+                return self._tuned_at_first_call(bucket)
+            chosen = self._chosen[bucket] = self.build(bucket, config or self.default(bucket))
+        return chosen
+
+    def _recorded_config(self, bucket: tuple) -> dict | None:
+        """The file's choice for the bucket, if it is one of this space's (a file written
+        by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
+        config = _STORE.config(self.op, _jsonable(bucket))
+        if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
+                              and all(config[k] in v for k, v in self.knobs.items())):
+            return config
+        warnings.warn(f"jitk.autotune: the tuning file's choice for {self.op} at "
+                      f"{_jsonable(bucket)} ({config!r}) is not in this jitk's space "
+                      f"({dict(self.knobs)!r}); the default applies", stacklevel=3)
+        return None
+
+    def _tuned_at_first_call(self, bucket: tuple) -> Callable:
+        def first_call(*args: object, **kwargs: object) -> object:
+            if bucket not in self._chosen:  # tuned on copies: the caller's tensors stay
+                copies = _copies((args, kwargs))
+                tune(self.op, *copies)
+            return self._chosen[bucket](*args, **kwargs)
+
+        return first_call
+
+    def config(self, bucket: tuple) -> dict:
+        """The knob values a lookup of `bucket` uses now (not tuning)."""
+        return self._recorded_config(bucket) or self.default(bucket)
+
+    def forget(self) -> None:
+        """Drops the choices cached in this process (after the file changed)."""
+        self._chosen.clear()
+        self.calls.clear()
+
+    def recorded(self) -> list[tuple[list, dict]]:
+        """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
+        versions it was tuned on: what `precompile` builds."""
+        return [(e["bucket"], e["config"]) for e in _read(tuning_file())[0]
+                if e["op"] == self.op and isinstance(e["config"], dict)
+                and e["config"].keys() == self.knobs.keys()]
+
+
+def autotune_requested() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0")
+
+
+def _copies(value: object, memo: dict | None = None) -> object:
+    """`value` with each tensor cloned (one clone per tensor, so aliases stay aliases)."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = value.clone()
+        return memo[id(value)]
+    if isinstance(value, tuple | list):
+        return type(value)(_copies(v, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: _copies(v, memo) for k, v in value.items()}
+    return value
+
+
+def _jsonable(bucket: tuple) -> list:
+    return [str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for v in bucket]
+
+
+def _info(op: Callable | OpInfo | str) -> OpInfo:
+    if isinstance(op, OpInfo):
+        return op
+    if isinstance(op, str):
+        return find_op(op)
+    info = getattr(op, "info", None)
+    if not isinstance(info, OpInfo):
+        raise TypeError(f"expected a jitk op (function, OpInfo or name), got {op!r}")
+    return info
+
+
+# ---------------------------------------------------------------------------- tuning
+def _build_candidate(op: str, bucket: tuple, config: dict) -> None:
+    from . import registry
+
+    for module in registry.kernel_modules():  # registers the shipped ops
+        importlib.import_module(module)
+    find_op(op).tuning.build(bucket, config)
+
+
+def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> None:
+    """Builds each (op, bucket, knob values) into the cache in parallel worker processes,
+    so that tuning only loads. Workers see no GPU and build for `arch`."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from .precompile import _init_worker, _workers_see_no_gpu
+
+    with _workers_see_no_gpu(), ProcessPoolExecutor(
+            max_workers=max(1, min(workers, len(jobs))), mp_context=get_context("spawn"),
+            initializer=_init_worker, initargs=(arch,)) as pool:
+        for future in [pool.submit(_build_candidate, *job) for job in jobs]:
+            future.result()
+
+
+@dataclasses.dataclass
+class Result:
+    """One tuned bucket: the winner, and every candidate's median (None: failed the
+    reference check, with the reason in `failures`)."""
+
+    op: str
+    bucket: list
+    config: dict
+    us: float
+    default_us: float
+    timings: list[tuple[dict, float | None]]
+    failures: dict[str, str]
+
+
+def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) -> list[float]:
+    """us per call of each graph: replays interleaved over `rounds`, the median of each."""
+    samples: list[list[float]] = [[] for _ in graphs]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for graph, sample in zip(graphs, samples):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            sample.append(start.elapsed_time(end) * 1e3 / calls)
+    return [statistics.median(sample) for sample in samples]
+
+
+def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None, *,
+         save: bool = True, calls: int = CALLS_PER_GRAPH, rounds: int = ROUNDS) -> Result:
+    """Tunes the bucket of `op(*args, **kwargs)` on the GPU, with these arguments (an op
+    that writes its arguments writes them repeatedly): every candidate is checked against
+    the reference, then timed; the fastest correct one is used from now on in this process
+    and, with `save`, recorded in the tuning file."""
+    from .testing import compare_with_reference
+
+    info = _info(op)
+    space = info.tuning
+    if not isinstance(space, TuningSpace):
+        raise ValueError(f"tune: {info.name} declares no tuning space")
+    if not torch.cuda.is_available():
+        raise RuntimeError("tune: needs a CUDA GPU (none is visible)")
+    kwargs = dict(kwargs or {})
+    bucket = space.bucket(*args, **kwargs)
+    candidates = space.candidates(bucket)
+    runs, failures = [], {}
+    for config in candidates:
+        fn = space.build(bucket, config)
+        problem = compare_with_reference(info, fn, args, kwargs, space.outputs)
+        if problem:
+            failures[json.dumps(config, sort_keys=True)] = problem
+        else:
+            runs.append((config, fn))
+    if not runs:
+        raise RuntimeError(f"tune: no candidate of {info.name} at {bucket} matches its "
+                           f"reference: {failures}")
+    graphs = [captured_graph(lambda fn=fn: fn(*args, **kwargs), calls) for _, fn in runs]
+    times = _time_graphs(graphs, calls, rounds)
+    del graphs
+    best = min(range(len(runs)), key=times.__getitem__)
+    default = json.dumps(candidates[0], sort_keys=True)
+    timed = {json.dumps(c, sort_keys=True): t for (c, _), t in zip(runs, times)}
+    result = Result(info.name, _jsonable(bucket), runs[best][0], times[best],
+                    timed.get(default, float("nan")),
+                    [(c, timed.get(json.dumps(c, sort_keys=True))) for c in candidates],
+                    failures)
+    space._chosen[bucket] = runs[best][1]
+    space.calls.clear()
+    if save:
+        record([{"op": info.name, "bucket": result.bucket, "environment": environment(),
+                 "config": result.config, "us": round(result.us, 4),
+                 "default_us": round(result.default_us, 4)}])
+    return result

@@ -1,0 +1,526 @@
+// A persistent worker: thread blocks launched once that take work items from a queue until told
+// to stop, and run each through a compile-time table of the user's ops.
+//
+//   struct Scale {                       // one op: an argument block and a block-wide run()
+//     struct Args { const bf16_t* x; bf16_t* y; int64_t n; double factor; };
+//     static __device__ void run(const Args& a, jitk::persistent::BlockContext& ctx);
+//   };
+//   using Table = jitk::persistent::Worker<Scale, Add>;   // op id = position in the list
+//
+// Two rings of fixed-size items (Item, 128 bytes: ticket, op id, dependency, 12 argument words):
+// - the host ring, in pinned host memory: host threads write items, numbered by host tickets;
+// - the device ring, in GPU memory: ops push follow-up work (TableContext::push).
+// Each item's completion is a per-slot counter that holds the last ticket done in that slot, so
+// "item t is done" reads done[t % capacity] >= t. The host ring's counters exist twice: in pinned
+// memory for the host and jitk.stream_wait_value, in GPU memory for other blocks' dependency
+// waits (polling GPU memory costs an L2 read, host memory a PCIe round trip).
+//
+// Memory model (PTX ISA, "Memory Consistency Model"). Every hand-off is a release store paired
+// with an acquire load of the same word, at the narrowest scope that holds both sides:
+// - host producer -> worker: the host writes an item's words, then its ticket word with release
+//   (publish()); the worker's thread 0 reads the ticket with ld.acquire.sys, then the words. sys,
+//   because the writer is a CPU thread. No volatile or __ldg: the read-only path may keep a stale
+//   line forever, and volatile alone orders nothing.
+// - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
+// - worker -> other blocks, later work on this GPU, and the host (completion): the block's
+//   threads meet at __syncthreads(), then a thread runs fence.acq_rel.gpu and stores the
+//   ticket (a release at GPU scope; see complete()). PTX release is cumulative: the writes the
+//   barrier ordered before that thread (every thread's part of the op's output) are published
+//   with it. Other blocks read the counter with ld.acquire.gpu, the host with an acquire load;
+//   what the host then does through CUDA (a copy, a kernel, a stream waiting on the counter)
+//   reads the GPU's memory after it.
+// - claims (ticket counters in GPU memory) are relaxed atomics: they order nothing; the slot's
+//   ticket word, read with acquire, says whether the item is there.
+//
+// Nothing waits without bound: a dependency or a full device ring is waited for at most
+// Queue::budget_ns (then the item fails with an error code the host reads), and an idle block
+// waits for work only until the host's stop word says drain or abort.
+#pragma once
+
+#include <jitk/tensor.h>
+#include <jitk/utils.cuh>
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace jitk::persistent {
+
+inline constexpr int kBlockThreads = 256;  // every op runs on blocks of this many threads
+inline constexpr int kArgWords = 12;
+inline constexpr int kItemWords = 16;
+inline constexpr int64_t kNoDependency = -1;
+// Tickets of the device ring carry this bit in a dependency (TableContext::push returns them so).
+inline constexpr int64_t kDeviceTicket = int64_t{1} << 62;
+
+struct alignas(128) Item {
+  int64_t ticket;  // the item's ticket, written last; -1 in a slot never used
+  int64_t op;      // index into the worker's op table
+  int64_t after;   // the ticket this item waits for, or kNoDependency
+  uint64_t args[kArgWords];
+  int64_t unused;
+};
+static_assert(sizeof(Item) == kItemWords * 8 && std::is_trivially_copyable_v<Item>);
+static_assert(offsetof(Item, ticket) == 0 && offsetof(Item, op) == 8 &&
+              offsetof(Item, after) == 16 && offsetof(Item, args) == 24);
+
+// Words of the pinned host block (host_words): the host writes kStop, the worker the rest.
+enum HostWord : int { kStop = 0, kError = 1, kErrorTicket = 2, kErrorDetail = 3, kHostWords = 8 };
+enum Stop : int64_t { kRun = 0, kDrain = 1, kAbort = 2 };
+// Error codes (kError); persistent.py has their messages.
+enum Error : int64_t {
+  kOk = 0,
+  kUnknownOp = 1,          // detail: the op id
+  kDependencyTimeout = 2,  // detail: the ticket waited for
+  kDeviceRingFull = 3,     // detail: the device ticket that found no room
+  kOpFailed = 4,           // detail: the op's own code (BlockContext::fail)
+};
+// Words of the GPU state block, before its arrays: claim counters and the error latch.
+enum StateWord : int { kHostHead = 0, kDeviceTail = 1, kDeviceHead = 2, kErrorLatch = 3 };
+inline constexpr int kStateHeaderWords = 16;  // keeps the arrays after it 128-byte aligned
+
+// What the kernel is given: addresses as the GPU sees them.
+struct Queue {
+  const Item* host_items;  // pinned
+  int64_t* host_done;      // pinned, per slot
+  int64_t* host_words;     // pinned, HostWord
+  int64_t* state;          // GPU: StateWord header
+  int64_t* host_done_gpu;  // GPU: the host ring's completions, for dependency waits
+  int64_t* device_done;    // GPU: the device ring's completions
+  Item* device_items;      // GPU
+  int64_t mask;            // capacity - 1 (a power of two)
+  int64_t budget_ns;       // the longest any wait inside the worker may take
+};
+
+// ---------------------------------------------------------------------------------------
+// Device side: loads and stores with explicit order and scope.
+
+__device__ __forceinline__ int64_t load_acquire_sys(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int64_t load_acquire_gpu(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int64_t load_relaxed_gpu(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(int64_t* p, int64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_release_gpu(int64_t* p, int64_t v) {
+  asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_relaxed(int64_t* p, int64_t v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ int64_t atomic_add_gpu(int64_t* p, int64_t v) {
+  return static_cast<int64_t>(
+      atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v)));
+}
+__device__ __forceinline__ bool atomic_cas_gpu(int64_t* p, int64_t expected, int64_t desired) {
+  return atomicCAS(
+             reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(expected),
+             static_cast<unsigned long long>(desired)) == static_cast<unsigned long long>(expected);
+}
+__device__ __forceinline__ int64_t now_ns() {
+  int64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Polls back off from kFirstSleepNs, doubling to kMaxSleepNs: an item already there costs one
+// read, a new one is seen at most about kMaxSleepNs (plus a PCIe read) late.
+inline constexpr unsigned kFirstSleepNs = 32;
+inline constexpr unsigned kMaxSleepNs = 256;
+struct Backoff {
+  unsigned ns = kFirstSleepNs;
+  __device__ void sleep() {
+    __nanosleep(ns);
+    ns = min(2 * ns, kMaxSleepNs);
+  }
+};
+
+// The first error wins the latch; its code is stored last, with release, so a host that sees
+// it also sees its ticket and detail.
+__device__ __forceinline__ void record_error(const Queue& q, int64_t code, int64_t ticket,
+                                             int64_t detail) {
+  if (!atomic_cas_gpu(&q.state[kErrorLatch], 0, 1)) return;
+  q.host_words[kErrorTicket] = ticket;
+  q.host_words[kErrorDetail] = detail;
+  store_release_sys(&q.host_words[kError], code);
+}
+
+__device__ __forceinline__ int64_t stop_word(const Queue& q) {
+  return load_acquire_sys(&q.host_words[kStop]);
+}
+
+// Whether `ticket` (host, or device with kDeviceTicket) is done, waiting at most the budget.
+// A dependency never pushed, or stuck behind this very block, times out instead of hanging.
+__device__ inline bool wait_for(const Queue& q, int64_t ticket) {
+  const bool device = (ticket & kDeviceTicket) != 0;
+  const int64_t t = ticket & ~kDeviceTicket;
+  const int64_t* done = (device ? q.device_done : q.host_done_gpu) + (t & q.mask);
+  const int64_t deadline = now_ns() + q.budget_ns;
+  Backoff backoff;
+  for (unsigned polls = 0; load_acquire_gpu(done) < t; ++polls) {
+    // The stop word is a PCIe read, kept off most polls as in next_run().
+    if (now_ns() > deadline || (polls % 16 == 15 && stop_word(q) == kAbort)) return false;
+    backoff.sleep();
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// What an op's run() is given.
+
+class BlockContext {
+ public:
+  __device__ BlockContext(const Queue& q, int64_t ticket) : q_(q), ticket_(ticket) {}
+  // This item's ticket (device-ring items carry kDeviceTicket).
+  __device__ int64_t ticket() const { return ticket_; }
+  // Marks the item failed with the op's own code; the host's wait() raises it. Any thread.
+  __device__ void fail(int64_t code) const { record_error(q_, kOpFailed, ticket_, code); }
+
+ protected:
+  const Queue& q_;
+  int64_t ticket_;
+};
+
+template <typename Op, typename... Ops>
+inline constexpr int kIndexOf = [] {
+  int i = 0, found = -1;
+  ((std::is_same_v<Op, Ops> ? (found = i, ++i) : ++i), ...);
+  return found;
+}();
+
+// The context an op sees when it takes `auto& ctx` (or TableContext<...>&): it can also push.
+template <typename... Ops>
+class TableContext : public BlockContext {
+ public:
+  using BlockContext::BlockContext;
+
+  // Enqueues Op(args) on the device ring, to run after `after` (a ticket, or kNoDependency),
+  // and returns its ticket. One thread calls it, after a __syncthreads() if the new item reads
+  // what the block wrote: the release below publishes what that thread has seen. A full ring is
+  // waited on for at most the budget; then nothing is pushed and kNoDependency comes back.
+  template <typename Op>
+  __device__ int64_t push(const typename Op::Args& args, int64_t after = kNoDependency) const {
+    static_assert(kIndexOf<Op, Ops...> >= 0, "push<Op>: Op is not in this worker's table");
+    static_assert(sizeof(args) <= sizeof(Item::args) && alignof(decltype(args)) <= 8);
+    const int64_t t = atomic_add_gpu(&q_.state[kDeviceTail], 1);
+    // The slot is free once the item capacity tickets back is done (its words were read).
+    const int64_t deadline = now_ns() + q_.budget_ns;
+    Backoff backoff;
+    while (load_acquire_gpu(&q_.device_done[t & q_.mask]) < t - (q_.mask + 1)) {
+      if (now_ns() > deadline) {
+        record_error(q_, kDeviceRingFull, ticket_, t);
+        return kNoDependency;
+      }
+      backoff.sleep();
+    }
+    Item* slot = &q_.device_items[t & q_.mask];
+    slot->op = kIndexOf<Op, Ops...>;
+    slot->after = after;
+    memcpy(slot->args, &args, sizeof(args));
+    store_release_gpu(&slot->ticket, t);
+    return t | kDeviceTicket;
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// The worker kernel.
+
+// Host items one block claims at once: a run of items each of which waits for the one before
+// (a chain) goes to one block, which runs them in order with no hand-off between SMs.
+inline constexpr int kMaxRun = 32;
+inline constexpr unsigned kAllLanes = 0xffffffffu;
+
+// A device-ring item (lane 0 of warp 0), claimed only once published.
+__device__ inline bool try_device_item(const Queue& q, Item& out) {
+  const int64_t h = load_relaxed_gpu(&q.state[kDeviceHead]);
+  const Item* slot = &q.device_items[h & q.mask];
+  if (load_acquire_gpu(&slot->ticket) != h) return false;
+  if (!atomic_cas_gpu(&q.state[kDeviceHead], h, h + 1)) return false;
+  out = *slot;  // ordered after the acquire above; the slot is not reused until out completes
+  out.ticket = h | kDeviceTicket;
+  return true;
+}
+
+// Warp 0 claims the published host items from the head on that form a chain (item k + 1 waits
+// for item k), at most kMaxRun, into items[]. Returns how many, 0 when the head item is not
+// published, -1 when another block claimed first. Only lane 0 polls (one PCIe read); the
+// lanes read the rest of a run in parallel, each ordering its item's words after its ticket.
+__device__ inline int claim_host_run(const Queue& q, Item* items) {
+  const int lane = threadIdx.x;
+  int64_t h = 0;
+  bool published = false;
+  if (lane == 0) {
+    h = load_relaxed_gpu(&q.state[kHostHead]);
+    published = load_acquire_sys(&q.host_items[h & q.mask].ticket) == h;
+  }
+  if (!__shfl_sync(kAllLanes, published, 0)) return 0;
+  h = __shfl_sync(kAllLanes, h, 0);
+  const int64_t t = h + lane;
+  const Item* slot = &q.host_items[t & q.mask];
+  const bool joins = lane == 0 || (load_acquire_sys(&slot->ticket) == t && slot->after == t - 1);
+  const unsigned left_out = __ballot_sync(kAllLanes, !joins);
+  const int run = left_out ? __ffs(left_out) - 1 : kMaxRun;
+  bool won = false;
+  if (lane == 0) won = atomic_cas_gpu(&q.state[kHostHead], h, h + run);
+  if (!__shfl_sync(kAllLanes, won, 0)) return -1;
+  if (lane < run) items[lane] = *slot;
+  return run;
+}
+
+// Warp 0's search for work: follow-up items first (usually on the critical path), then the
+// host ring. Returns the number of items in items[], or 0 when the block should exit.
+__device__ inline int next_run(const Queue& q, Item* items) {
+  const int lane = threadIdx.x;
+  Backoff backoff;
+  bool draining = false;
+  for (unsigned polls = 0;; ++polls) {
+    const bool device = lane == 0 && try_device_item(q, items[0]);
+    if (__shfl_sync(kAllLanes, device, 0)) return 1;
+    const int run = claim_host_run(q, items);
+    if (run > 0) return run;
+    if (run < 0) continue;  // another block took those items: look again at once
+    if (draining) return 0;
+    // The stop word is a PCIe read: looked at every 16th poll. After a drain order, the items
+    // pushed before it are visible (the host released them first): one last look, then exit.
+    if (polls % 16 == 15) {
+      const int64_t stop = __shfl_sync(kAllLanes, lane == 0 ? stop_word(q) : 0, 0);
+      if (stop == kAbort) return 0;
+      draining = stop == kDrain;
+      if (draining) continue;
+    }
+    backoff.sleep();
+  }
+}
+
+template <typename... Ops>
+__device__ inline bool dispatch(const Item& item, TableContext<Ops...>& ctx) {
+  int index = 0;
+  const bool known =
+      ((item.op == index++
+            ? (Ops::run(*reinterpret_cast<const typename Ops::Args*>(item.args), ctx), true)
+            : false) ||
+       ...);
+  return known;
+}
+
+// A completion is a GPU-scope release: fence.acq_rel.gpu, then a relaxed store of the ticket
+// (a fence before a strong store is a release in PTX). Two threads do it, each with its own
+// fence, so the counter in pinned memory (a PCIe write) never holds up the next item's:
+// thread 0 the counter other blocks wait on, thread 32 the host's.
+// Not system scope: a fence.sys waits for earlier PCIe writes to land (with one an item, a
+// chain took 6.1 us an item on an H100). An op whose results the host or another device reads in
+// host memory ends with
+// __syncthreads() and one thread's __threadfence_system().
+__device__ inline void complete(const Queue& q, int64_t ticket) {
+  const int64_t t = ticket & ~kDeviceTicket;
+  const bool device = (ticket & kDeviceTicket) != 0;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    store_relaxed((device ? q.device_done : q.host_done_gpu) + (t & q.mask), t);
+  } else if (threadIdx.x == kWarpThreads && !device) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    store_relaxed(&q.host_done[t & q.mask], t);
+  }
+}
+
+template <typename... Ops>
+__global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
+  __shared__ Item items[kMaxRun];
+  __shared__ int count;
+  while (true) {
+    if (threadIdx.x < kWarpThreads) {
+      const int found = next_run(q, items);
+      if (threadIdx.x == 0) count = found;
+    }
+    __syncthreads();
+    const int found = count;  // read once: warp 0 rewrites it for the next run
+    if (found == 0) return;
+    for (int i = 0; i < found; ++i) {
+      Item& item = items[i];
+      // Read before the barriers: once the last one is passed, warp 0 refills items[].
+      const int64_t ticket = item.ticket;
+      // A failed dependency fails this item too; it is still completed so nothing waits on it.
+      // Within a run the dependency is the item before, which this block has just done.
+      const bool waits =
+          item.after != kNoDependency && (i == 0 || item.after != items[i - 1].ticket);
+      if (threadIdx.x == 0 && waits && !wait_for(q, item.after)) {
+        record_error(q, kDependencyTimeout, item.ticket, item.after);
+        item.op = -1;
+      }
+      __syncthreads();
+      if (item.op >= 0) {
+        TableContext<Ops...> ctx(q, item.ticket);
+        const bool known = dispatch<Ops...>(item, ctx);
+        if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
+      }
+      __syncthreads();  // every thread's writes, then the releases (cumulative) in complete()
+      complete(q, ticket);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side.
+
+template <typename T>
+T* device_address(const TensorView& t, const char* name, bool pinned) {
+  void* p = pointer::offset(t.data_ptr(), t.byte_offset());
+  if (!pinned) {
+    RuntimeCheck(t.device().device_type == kDLCUDA, "'", name, "' must be a cuda tensor, got ",
+                 t.device());
+    return static_cast<T*>(p);
+  }
+  const HostMemory memory = query_host_memory(p);
+  RuntimeCheck(memory.error == cudaSuccess && memory.pinned && memory.device_address != nullptr,
+               "'", name, "' must be in pinned host memory (pin_memory=True), got ", t.device(),
+               " memory that is not");
+  return static_cast<T*>(memory.device_address);
+}
+
+inline int64_t* host_words_of(const TensorView& words, int64_t at_least, const char* name) {
+  RuntimeCheck(words.dtype() == dtype_v<int64_t> && words.ndim() == 1 &&
+                   words.size(0) >= at_least && words.stride(0) == 1,
+               "'", name, "' must be a contiguous 1-d int64 tensor of at least ", at_least,
+               " elements");
+  return static_cast<int64_t*>(pointer::offset(words.data_ptr(), words.byte_offset()));
+}
+
+// The layout the Python side packs items in: (slot bytes, ticket, op, after, args offsets,
+// argument bytes, threads per block).
+inline int64_t layout(int64_t field) {
+  const int64_t values[] = {sizeof(Item),          offsetof(Item, ticket), offsetof(Item, op),
+                            offsetof(Item, after), offsetof(Item, args),   sizeof(Item::args),
+                            kBlockThreads};
+  constexpr int64_t kFields = sizeof(values) / sizeof(values[0]);
+  RuntimeCheck(field >= 0 && field < kFields, "layout field must be 0 to ", kFields - 1, ", got ",
+               field);
+  return values[field];
+}
+
+// The host ring and its counters are persistent.py's own pinned tensors; the calls on every
+// push and poll take their addresses (ints) rather than the tensors, which cost a DLPack
+// conversion each (about a microsecond on an H100's host).
+template <typename T>
+T* host_address(int64_t address, const char* name) {
+  RuntimeCheck(address != 0 && address % alignof(T) == 0, "'", name,
+               "' must be a non-null, aligned host address, got ", address);
+  return reinterpret_cast<T*>(address);
+}
+
+// Copies `items` (int64 [n * kItemWords], relative dependencies: after >= 0 is an index into
+// the batch, -1 none) into the host ring (capacity slots at `ring`, completion counters at
+// `done`) as tickets first.. first+n-1, item 0 after `first_after`. Returns 0 and writes
+// nothing while any of the n slots still holds an unfinished item; 1 once published. One
+// release fence covers every item's words; the tickets are then stored in order.
+inline int64_t publish(int64_t ring, int64_t done, int64_t capacity, TensorView items,
+                       int64_t first, int64_t first_after) {
+  auto* slots = host_address<Item>(ring, "ring");
+  const int64_t* completed = host_address<const int64_t>(done, "done");
+  const int64_t* words = host_words_of(items, kItemWords, "items");
+  const int64_t n = items.numel() / kItemWords;
+  RuntimeCheck(capacity >= 1 && n <= capacity, "a batch of ", n, " items does not fit a ring of ",
+               capacity);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = first + i;
+    if (__atomic_load_n(&completed[t % capacity], __ATOMIC_ACQUIRE) < t - capacity) return 0;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Item& slot = slots[(first + i) % capacity];
+    const Item& src = reinterpret_cast<const Item*>(words)[i];
+    slot.op = src.op;
+    slot.after = src.after >= 0 ? first + src.after : (i == 0 ? first_after : kNoDependency);
+    std::memcpy(slot.args, src.args, sizeof(slot.args));
+  }
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  for (int64_t i = 0; i < n; ++i) {
+    __atomic_store_n(&slots[(first + i) % capacity].ticket, first + i, __ATOMIC_RELAXED);
+  }
+  return 1;
+}
+
+// An acquire load of the int64 at a host address (a completion counter, the error word).
+inline int64_t load_word(int64_t address) {
+  return __atomic_load_n(host_address<const int64_t>(address, "address"), __ATOMIC_ACQUIRE);
+}
+
+inline void store_word(TensorView words, int64_t index, int64_t value) {
+  int64_t* w = host_words_of(words, index + 1, "words");
+  RuntimeCheck(index >= 0, "index must be >= 0, got ", index);
+  __atomic_store_n(&w[index], value, __ATOMIC_RELEASE);
+}
+
+// A worker over the op table Ops...: its exports for persistent.py.
+template <typename... Ops>
+struct Worker {
+  static_assert(sizeof...(Ops) >= 1, "a worker needs at least one op");
+  static_assert(((sizeof(typename Ops::Args) <= sizeof(Item::args)) && ...),
+                "an op's Args must fit the item's 96 argument bytes");
+  static_assert(((alignof(typename Ops::Args) <= 8) && ...),
+                "an op's Args may need at most 8-byte alignment");
+  static_assert((std::is_trivially_copyable_v<typename Ops::Args> && ...),
+                "an op's Args must be trivially copyable (pointers, integers, doubles)");
+
+  static constexpr auto kernel = worker_kernel<Ops...>;
+
+  static int64_t arg_bytes(int64_t op) {
+    const int64_t sizes[] = {sizeof(typename Ops::Args)...};
+    RuntimeCheck(op >= 0 && op < static_cast<int64_t>(sizeof...(Ops)), "op must be 0 to ",
+                 sizeof...(Ops) - 1, ", got ", op);
+    return sizes[op];
+  }
+
+  // How many worker blocks `device` can hold at once (with nothing else running), loading the
+  // kernel on the way: it must be loaded before anything waits on it.
+  static int64_t max_blocks(int64_t device) {
+    const DeviceGuard on(static_cast<int>(device));
+    int per_sm = 0, sms = 0;
+    RuntimeDeviceCheck(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+    RuntimeDeviceCheck(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, static_cast<int>(device)));
+    return static_cast<int64_t>(per_sm) * sms;
+  }
+
+  static void launch(TensorView ring, TensorView done, TensorView host_words, TensorView state,
+                     int64_t blocks, int64_t budget_ns, int64_t stream) {
+    const int64_t capacity = ring.numel() / kItemWords;
+    RuntimeCheck(capacity >= 16 && (capacity & (capacity - 1)) == 0,
+                 "the ring's capacity must be a power of two >= 16, got ", capacity);
+    RuntimeCheck(state.dtype() == dtype_v<int64_t> && state.ndim() == 1 && state.stride(0) == 1 &&
+                     state.numel() == kStateHeaderWords + (2 + kItemWords) * capacity,
+                 "'state' must be a contiguous int64 tensor of ",
+                 kStateHeaderWords + (2 + kItemWords) * capacity, " elements");
+    RuntimeCheck(blocks >= 1 && blocks <= max_blocks(state.device().device_id),
+                 "blocks must be 1 to ", max_blocks(state.device().device_id), ", got ", blocks);
+    host_words_of(done, capacity, "done");
+    host_words_of(host_words, kHostWords, "host_words");
+    int64_t* gpu = device_address<int64_t>(state, "state", false);
+    const Queue q{device_address<const Item>(ring, "ring", true),
+                  device_address<int64_t>(done, "done", true),
+                  device_address<int64_t>(host_words, "host_words", true),
+                  gpu,
+                  gpu + kStateHeaderWords,
+                  gpu + kStateHeaderWords + capacity,
+                  reinterpret_cast<Item*>(gpu + kStateHeaderWords + 2 * capacity),
+                  capacity - 1,
+                  budget_ns};
+    const DeviceGuard on(state.device().device_id);
+    LaunchKernel(static_cast<unsigned>(blocks), kBlockThreads,
+                 reinterpret_cast<cudaStream_t>(stream))(kernel, q);
+  }
+};
+
+}  // namespace jitk::persistent

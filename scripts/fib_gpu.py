@@ -1,0 +1,218 @@
+"""jitk in FlashInfer-Bench's loop (pip install jitk[fib]).
+
+    python scripts/fib_gpu.py benchmark OUT_DIR     # needs a GPU
+    python scripts/fib_gpu.py build-timing          # runs anywhere nvcc does (sm_90)
+
+benchmark: exports the Definitions and jitk's Solutions of RMSNorm and fused-add RMSNorm
+(python -m jitk fib export), adds workloads (batch sizes below, random inputs), and runs
+flashinfer-bench's own Benchmark on them with jitk's builder installed: each Solution is
+built by jitk, checked against its Definition's reference and timed against it. The Traces
+are written to OUT_DIR/traces; a table of correctness and speedup is printed. Exits 1
+unless every trace passed.
+
+build-timing: one tvm-ffi Solution (an RMSNorm written against tvm-ffi's own headers, as
+flashinfer-bench's examples are) built by flashinfer-bench's TVMFFIBuilder and by jitk's
+builder, each cold (empty caches) and warm (a new process, caches filled), for sm_90. Each
+build runs in its own process; the time is the build() call's."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import jitk.fib
+
+# flashinfer-bench's benchmark workers are spawned processes that import this file again:
+# installing the builder here, at the top level, installs it in them too.
+jitk.fib.install_builder()
+
+from flashinfer_bench.bench import Benchmark, BenchmarkConfig  # noqa: E402
+from flashinfer_bench.data import (  # noqa: E402
+    Definition,
+    EvaluationStatus,
+    RandomInput,
+    Solution,
+    Trace,
+    TraceSet,
+    Workload,
+    save_jsonl_file,
+)
+
+BATCH_SIZES = (1, 16, 256, 1024, 4096)
+OPS = ("rmsnorm", "fused_add_rmsnorm")
+ARCH = "9.0"
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+def write_workloads(root: Path) -> None:
+    trace_set = TraceSet.from_path(str(root))
+    for name, definition in trace_set.definitions.items():
+        traces = [Trace(definition=name, workload=Workload(
+            axes={"batch_size": size}, inputs={key: RandomInput() for key in definition.inputs},
+            uuid=str(uuid.uuid4()))) for size in BATCH_SIZES]
+        save_jsonl_file(traces, root / "workloads" / definition.op_type / f"{name}.jsonl")
+
+
+def benchmark(out_dir: Path) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    jitk.fib.export(out_dir, OPS)
+    write_workloads(out_dir)
+    trace_set = TraceSet.from_path(str(out_dir))
+    bench = Benchmark(trace_set, BenchmarkConfig(warmup_runs=10, iterations=100, num_trials=3))
+    try:
+        result = bench.run_all(dump_traces=True)
+    finally:
+        bench.close()
+    rows, failed = [], 0
+    for name in sorted(result.traces):
+        for trace in sorted(result.traces[name], key=lambda t: t.workload.axes["batch_size"]):
+            evaluation = trace.evaluation
+            passed = evaluation.status == EvaluationStatus.PASSED
+            failed += not passed
+            performance, correctness = evaluation.performance, evaluation.correctness
+            rows.append((name, trace.workload.axes["batch_size"], evaluation.status.value,
+                         f"{correctness.max_absolute_error:.3g}" if correctness else "-",
+                         f"{performance.latency_ms * 1000:.2f}" if performance else "-",
+                         f"{performance.reference_latency_ms * 1000:.2f}" if performance else "-",
+                         f"{performance.speedup_factor:.2f}x" if performance else "-"))
+    print_table(("definition", "batch", "status", "max abs err", "jitk us", "reference us",
+                 "speedup"), rows)
+    expected = len(trace_set.definitions) * len(BATCH_SIZES)
+    print(f"{len(rows)} traces of {expected} expected, {failed} not passed; traces in "
+          f"{out_dir / 'traces'}")
+    return 0 if rows and not failed and len(rows) == expected else 1
+
+
+def print_table(header: tuple, rows: list[tuple]) -> None:
+    rows = [tuple(map(str, header)), *(tuple(map(str, row)) for row in rows)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+# --------------------------------------------------------------------------- build timing
+TVM_FFI_RMSNORM = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+
+#include <cuda_bf16.h>
+
+// One block a row: the sum of squares in float, then the row scaled by the weight.
+__global__ void rmsnorm_rows(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                             int hidden, float eps) {
+  const __nv_bfloat16* row = x + static_cast<int64_t>(blockIdx.x) * hidden;
+  __nv_bfloat16* out = y + static_cast<int64_t>(blockIdx.x) * hidden;
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float v = __bfloat162float(row[i]);
+    sum += v * v;
+  }
+  __shared__ float partial[32];
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    sum = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    if (threadIdx.x == 0) partial[0] = rsqrtf(sum / hidden + eps);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    out[i] = __float2bfloat16(__bfloat162float(row[i]) * partial[0] * __bfloat162float(w[i]));
+  }
+}
+
+void run(tvm::ffi::TensorView input, tvm::ffi::TensorView weight, tvm::ffi::TensorView out) {
+  const int64_t rows = input.size(0), hidden = input.size(1);
+  rmsnorm_rows<<<rows, 256>>>(static_cast<const __nv_bfloat16*>(input.data_ptr()),
+                              static_cast<const __nv_bfloat16*>(weight.data_ptr()),
+                              static_cast<__nv_bfloat16*>(out.data_ptr()), hidden, 1e-6f);
+}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);
+"""
+
+
+def timing_pair() -> tuple[Definition, Solution]:
+    import torch
+
+    from jitk.norm import _rmsnorm
+
+    example = (torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16),
+               torch.empty(1, 4096, dtype=torch.bfloat16), 1e-6)
+    definition = jitk.fib._shipped_definition(_rmsnorm.info, example)
+    solution = Solution(
+        name="rmsnorm_h4096_tvm_ffi", definition=definition.name, author="fib_gpu.py",
+        spec={"language": "cuda", "binding": "tvm-ffi", "target_hardware": ["cuda"],
+              "entry_point": "kernel.cu::run"},
+        sources=[{"path": "kernel.cu", "content": TVM_FFI_RMSNORM}])
+    return definition, solution
+
+
+def build_once(builder_name: str) -> None:
+    """In a child process: one build() call, its seconds printed as JSON."""
+    from flashinfer_bench.compile.builders import TVMFFIBuilder
+
+    from jitk.fib_builder import JitkBuilder
+
+    builder = TVMFFIBuilder() if builder_name == "tvm-ffi" else JitkBuilder()
+    definition, solution = timing_pair()
+    started = time.perf_counter()
+    builder.build(definition, solution)
+    print(json.dumps({"seconds": time.perf_counter() - started}))
+
+
+def build_timing() -> int:
+    from jitk import toolchain
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fib-build-timing-") as scratch:
+        for name in ("tvm-ffi", "jitk"):
+            env = {**os.environ, "FIB_CACHE_PATH": f"{scratch}/{name}/fib",
+                   "JITK_CACHE_DIR": f"{scratch}/{name}/jitk", "JITK_CUDA_ARCH": ARCH,
+                   "TVM_FFI_CUDA_ARCH_LIST": ARCH,
+                   # the toolkit jitk uses, for both (tvm-ffi links its libcudart)
+                   "CUDA_HOME": str(toolchain.cuda_home())}
+            times = []
+            for _ in ("cold", "warm"):
+                child = subprocess.run([sys.executable, __file__, "_build", name], env=env,
+                                       capture_output=True, text=True, timeout=900)
+                if child.returncode:
+                    print(child.stdout, child.stderr, file=sys.stderr)
+                    return 1
+                times.append(json.loads(child.stdout.strip().splitlines()[-1])["seconds"])
+            rows.append((name, f"{times[0]:.2f}", f"{times[1]:.3f}"))
+    print(f"one Solution (RMSNorm against tvm-ffi's headers), sm_{ARCH.replace('.', '')}, "
+          "seconds in build():")
+    print_table(("builder", "cold s", "warm s"), rows)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("benchmark", help="flashinfer-bench's benchmark (needs a GPU)")
+    run.add_argument("out_dir", type=Path)
+    commands.add_parser("build-timing", help="cold and warm builds by both builders")
+    child = commands.add_parser("_build")
+    child.add_argument("builder", choices=("tvm-ffi", "jitk"))
+    args = parser.parse_args()
+    if args.command == "benchmark":
+        return benchmark(args.out_dir)
+    if args.command == "build-timing":
+        return build_timing()
+    build_once(args.builder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

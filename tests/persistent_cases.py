@@ -1,0 +1,284 @@
+"""GPU cases of the persistent worker, one per process (test_persistent.py runs each under a
+timeout, since a worker that never exits would hold the GPU):
+    python tests/persistent_cases.py CASE [--small]
+Each case checks its own results and exits 0 only if they hold; --small shrinks a case for
+compute-sanitizer."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from jitk.persistent import CHAIN_OPS, IntArg, Op, TensorArg, Worker, WorkerError
+
+TEST_OPS_FILE = str(Path(__file__).resolve().parent / "csrc" / "persistent_test_ops.cuh")
+_I64 = torch.int64
+TEST_OPS = (
+    Op("record", "persistent_test::Record",
+       (TensorArg("hits", _I64, (None,)), TensorArg("order", _I64, (None,)),
+        TensorArg("count", _I64, (1,)), IntArg("value"))),
+    Op("step", "persistent_test::Step",
+       (TensorArg("cell", _I64, (1,)), IntArg("expect"), IntArg("next"))),
+    Op("spawn", "persistent_test::Spawn", (TensorArg("cell", _I64, (1,)), IntArg("depth"))),
+    Op("orphan", "persistent_test::Orphan",
+       (TensorArg("hits", _I64, (None,)), TensorArg("order", _I64, (None,)),
+        TensorArg("count", _I64, (1,)))),
+    Op("fail", "persistent_test::Fail", (IntArg("code"),)),
+    Op("poke", "persistent_test::Poke", (IntArg("address"),)),
+    Op("busy", "persistent_test::Busy", (IntArg("ns"),)),
+)
+
+
+def test_worker(**kwargs) -> Worker:
+    return Worker("test", [TEST_OPS_FILE], TEST_OPS, **kwargs)
+
+
+def chain_worker(**kwargs) -> Worker:
+    return Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, **kwargs)
+
+
+def expect_worker_error(fn, fragment: str) -> None:
+    try:
+        fn()
+    except WorkerError as error:
+        assert fragment in str(error), error
+        return
+    raise AssertionError(f"no WorkerError mentioning {fragment!r}")
+
+
+def counters(n: int):
+    hits = torch.zeros(n, dtype=_I64, device="cuda")
+    order = torch.full((n,), -1, dtype=_I64, device="cuda")
+    return hits, order, torch.zeros(1, dtype=_I64, device="cuda")
+
+
+# ------------------------------------------------------------------------------ cases
+def case_exactly_once(small: bool) -> None:
+    """4 host threads push at once, single items and batches; each thread's items form a
+    chain through its own cell (Step), interleaved with Records that must each run once."""
+    threads, rounds = (4, 20) if small else (4, 2500)
+    per_thread = 4 * rounds  # Record values a thread uses: one single, a batch of 3 a round
+    hits, order, count = counters(threads * per_thread)
+    cells = [torch.zeros(1, dtype=_I64, device="cuda") for _ in range(threads)]
+    worker = test_worker(capacity=256).start(blocks=8)
+    failures = []
+
+    def produce(k: int) -> None:
+        try:
+            last = None
+            for r in range(rounds):
+                value = k * per_thread + 4 * r
+                last = worker.push("step", cell=cells[k], expect=r, next=r + 1, after=last)
+                worker.push("record", hits=hits, order=order, count=count, value=value)
+                batch = [("record", dict(hits=hits, order=order, count=count, value=value + i))
+                         for i in (1, 2, 3)]
+                batch.append(("step", dict(cell=cells[k], expect=r + 1, next=r + 1)))
+                last = worker.push_many(batch, after=last, chain=True)[-1]
+        except Exception as error:  # noqa: BLE001 - reported below, from the main thread
+            failures.append(error)
+
+    pool = [threading.Thread(target=produce, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in pool), "a producer thread hung"
+    assert not failures, failures
+    worker.stop(timeout=30)
+    records = threads * per_thread
+    assert count.item() == records, (count.item(), records)
+    assert torch.equal(hits.cpu(), torch.ones(records, dtype=_I64)), "an item ran twice or never"
+    assert sorted(order.cpu().tolist()) == list(range(records))
+    assert [c.item() for c in cells] == [rounds] * threads, "a chain ran out of order"
+    print(f"exactly once: {records} records and {2 * threads * rounds} chained steps from "
+          f"{threads} threads")
+
+
+def case_soak(small: bool) -> None:
+    """A million Records in prepared batches of 512: none lost, none twice."""
+    batch_size, batches = (64, 4) if small else (512, 2000)
+    total = batch_size * batches
+    hits, _, count = counters(batch_size)
+    order = torch.full((total,), -1, dtype=_I64, device="cuda")
+    worker = test_worker(capacity=1024).start(blocks=8)
+    batch = worker.prepare([("record", dict(hits=hits, order=order, count=count, value=i))
+                            for i in range(batch_size)])
+    last = None
+    for _ in range(batches):
+        last = worker.push_many(batch, timeout=30)[-1]
+    worker.wait(last, timeout=60)
+    worker.stop(timeout=30)
+    assert count.item() == total, (count.item(), total)
+    assert torch.equal(hits.cpu(), torch.full((batch_size,), batches, dtype=_I64))
+    assert torch.equal(torch.bincount(order.cpu(), minlength=batch_size), hits.cpu())
+    print(f"soak: {total} items, each of the {batch_size} values run {batches} times")
+
+
+def chain_items(x, w, bufs, n_ops: int):
+    """The benchmark's chain: rmsnorm, scale, add in turn, each reading the previous output."""
+    items, src = [], x
+    for i in range(n_ops):
+        dst = bufs[i % 2]
+        if i % 3 == 0:
+            items.append(("rmsnorm", dict(x=src, w=w, y=dst, eps=1e-6)))
+        elif i % 3 == 1:
+            items.append(("scale", dict(x=src, y=dst, factor=1.25)))
+        else:
+            items.append(("add", dict(x=src, b=x, y=dst)))
+        src = dst
+    return items, src
+
+
+def chain_reference(x, w, n_ops: int) -> torch.Tensor:
+    """The chain in float32 with each step rounded to bf16, as the kernels store it."""
+    y, x32, w32 = x.float(), x.float(), w.float()
+    for i in range(n_ops):
+        if i % 3 == 0:
+            y = y * torch.rsqrt(y.pow(2).mean() + 1e-6) * w32
+        elif i % 3 == 1:
+            y = y * 1.25
+        else:
+            y = y + x32
+        y = y.bfloat16().float()
+    return y
+
+
+def case_chain(small: bool) -> None:
+    """180 chained ops on 4096 bf16 against a reference, on fresh data each round, outputs
+    poisoned first. Everything torch runs is run before the worker starts (lazy loading)."""
+    n, n_ops = 4096, 30 if small else 180
+    rounds = []
+    for _ in range(3):
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        bufs = [torch.full_like(x, float("nan")) for _ in range(2)]
+        rounds.append((x, w, bufs, chain_reference(x, w, n_ops)))
+    relative_error(rounds[0][3], rounds[0][3])
+    worker = chain_worker().start(blocks=8)
+    outs = []
+    for x, w, bufs, _ in rounds:
+        items, out = chain_items(x, w, bufs, n_ops)
+        worker.wait(worker.push_many(items, chain=True)[-1], timeout=10)
+        outs.append(out)
+    worker.stop(timeout=10)
+    for out, (_, _, _, ref) in zip(outs, rounds):
+        err = relative_error(out, ref)
+        assert err < 2e-2, err
+    print(f"chain: {n_ops} ops on {n} bf16 match the reference (rel. error {err:.1e})")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def case_device_push(small: bool) -> None:
+    """An op pushes follow-ups from the GPU: depth 200 leaves the cell at 201."""
+    cell = torch.zeros(1, dtype=_I64, device="cuda")
+    worker = test_worker().start(blocks=4)
+    depth = 20 if small else 200
+    worker.wait(worker.push("spawn", cell=cell, depth=depth), timeout=10)
+    worker.stop(timeout=10)  # drains the device ring too
+    assert cell.item() == depth + 1, cell.item()
+    print(f"device push: {depth} follow-ups ran")
+
+
+def case_stream_wait(small: bool) -> None:
+    """Another stream waits for an item with jitk.stream_wait_value on its completion counter,
+    then reads what the item wrote. (Not under compute-sanitizer, which runs one kernel at a
+    time: the copy behind the wait would wait for the worker.)"""
+    from jitk.wait_value import stream_wait_value
+    cell = torch.zeros(1, dtype=_I64, device="cuda")
+    out = torch.zeros(1, dtype=_I64, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # load these kernels before the worker is resident
+        out.copy_(cell)
+        stream_wait_value(torch.zeros(1, dtype=_I64, pin_memory=True), 0, op="geq")
+    torch.cuda.synchronize()
+    worker = test_worker().start(blocks=4)
+    t = worker.push("busy", ns=2_000_000)  # the wait is in place before the step runs
+    u = worker.push("step", cell=cell, expect=0, next=7, after=t)
+    with torch.cuda.stream(side):
+        stream_wait_value(worker.done_flag(u), u, op="geq")
+        out.copy_(cell)
+    side.synchronize()
+    assert out.item() == 7, out.item()
+    worker.stop(timeout=10)
+    print("stream wait: a stream waited on an item's counter and saw its result")
+
+
+def case_errors(small: bool) -> None:
+    """An op's failure and a dependency timeout surface as WorkerError; stop still returns."""
+    worker = test_worker().start(blocks=2)
+    t = worker.push("fail", code=42)
+    expect_worker_error(lambda: worker.wait(t, timeout=10), "failed with code 42")
+    expect_worker_error(lambda: worker.stop(timeout=10), "failed with code 42")
+    hits, order, count = counters(1)
+    worker = test_worker().start(blocks=2, dependency_timeout=0.05)
+    worker.push("orphan", hits=hits, order=order, count=count)
+    expect_worker_error(lambda: worker.stop(timeout=10), "longer than dependency_timeout")
+    assert count.item() == 0
+    print("errors: op failure and dependency timeout raised WorkerError")
+
+
+def case_stop_timeout(small: bool) -> None:
+    """A worker busy past stop()'s timeout: stop raises TimeoutError and returns; a later stop
+    succeeds."""
+    import time
+    worker = test_worker().start(blocks=1)
+    worker.push("busy", ns=3_000_000_000)
+    start = time.monotonic()
+    try:
+        worker.stop(timeout=0.2)
+    except TimeoutError as error:
+        assert "did not exit" in str(error), error
+    else:
+        raise AssertionError("stop() returned while the worker was busy")
+    assert time.monotonic() - start < 5
+    worker.stop(timeout=10)
+    print("stop timeout: raised after the bound, then stopped")
+
+
+def case_fault(small: bool) -> None:
+    """An op that faults: wait() raises instead of hanging."""
+    worker = test_worker().start(blocks=2)
+    t = worker.push("poke", address=16)
+    try:
+        worker.wait(t, timeout=20)
+    except WorkerError as error:
+        print(f"fault: raised WorkerError ({str(error)[:80]})")
+        return
+    raise AssertionError("a faulting op did not raise")
+
+
+def case_refusals(small: bool) -> None:
+    """More blocks than fit, and a start inside graph capture, are refused with reasons."""
+    worker = test_worker()
+    try:
+        worker.start(blocks=100_000)
+    except ValueError as error:
+        assert "cannot all be resident" in str(error), error
+    else:
+        raise AssertionError("100000 blocks were not refused")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    refused = None
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        try:
+            worker.start(blocks=2)
+        except RuntimeError as error:
+            refused = error
+    assert refused is not None and "graph capture" in str(refused), refused
+    print("refusals: too many blocks, graph capture")
+
+
+CASES = {name.removeprefix("case_"): fn for name, fn in globals().items()
+         if name.startswith("case_")}
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]]("--small" in sys.argv[2:])
+    if sys.argv[1] != "fault":  # a faulted context fails every later call
+        torch.cuda.synchronize()
+    print(f"ok {sys.argv[1]}")

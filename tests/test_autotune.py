@@ -1,0 +1,176 @@
+"""jitk.autotune on the host: the tuning file (merge, atomic replace, a corrupt, foreign-GPU,
+older-version or out-of-space file ignored with one warning), lookups per shape bucket, and
+two processes recording at once losing no entry. Timing candidates needs a GPU (marked)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import jitk
+from jitk import autotune
+
+BUILT = []  # (bucket, config) of every build the space below was asked for
+
+
+def _reference(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+@jitk.op("jitk_tune::copy", mutates_args=("out",), reference=_reference)
+def copy(x: torch.Tensor, out: torch.Tensor) -> None:
+    copy.info.tuning.lookup((x.numel(),))(x, out)
+
+
+def _build(bucket, config):
+    BUILT.append((bucket, config))
+    return lambda x, out: out.copy_(x)
+
+
+SPACE = autotune.TuningSpace({"threads": (128, 256), "unroll": (1, 2)},
+                             bucket=lambda x, out: (x.numel(),),
+                             default=lambda bucket: {"threads": 128, "unroll": 1},
+                             build=_build).attach(copy)
+
+
+@pytest.fixture(autouse=True)
+def fresh_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    autotune._STORE.clear()
+    SPACE.forget()
+    BUILT.clear()
+    yield tmp_path / autotune.FILE_NAME
+    autotune._STORE.clear()
+    SPACE.forget()
+
+
+def entry(bucket, config, **environment):
+    return {"op": "jitk_tune::copy", "bucket": list(bucket), "config": config,
+            "environment": {**autotune.environment(), **environment}}
+
+
+def call(n):
+    x = torch.arange(n, dtype=torch.float32)
+    out = torch.empty_like(x)
+    copy(x, out)
+    torch.testing.assert_close(out, x)
+
+
+def test_without_a_file_the_default_applies_and_is_cached_per_bucket(fresh_file):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(8)
+        call(8)
+        call(9)
+    assert BUILT == [((8,), {"threads": 128, "unroll": 1}), ((9,), {"threads": 128, "unroll": 1})]
+    assert not fresh_file.exists()  # lookups never write
+
+
+def test_a_recorded_choice_is_used_and_records_merge(fresh_file):
+    autotune.record([entry((8,), {"threads": 256, "unroll": 2})])
+    autotune.record([entry((9,), {"threads": 256, "unroll": 1})])
+    autotune.record([entry((8,), {"threads": 128, "unroll": 2})])  # replaces bucket 8's
+    call(8)
+    call(9)
+    assert BUILT == [((8,), {"threads": 128, "unroll": 2}), ((9,), {"threads": 256, "unroll": 1})]
+    document = json.loads(fresh_file.read_text())
+    assert document["format"] == autotune.FORMAT and len(document["entries"]) == 2
+    assert not list(fresh_file.parent.glob(".*.tmp"))  # the staging file was renamed
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot be read"),
+    (json.dumps({"format": 99, "entries": []}), "is not a jitk tuning file of format 1"),
+    (json.dumps({"format": 1, "entries": [{"op": "x"}]}), "has malformed entries"),
+])
+def test_a_corrupt_file_is_ignored_with_one_warning(fresh_file, content, message):
+    fresh_file.write_text(content)
+    with pytest.warns(UserWarning, match=message) as caught:
+        call(8)
+        call(8)
+        call(9)
+    assert len(caught) == 1
+    assert {config["threads"] for _, config in BUILT} == {128}
+
+
+@pytest.mark.parametrize("foreign", [{"gpu": "NVIDIA B200", "sms": 148}, {"jitk": "0.0.1"},
+                                     {"torch": "2.1.0"}, {"tvm_ffi": "0.0.1"},
+                                     {"driver": "11.0"}])
+def test_entries_for_another_gpu_or_versions_are_ignored_with_one_warning(fresh_file, foreign):
+    autotune.record([entry((8,), {"threads": 256, "unroll": 2}, **foreign),
+                     entry((9,), {"threads": 256, "unroll": 2})])
+    with pytest.warns(UserWarning, match="1 of 2 entries .* another GPU or other versions") \
+            as caught:
+        call(8)
+        call(9)
+    assert len(caught) == 1
+    assert BUILT == [((8,), {"threads": 128, "unroll": 1}), ((9,), {"threads": 256, "unroll": 2})]
+
+
+def test_a_choice_outside_the_space_is_ignored_with_a_warning(fresh_file):
+    autotune.record([entry((8,), {"threads": 512, "unroll": 1})])
+    with pytest.warns(UserWarning, match="not in this jitk's space"):
+        call(8)
+    assert BUILT == [((8,), {"threads": 128, "unroll": 1})]
+
+
+def test_candidates_start_with_the_default():
+    assert SPACE.candidates((8,)) == [{"threads": 128, "unroll": 1}, {"threads": 128, "unroll": 2},
+                                      {"threads": 256, "unroll": 1}, {"threads": 256, "unroll": 2}]
+
+
+def test_space_declaration_errors():
+    with pytest.raises(ValueError, match="knobs must map"):
+        autotune.TuningSpace({"threads": ()}, bucket=len, default=dict, build=_build)
+    with pytest.raises(TypeError, match="'build' must be a function"):
+        autotune.TuningSpace({"threads": (1,)}, bucket=len, default=dict, build=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_tune_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        autotune.tune(copy, (torch.ones(4), torch.empty(4)))
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from jitk import autotune
+    name = sys.argv[1]
+    env = autotune.environment()
+    for i in range(int(sys.argv[2])):
+        autotune.record([{"op": "jitk_tune::copy", "bucket": [name, i], "environment": env,
+                          "config": {"threads": 128, "unroll": 1}}])
+""")
+
+
+def test_two_processes_recording_at_once_lose_no_entry(fresh_file):
+    count = 25
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, name, str(count)])
+               for name in ("a", "b")]
+    for writer in writers:
+        assert writer.wait(timeout=120) == 0
+    entries = json.loads(fresh_file.read_text())["entries"]
+    assert sorted(tuple(e["bucket"]) for e in entries) == sorted(
+        (name, i) for name in ("a", "b") for i in range(count))
+
+
+@pytest.mark.gpu
+def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh_file):
+    import jitk.norm  # noqa: F401 - registers the operator
+
+    info = jitk.custom_op.find_op("jitk::rmsnorm")
+    args, kwargs = info.tuning.sample((16, 4096), torch.bfloat16, torch.device("cuda"))
+    bucket = info.tuning.bucket(*args, **kwargs)
+    result = autotune.tune(info, args, kwargs)
+    assert not result.failures and result.config in info.tuning.candidates(bucket)
+    assert result.us == min(us for _, us in result.timings if us is not None)
+    script = ("import torch, jitk.norm, jitk\n"
+              "space = jitk.custom_op.find_op('jitk::rmsnorm').tuning\n"
+              f"print(space.config((4096, torch.bfloat16, {bucket[2]})))\n")
+    reused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert reused.stdout.strip() == str(result.config)

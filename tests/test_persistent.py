@@ -1,0 +1,175 @@
+"""The persistent worker (jitk.persistent, <jitk/persistent.cuh>).
+
+CPU part: the worker builds for sm_90, its item layout agrees between C++ and Python, an op
+whose Args does not fit is refused at compile time and one whose declaration disagrees with its
+Args at load time, every argument is checked on the host with a message naming it, and a
+worker that is not running refuses pushes. GPU part (marked): each case of persistent_cases.py
+runs in a fresh process under a timeout, since a worker that never exits holds the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import persistent_cases
+import pytest
+import torch
+from errors import expect_error
+
+from jitk.jit import JitCompileError
+from jitk.persistent import (
+    CHAIN_OPS,
+    ITEM_WORDS,
+    LAYOUT,
+    IntArg,
+    Op,
+    QueueFullError,
+    TensorArg,
+    Worker,
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def worker() -> Worker:
+    return persistent_cases.test_worker()
+
+
+@pytest.fixture(scope="module")
+def chain() -> Worker:
+    return persistent_cases.chain_worker()
+
+
+@pytest.fixture(scope="module")
+def host_chain() -> Worker:
+    """A chain worker that takes CPU tensors as its own (CI has no GPU): the device check is
+    the one check this moves."""
+    worker = persistent_cases.chain_worker()
+    worker.device = torch.device("cpu")
+    return worker
+
+
+def rows(n: int = 64, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(n).to(dtype)
+
+
+# ------------------------------------------------------------------------------ build, layout
+def test_layout_agrees(worker, chain):
+    # The constructor compares the module's layout() with LAYOUT; this pins LAYOUT itself.
+    assert LAYOUT == (128, 0, 8, 16, 24, 96, 256)
+    assert [worker._kernels.layout(i) for i in range(len(LAYOUT))] == list(LAYOUT)
+    expect_error(lambda: worker._kernels.layout(len(LAYOUT)), "layout field must be 0 to 6")
+    assert [chain._kernels.arg_bytes(i) for i in range(3)] == [40, 32, 32]
+
+
+def test_packed_item_words(host_chain):
+    x, w, y = rows(), rows(), rows()
+    batch = host_chain.prepare([("rmsnorm", dict(x=x, w=w, y=y, eps=0.5)),
+                           ("scale", dict(x=y, y=x, factor=2.0))], chain=True)
+    words = batch.words.view(2, ITEM_WORDS).tolist()
+    assert words[0][:8] == [0, 0, -1, x.data_ptr(), w.data_ptr(), y.data_ptr(), 64,
+                            4602678819172646912]  # 0.5 as a double's bits
+    assert words[1][1:3] == [1, 0]  # op 1, after item 0 of the batch
+    assert batch.count == 2 and batch.tensors == [x, w, y, y, x]
+
+
+def test_args_too_large_refused_at_compile_time():
+    too_big = Op("too_big", "TooBig", tuple(IntArg(f"a{i}") for i in range(12)))
+    expect_error(lambda: Worker("too_big", [str(HERE / "csrc" / "persistent_too_big.cuh")],
+                                [too_big]),
+                 "must fit the item's 96 argument bytes", kind=JitCompileError)
+
+
+def test_declaration_must_match_args():
+    short = Op("scale", "jitk::persistent::chain::Scale",
+               (TensorArg("x", torch.bfloat16, ("n",)), IntArg("n")))
+    expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], [short]),
+                 "declares 2 arguments (16 bytes), but jitk::persistent::chain::Scale::Args is "
+                 "32 bytes", kind=ValueError)
+
+
+# ------------------------------------------------------------------------------ host checks
+@pytest.mark.parametrize("item, kind, fragments", [
+    (("nope", {}), ValueError, ["unknown op 'nope'", "rmsnorm, scale, add"]),
+    (("scale", dict(x=rows(), y=rows(), factor=1.0, z=1)), TypeError,
+     ["unexpected argument(s) ['z']"]),
+    (("scale", dict(x=rows(dtype=torch.float32), y=rows(), factor=1.0)), TypeError,
+     ["scale: 'x' must be torch.bfloat16, got torch.float32"]),
+    (("scale", dict(x=rows().view(8, 8), y=rows(), factor=1.0)), ValueError,
+     ["'x' must have 1 dimension(s) ('n',), got shape (8, 8)"]),
+    (("add", dict(x=rows(64), b=rows(32), y=rows(64))), ValueError,
+     ["add: 'b' dimension 0: expected 'n' = 64 (bound by an earlier tensor), got 32"]),
+    (("scale", dict(x=rows(128)[::2], y=rows(), factor=1.0)), ValueError,
+     ["'x' must be contiguous"]),
+    (("scale", dict(y=rows(), factor=1.0)), TypeError, ["'x' must be a tensor, got NoneType"]),
+    (("scale", dict(x=rows(), y=rows(), factor="2")), TypeError,
+     ["'factor' must be a float, got str"]),
+    (("scale", dict(x=rows(), y=rows(), n=65, factor=1.0)), ValueError,
+     ["'n' = 65 but the tensors' 'n' is 64"]),
+    (("scale", dict(x=rows(), y=rows(), n=True, factor=1.0)), TypeError,
+     ["'n' must be an int, got bool"]),
+])
+def test_arguments_checked_on_host(host_chain, item, kind, fragments):
+    expect_error(lambda: host_chain.prepare([item]), *fragments, kind=kind)
+
+
+def test_device_checked_on_host(chain):
+    expect_error(lambda: chain.prepare([("scale", dict(x=rows(), y=rows(), factor=1.0))]),
+                 f"scale: 'x' must be on the worker's device {chain.device}, got cpu",
+                 kind=ValueError)
+
+
+def test_batch_checks(host_chain):
+    expect_error(lambda: host_chain.prepare([]), "no items to push", kind=ValueError)
+    expect_error(lambda: host_chain.prepare(["scale"]), "item 0: expected (op_name, {argument: "
+                 "value})", kind=TypeError)
+    small = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=16)
+    small.device = torch.device("cpu")
+    x = rows()
+    expect_error(lambda: small.prepare([("scale", dict(x=x, y=x, factor=1.0))] * 17),
+                 "17 items do not fit the ring of 16", kind=ValueError)
+
+
+def test_construction_refusals():
+    expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=100),
+                 "capacity must be a power of two >= 16, got 100", kind=ValueError)
+    expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, device="cpu"),
+                 "a worker runs on a cuda device, got cpu", kind=ValueError)
+    expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], []),
+                 "ops must be a non-empty sequence", kind=TypeError)
+    expect_error(lambda: Op("x", "X", (IntArg("a"), IntArg("a"))), "argument names repeat",
+                 kind=ValueError)
+
+
+def test_not_running_refusals(chain):
+    x = rows()
+    expect_error(lambda: chain.push("scale", x=x, y=x, factor=1.0),
+                 "cannot push: the worker is not running", kind=RuntimeError)
+    expect_error(lambda: chain.wait(0), "cannot wait: the worker is not running")
+    chain.stop()  # a worker never started stops at once
+    expect_error(lambda: chain.start(blocks=0), "blocks must be an int >= 1, got 0",
+                 kind=ValueError)
+    expect_error(lambda: chain.start(dependency_timeout=0), "dependency_timeout must be in",
+                 kind=ValueError)
+    assert issubclass(QueueFullError, TimeoutError)
+
+
+# ------------------------------------------------------------------------------ GPU
+def run_case(name: str, timeout_s: float = 90) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run([sys.executable, str(HERE / "persistent_cases.py"), name],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert done.returncode == 0, f"case {name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert f"ok {name}" in done.stdout
+    return done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push",
+                                  "stream_wait", "errors",
+                                  "stop_timeout", "fault", "refusals"])
+def test_gpu_case(name):
+    run_case(name)
