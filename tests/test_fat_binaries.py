@@ -4,6 +4,7 @@ process that asks for one of them, under JITK_DISABLE_JIT, with the GPU's capabi
 (no GPU here)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,8 @@ def test_one_fat_entry_serves_other_gpus_without_compiling(tmp_path):
                       env=clean_env(cache_dir, JITK_CUDA_ARCH="8.0;10.0 9.0"))
     assert fill.returncode == 0, fill.stderr
     assert entry_archs(cache_dir) == [("8.0", "9.0", "10.0")]
+    (entry,) = cache.list_entries(cache_dir)  # the build key's first 16 digits, then the tag
+    assert re.fullmatch(r"twice_[0-9a-f]{16}_sm80-90-100", entry.path.name), entry.path.name
 
     serving = clean_env(cache_dir, JITK_DISABLE_JIT="1", JITK_VERBOSE="1")
     for capability in ("9.0", "8.6", "10.0"):  # machine code for each
@@ -112,6 +115,24 @@ def test_one_fat_entry_serves_other_gpus_without_compiling(tmp_path):
     assert older.returncode != 0
     assert "JitCacheMissError" in older.stderr and "architectures: sm_75" in older.stderr
     assert entry_archs(cache_dir) == [("8.0", "9.0", "10.0")]  # nothing was added
+
+
+def test_a_build_directory_is_rebuilt_for_other_architectures(tmp_path, monkeypatch):
+    kernel = tmp_path / "twice.cuh"
+    kernel.write_text(KERNEL)
+    build = tmp_path / "build"
+
+    def load(archs):
+        monkeypatch.setenv("JITK_CUDA_ARCH", archs)
+        before = jitk.jit.build_count()
+        module = jitk.load_jit("twice", cuda_files=[kernel], cuda_wrappers=[("f", "twice_host")],
+                               build_directory=build)
+        assert module.f(4) == 8
+        return jitk.jit.build_count() - before, cache.read_meta(build)["archs"]
+
+    assert load("9.0") == (1, ["9.0"])
+    assert load("9.0") == (0, ["9.0"])
+    assert load("8.0 9.0") == (1, ["8.0", "9.0"])  # the record's key holds the architectures
 
 
 def test_every_shipped_kernel_builds_for_the_whole_fleet(tmp_path):

@@ -234,11 +234,16 @@ def _entry_key(build_key: str, archs: tuple[str, ...]) -> str:
     return hashlib.sha256(f"{build_key}:{';'.join(archs)}".encode()).hexdigest()
 
 
+def _folder_name(name: str, build_key: str, archs: tuple[str, ...]) -> str:
+    """An entry's folder: the module, the build key's first 16 digits, the architectures."""
+    return f"{name}_{build_key[:16]}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
+
+
 def _covering_entries(spec: BuildSpec, build_key: str) -> list[tuple[Path, tuple[str, ...]]]:
     """Entries of the same build for other sets of architectures (the same folder name up
     to the architectures' tag) that serve every architecture of `spec`, those with machine
     code for all of them first. Read only when the exact entry is missing."""
-    prefix = f"{spec.name}_{build_key[:16]}_"
+    prefix = _folder_name(spec.name, build_key, ()) + "_"
     try:
         names = sorted(name for name in os.listdir(spec.entry.parent) if name.startswith(prefix)
                        and "." not in name and name != spec.entry.name)
@@ -374,8 +379,8 @@ def load_jit(
     build_key = _cache_key({"name": name, "compilers": compilers,
                             "tvm_ffi": tvm_ffi.__version__, "sources": sources,
                             "flags": build_flags}, kernel_files)
-    folder = f"{name}_{build_key[:16]}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
-    entry = build_dir or cache.cache_root().expanduser().resolve() / folder
+    entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
+        name, build_key, archs)
     spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
                      sources, tuple(kernel_files), INCLUDE_DIR, build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
