@@ -8,6 +8,7 @@
   fib export    write FlashInfer-Bench Definitions (and jitk's Solutions) of the ops
   check         run ops against their references (python -m jitk check [OP ...])
   tune          time the ops' launch choices on this GPU, record the fastest
+  env           what jitk runs with (versions, compilers, GPUs, cache, settings); --json
 
 Exit codes: 0 success, 1 failure, 2 bad usage."""
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import json
 import os
 import re
 import sys
@@ -23,7 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import NUMPY_WARNING, cache, clangd, precompile, toolchain
+from . import NUMPY_WARNING, cache, clangd, env, precompile, toolchain
 from .lock import JitLockError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -59,6 +61,12 @@ def run_demo(args: argparse.Namespace) -> int:
         message = "this jitk installation has no demo (jitk/demo.py is missing)"
         raise CommandError(message) from None
     return demo.main() or EXIT_OK
+
+
+def show_env(args: argparse.Namespace) -> int:
+    report = env.collect()
+    print(json.dumps(report, indent=1) if args.json else env.render(report))
+    return EXIT_OK
 
 
 def human_size(size: int) -> str:
@@ -411,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="run jitk's demo", description="Run jitk's demo.")
     demo.set_defaults(handler=run_demo)
+
+    env_parser = commands.add_parser(
+        "env", help="what jitk runs with, for a bug report",
+        description="Print jitk's, torch's, tvm-ffi's and Python's versions, the nvcc and "
+                    "host compiler jitk uses and where they come from, the GPUs and driver, "
+                    "the architectures it builds for, the cache and every JITK_* setting.")
+    env_parser.add_argument("--json", action="store_true",
+                            help="as JSON, with the same keys on every machine")
+    env_parser.set_defaults(handler=show_env)
 
     cache_parser = commands.add_parser(
         "cache", help="list the module cache (cache clear: empty it; cache prune: trim it)",

@@ -113,6 +113,18 @@ def _arguments(*words: object) -> str:
     return _ninja_value(shlex.join(str(word) for word in words))
 
 
+def gencode_flags(archs: tuple[str, ...]) -> list[str]:
+    """nvcc's targets: machine code for each architecture, and for a multi-architecture
+    ("fat") build the PTX of its newest generic one (toolchain.ptx_arch), which the driver
+    compiles for a GPU newer than the list."""
+    flags = [f"-gencode=arch=compute_{a.replace('.', '')},code={toolchain.sm_name(a)}"
+             for a in archs]
+    if ptx := toolchain.ptx_arch(archs):
+        number = ptx.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
 def build_file(spec: BuildSpec) -> str:
     """build.ninja for `spec`: the sources are compiled to objects and linked into
     `<name>.so`. Build statements name only generated files, relative to the build folder
@@ -131,16 +143,14 @@ def build_file(spec: BuildSpec) -> str:
     rules = ["rule compile",
              "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out", ""]
     if spec.archs:
-        gencode = [f"-gencode=arch=compute_{a.replace('.', '')},code={toolchain.sm_name(a)}"
-                   for a in spec.archs]
-        cuda_cflags = ["-ccbin", toolchain.nvcc_host_compiler(), *gencode,
+        cuda_cflags = ["-ccbin", toolchain.nvcc_host_compiler(), *gencode_flags(spec.archs),
                        *flags["cuda_cflags"], *includes]
         lines += [f"nvcc = {_arguments(toolchain.nvcc_path())}",
                   f"cuda_cflags = {_arguments(*cuda_cflags)}"]
         rules += ["rule compile_cuda",
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
-        ldflags += [f"-L{toolchain.cuda_home() / 'lib64'}", "-lcudart"]
+        ldflags += toolchain.cudart_link_flags()
     lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}

@@ -3,12 +3,13 @@
 The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export.h, on tvm-ffi's
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
 build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
-header and kernel file, the compiler versions and the target architectures, independent of
-where jitk is installed; a cache that readers use without locks or writes once they have
-checked who could have written it (jitk/trust.py), filled by builds published in one rename
-(jitk/cache.py, jitk/build.py); a mode that never compiles; compile errors that show the
-compiler's own lines; and a load-time check that the library holds code for the GPU it is
-about to run on."""
+header and kernel file and the compiler versions, independent of where jitk is installed,
+with the target architectures named after it (a lookup takes an entry built for more); a
+cache that readers use without locks or writes once they have checked who could have
+written it (jitk/trust.py), filled by builds published in one rename (jitk/cache.py,
+jitk/build.py); a mode that never compiles; compile errors that show the compiler's own
+lines; and a load-time check that the library holds code for the GPU it is about to run
+on."""
 
 from __future__ import annotations
 
@@ -212,41 +213,97 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
         "configurations, `python -m jitk precompile`).")
 
 
+def _look_up_entry(entry: Path, key: str) -> cache.Lookup:
+    found = cache.look_up(entry, key)
+    if found.problem:  # perhaps read while another process replaced the entry: look again
+        found = cache.look_up(entry, key)
+    return found
+
+
 def _look_up(spec: BuildSpec) -> cache.Lookup:
     """The entry's checked library, after checking who may have written the cache."""
     root = spec.entry if spec.in_place else spec.entry.parent
     if root.exists():
         trust.check(root, "the build directory" if spec.in_place else "the cache")
-    return cache.look_up(spec.entry, spec.key)
+    return _look_up_entry(spec.entry, spec.key)
 
 
-def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict
-                    ) -> tuple[tvm_ffi.Module, bool]:
-    """The module of `spec` and whether this call built it. A complete, intact entry is
+def _entry_key(build_key: str, archs: tuple[str, ...]) -> str:
+    """The key an entry records: its build's (which leaves the architectures out) with the
+    architectures it was built for, so that a build_directory rebuilt for others is stale."""
+    return hashlib.sha256(f"{build_key}:{';'.join(archs)}".encode()).hexdigest()
+
+
+def _folder_name(name: str, build_key: str, archs: tuple[str, ...]) -> str:
+    """An entry's folder: the module, the build key's first 16 digits, the architectures."""
+    return f"{name}_{build_key[:16]}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
+
+
+def _covering_entries(spec: BuildSpec, build_key: str) -> list[tuple[Path, tuple[str, ...]]]:
+    """Entries of the same build for other sets of architectures (the same folder name up
+    to the architectures' tag) that serve every architecture of `spec`, those with machine
+    code for all of them first. Read only when the exact entry is missing."""
+    prefix = _folder_name(spec.name, build_key, ()) + "_"
+    try:
+        names = sorted(name for name in os.listdir(spec.entry.parent) if name.startswith(prefix)
+                       and "." not in name and name != spec.entry.name)
+    except OSError:
+        return []
+    ranked = []
+    for name in names:
+        meta = cache.read_meta(spec.entry.parent / name) or {}
+        try:
+            built = toolchain.parse_archs(";".join(map(str, meta.get("archs") or ())))
+        except toolchain.ToolchainError:
+            continue  # not an entry of this build; its key check would refuse it anyway
+        ways = [toolchain.serves(built, wanted) for wanted in spec.archs]
+        if all(ways):
+            ranked.append(("ptx" in ways, name, built))
+    return [(spec.entry.parent / name, built) for _, name, built in sorted(ranked)]
+
+
+def _load_cached(spec: BuildSpec, build_key: str | None
+                 ) -> tuple[tvm_ffi.Module | None, tuple[str, ...], str | None]:
+    """The module from the exact entry, else (given the build's key, in the shared cache)
+    from an entry for more architectures that covers these; with the architectures it holds,
+    or why the exact entry cannot be used."""
+    found = _look_up(spec)
+    if found.fd is not None:
+        return loader.load_from_fd(found.fd), spec.archs, None
+    for entry, built in _covering_entries(spec, build_key) if build_key and spec.archs else ():
+        other = _look_up_entry(entry, _entry_key(build_key, built))
+        if other.fd is not None:
+            logger.info("jitk: %s for %s served by %s", spec.name, ", ".join(spec.archs), entry)
+            return loader.load_from_fd(other.fd), built, None
+    return None, spec.archs, found.problem
+
+
+def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
+                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
+    """The module of `spec`, the architectures it holds code for and whether this call built
+    it. A complete, intact entry (or, given `build_key`, one for more architectures) is
     loaded without a lock or a write; anything else is built under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
-    found = _look_up(spec)
-    if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = _look_up(spec)
-    if found.fd is not None:
-        return loader.load_from_fd(found.fd), False
+    module, archs, problem = _load_cached(spec, build_key)
+    if module:
+        return module, archs, False
     if disabled:
-        raise _miss_error(spec, template_args, call, found.problem)
+        raise _miss_error(spec, template_args, call, problem)
     if spec.archs:
         toolchain.check_buildable(spec.archs)
     with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
-        found = _look_up(spec)  # another process may have built it meanwhile
-        if found.fd is not None:
-            return loader.load_from_fd(found.fd), False
-        if found.problem:
-            logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry,
-                           found.problem)
+        # another process may have built it meanwhile
+        module, archs, problem = _load_cached(spec, build_key)
+        if module:
+            return module, archs, False
+        if problem:
+            logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry, problem)
         module = build_and_publish(spec)
     with _state_lock:
         _builds += 1
-    return module, True
+    return module, spec.archs, True
 
 
 def load_jit(
@@ -260,6 +317,7 @@ def load_jit(
     extra_ldflags: Iterable[str] = (),
     extra_include_paths: Iterable[str | os.PathLike] = (),
     build_directory: str | os.PathLike | None = None,
+    min_arch: str | None = None,
 ) -> tvm_ffi.Module:
     """Build (or find in the cache) and load a module.
 
@@ -269,9 +327,12 @@ def load_jit(
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.
     `build_directory` replaces the cache entry's folder: a new folder, an empty one or one
-    that jitk built before (a folder holding other files is refused). Under
-    JITK_DISABLE_JIT=1 or jitk.disable_jit(), a module not in the cache raises
-    JitCacheMissError.
+    that jitk built before (a folder holding other files is refused). `min_arch` (e.g.
+    "9.0") is the oldest GPU architecture the CUDA code builds for: an older target is
+    refused, naming the module, before anything is compiled. A cached entry built for more
+    architectures than the targets (precompile --arch "8.0 9.0 10.0") serves them when it
+    holds machine code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
+    jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -290,10 +351,16 @@ def load_jit(
     includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
+    if min_arch is not None and not (isinstance(min_arch, str)
+                                     and re.fullmatch(r"\d+\.\d+", min_arch)):
+        raise ValueError(f"load_jit(min_arch=...): expected one architecture such as '9.0', "
+                         f"got {min_arch!r}")
 
     has_cpp = bool(cpp_paths or cpp_exports)
     has_cuda = bool(cuda_paths or cuda_exports)
-    archs = toolchain.target_archs() if has_cuda else ()
+    archs = toolchain.canonical_archs(toolchain.target_archs()) if has_cuda else ()
+    if archs and min_arch is not None:
+        toolchain.check_min_arch(name, archs, min_arch)
     sources = {}  # generated file name -> text: main.cpp for the host compiler, cuda.cu for nvcc
     if has_cpp:
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
@@ -307,21 +374,26 @@ def load_jit(
     }
     compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda))
     kernel_files = cpp_paths + cuda_paths
-    key = _cache_key({"name": name, "archs": archs, "compilers": compilers,
-                      "tvm_ffi": tvm_ffi.__version__, "sources": sources,
-                      "flags": build_flags}, kernel_files)
-    entry = build_dir or cache.cache_root().expanduser().resolve() / f"{name}_{key[:16]}"
-    spec = BuildSpec(name, entry, key, build_dir is not None, archs, sources,
-                     tuple(kernel_files), INCLUDE_DIR, build_flags)
+    # The architectures are not in the build's key but in the folder's name, after it, so
+    # that a process can find an entry built for more architectures than it asks for.
+    build_key = _cache_key({"name": name, "compilers": compilers,
+                            "tvm_ffi": tvm_ffi.__version__, "sources": sources,
+                            "flags": build_flags}, kernel_files)
+    entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
+        name, build_key, archs)
+    spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
+                     sources, tuple(kernel_files), INCLUDE_DIR, build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
             "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
             "cuda_wrappers": cuda_exports, **flags,
             "extra_include_paths": build_flags["include_dirs"][1:],
-            "build_directory": str(build_dir) if build_dir else None}
+            "build_directory": str(build_dir) if build_dir else None,
+            "min_arch": min_arch}
     call = {key: value for key, value in call.items() if value}
-    module, _ = _build_and_load(spec, name_parts[1:], call)
-    if archs:
-        toolchain.check_runs_on_current_gpu(name, archs)
+    module, held, _ = _build_and_load(spec, name_parts[1:], call,
+                                      None if build_dir else build_key)
+    if held:
+        toolchain.check_runs_on_current_gpu(name, held)
     return module

@@ -5,12 +5,15 @@ and which GPU architectures to build for."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+logger = logging.getLogger("jitk")
 
 ARCH_ENV = "JITK_CUDA_ARCH"
 _ARCH_PATTERN = re.compile(r"^(\d+)\.(\d+)([af]?)$")
@@ -20,8 +23,26 @@ class ToolchainError(RuntimeError):
     """The CUDA toolkit, a compiler or the target architecture could not be determined."""
 
 
+# ------------------------------------------------------------------ the CUDA toolkit
+# Where nvcc comes from, first found wins: $JITK_NVCC; $CUDA_HOME (or $CUDA_PATH); the nvcc
+# on PATH; the CUDA 13 wheels of `pip install 'jitk[cuda]'`; /usr/local/cuda.
+NVCC_ENV = "JITK_NVCC"
+ROOT_ENVS = ("CUDA_HOME", "CUDA_PATH")
+WHEEL_ROOT = Path("nvidia", "cu13")  # nvidia-cuda-nvcc/-runtime/-crt/-cccl install here
+DEFAULT_ROOT = Path("/usr/local/cuda")
+
+
 def _is_cuda_root(path: Path) -> bool:
     return (path / "include" / "cuda_runtime.h").is_file() and (path / "bin" / "nvcc").exists()
+
+
+def wheel_root() -> Path | None:
+    """The toolkit the nvidia-cuda-* wheels installed (under site-packages), if any."""
+    for folder in sys.path:
+        root = Path(folder or ".", WHEEL_ROOT)
+        if (root / "bin" / "nvcc").is_file():
+            return root
+    return None
 
 
 def _root_reported_by_nvcc(nvcc: str) -> Path | None:
@@ -39,11 +60,16 @@ def _root_reported_by_nvcc(nvcc: str) -> Path | None:
     return None
 
 
-@functools.cache
-def cuda_home() -> Path:
-    """The CUDA toolkit root: $CUDA_HOME or $CUDA_PATH, else the one nvcc on PATH belongs to,
-    else /usr/local/cuda. Raises ToolchainError saying what was tried."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
+def _explicit_nvcc() -> str | None:
+    value = os.environ.get(NVCC_ENV)
+    if value and not (os.path.isfile(value) and os.access(value, os.X_OK)):
+        raise ToolchainError(f"${NVCC_ENV}={value} is not an executable file; point it at nvcc")
+    return value or None
+
+
+def _root_env() -> tuple[str, Path] | None:
+    """$CUDA_HOME or $CUDA_PATH, checked, when set."""
+    for var in ROOT_ENVS:
         value = os.environ.get(var)
         if value:
             if not _is_cuda_root(Path(value)):
@@ -51,22 +77,62 @@ def cuda_home() -> Path:
                     f"${var}={value} is not a CUDA toolkit (no bin/nvcc and "
                     "include/cuda_runtime.h there); point it at the toolkit root"
                 )
-            return Path(value)
+            return var, Path(value)
+    return None
+
+
+@functools.cache
+def cuda_home() -> Path:
+    """The root of the toolkit whose nvcc builds run (see find_nvcc()). Raises
+    ToolchainError saying what was tried."""
+    explicit = _explicit_nvcc()
+    if not explicit and (found := _root_env()):
+        return found[1]
     tried = []
-    nvcc = shutil.which("nvcc")
+    nvcc = explicit or shutil.which("nvcc")
     if nvcc:
         for candidate in (Path(nvcc).resolve().parent.parent, _root_reported_by_nvcc(nvcc)):
             if candidate is not None and _is_cuda_root(candidate):
                 return candidate
             tried.append(str(candidate))
-    default = Path("/usr/local/cuda")
-    if _is_cuda_root(default):
-        return default
-    tried.append(str(default))
+        if explicit:
+            raise ToolchainError(f"${NVCC_ENV}={explicit} belongs to no CUDA toolkit root "
+                                 f"(tried {', '.join(tried)}: no include/cuda_runtime.h)")
+    for root in (wheel_root(), DEFAULT_ROOT):
+        if root is not None and _is_cuda_root(root):
+            return root
+    tried.append(f"the nvidia-cuda-* wheels, {DEFAULT_ROOT}")
     raise ToolchainError(
         "jitk could not find the CUDA toolkit (looked for nvcc on PATH and at "
-        f"{', '.join(tried)}); install it or set CUDA_HOME to its root"
+        f"{', '.join(tried)}); install one (pip install 'jitk[cuda]' for CUDA 13), or set "
+        "CUDA_HOME to its root"
     )
+
+
+def find_nvcc() -> tuple[Path, str]:
+    """The nvcc that builds run and where it came from: $JITK_NVCC, else $CUDA_HOME's (or
+    $CUDA_PATH's), else the one on PATH, else the nvidia-cuda-nvcc wheel's, else
+    /usr/local/cuda's. Runs no process (unlike cuda_home() on a wrapper script)."""
+    if explicit := _explicit_nvcc():
+        return Path(explicit), NVCC_ENV
+    if found := _root_env():
+        return found[1] / "bin" / "nvcc", found[0]
+    if on_path := shutil.which("nvcc"):
+        return Path(on_path), "PATH"
+    if wheels := wheel_root():
+        return wheels / "bin" / "nvcc", "the nvidia-cuda-nvcc wheel"
+    return cuda_home() / "bin" / "nvcc", str(DEFAULT_ROOT)
+
+
+def cudart_link_flags() -> list[str]:
+    """The linker's flags for the toolkit's libcudart: lib64/libcudart.so in an installed
+    toolkit; the nvidia-cuda-runtime wheel has only lib/libcudart.so.13, named exactly."""
+    root = cuda_home()
+    if (root / "lib64" / "libcudart.so").exists():
+        return [f"-L{root / 'lib64'}", "-lcudart"]
+    for library in sorted((root / "lib").glob("libcudart.so.*")):  # the shortest name first
+        return [f"-L{library.parent}", f"-l:{library.name}"]
+    return [f"-L{root / 'lib64'}", "-lcudart"]  # the linker's error names what is missing
 
 
 def parse_archs(text: str) -> tuple[str, ...]:
@@ -108,15 +174,37 @@ def sm_name(arch: str) -> str:
     return "sm_" + arch.replace(".", "")
 
 
-def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
-    """Whether machine code built for `archs` runs on a GPU of `capability`.
+def _split(arch: str) -> tuple[int, int, str]:
+    major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
+    return int(major), int(minor), suffix
 
-    jitk embeds machine code only (no PTX): plain sm_XY code runs on the same major
-    version with an equal or newer minor; 'a' code runs on exactly that GPU, 'f' code on
-    the same major version."""
+
+def canonical_archs(archs: tuple[str, ...]) -> tuple[str, ...]:
+    """Each architecture once, oldest first: '9.0;8.0;9.0' and '8.0 9.0' build one entry."""
+    return tuple(sorted(set(archs), key=_split))
+
+
+def archs_tag(archs: tuple[str, ...]) -> str:
+    """('8.0', '9.0a') -> 'sm80-90a': the part of an entry's folder name that says what it
+    holds (the cache key leaves the architectures out, so that lookups can match sets)."""
+    return "sm" + "-".join(arch.replace(".", "") for arch in canonical_archs(archs))
+
+
+def ptx_arch(archs: tuple[str, ...]) -> str | None:
+    """The architecture whose PTX a multi-architecture ("fat") build also embeds: its newest
+    generic one, so that a GPU newer than the list still runs the module, compiled by the
+    driver. A single-architecture build holds machine code only."""
+    listed = canonical_archs(archs)
+    generic = [arch for arch in listed if not _split(arch)[2]]
+    return generic[-1] if len(listed) > 1 and generic else None
+
+
+def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
+    """Whether machine code built for `archs` runs on a GPU of `capability`: plain sm_XY
+    code runs on the same major version with an equal or newer minor; 'a' code on exactly
+    that GPU, 'f' code on the same major version. (PTX: see serves().)"""
     for arch in archs:
-        major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
-        major, minor = int(major), int(minor)
+        major, minor, suffix = _split(arch)
         if suffix == "a" and (major, minor) == capability:
             return True
         if suffix in ("", "f") and major == capability[0] and minor <= capability[1]:
@@ -124,11 +212,42 @@ def runs_on(archs: tuple[str, ...], capability: tuple[int, int]) -> bool:
     return False
 
 
+def serves(archs: tuple[str, ...], wanted: str) -> str | None:
+    """How a module built for `archs` serves a process that targets `wanted`: 'sass'
+    (machine code for it), 'ptx' (the embedded PTX, compiled by the driver at load) or
+    None. An architecture-specific target ('9.0a', '10.0f') is served only by itself."""
+    major, minor, suffix = _split(wanted)
+    if suffix:
+        return "sass" if wanted in archs else None
+    if runs_on(archs, (major, minor)):
+        return "sass"
+    ptx = ptx_arch(archs)
+    if ptx is not None and _split(ptx)[:2] <= (major, minor):
+        return "ptx"
+    return None
+
+
+_ptx_noted: list[str] = []  # the first module this process runs through PTX
+
+
+def _note_ptx(module: str, ptx: str, capability: tuple[int, int]) -> None:
+    if _ptx_noted:
+        return
+    _ptx_noted.append(module)
+    logger.warning("jitk: module '%s' has no machine code for sm_%d%d; the driver compiles "
+                   "its compute_%s PTX when it loads (so may other modules; noted once). Add "
+                   "%d.%d to %s, or to precompile's --arch, for machine code", module,
+                   *capability, ptx.replace(".", ""), *capability, ARCH_ENV)
+
+
 def check_runs_on_current_gpu(module: str, archs: tuple[str, ...]) -> None:
     """Fail at load, naming both architectures, rather than at the first launch with
-    'no kernel image is available'."""
+    'no kernel image is available'. Code that runs only through PTX says so, once."""
     capability = current_gpu_capability()
     if capability is None or runs_on(archs, capability):
+        return
+    if serves(archs, f"{capability[0]}.{capability[1]}") == "ptx":
+        _note_ptx(module, ptx_arch(archs), capability)
         return
     import torch
 
@@ -227,12 +346,7 @@ def compiler_versions(compilers: list[str]) -> list[str]:
 
 
 def nvcc_path() -> str:
-    """The nvcc that builds run: $CUDA_HOME's (or $CUDA_PATH's), else the one on PATH, else
-    /usr/local/cuda's. Cheaper than cuda_home(), which may have to ask a wrapper script."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return str(cuda_home() / "bin" / "nvcc")
-    return shutil.which("nvcc") or str(cuda_home() / "bin" / "nvcc")
+    return str(find_nvcc()[0])
 
 
 @functools.cache
@@ -247,6 +361,17 @@ def _supported_archs(nvcc: str) -> tuple[str, ...]:
 def supported_archs() -> tuple[str, ...]:
     """The compute capabilities the installed nvcc can build for ('7.5', ..., '12.1')."""
     return _supported_archs(nvcc_path())
+
+
+def check_min_arch(module: str, archs: tuple[str, ...], min_arch: str) -> None:
+    """Refuses, before any build, to build `module` for an architecture older than the
+    oldest it supports."""
+    too_old = [arch for arch in archs if _split(arch)[:2] < _split(min_arch)[:2]]
+    if too_old:
+        raise ToolchainError(
+            f"jitk module '{module}' cannot be built for "
+            f"{', '.join(sm_name(a) for a in too_old)}: it needs {sm_name(min_arch)} or newer "
+            f"(drop those from {ARCH_ENV} or precompile's --arch)")
 
 
 def check_buildable(archs: tuple[str, ...]) -> None:

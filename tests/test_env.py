@@ -1,0 +1,86 @@
+"""`python -m jitk env`: a report with the same keys on every machine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jitk
+from jitk import cache, env, toolchain
+
+
+def run_env(*args, **settings):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JITK_")}
+    return subprocess.run([sys.executable, "-m", "jitk", "env", *args], capture_output=True,
+                          text=True, env={**clean, **settings}, timeout=120)
+
+
+def fake_entry(cache_dir, name="m_0123456789abcdef_sm90"):
+    entry = cache_dir / name
+    entry.mkdir(parents=True)
+    (entry / "m.so").write_bytes(b"x" * 1000)
+    cache.write_meta(entry, {"module": "m", "library": "m.so", "archs": ["9.0"],
+                             "built_at": 0, "sha256": "", "headers": {}})
+
+
+def assert_stable_keys(report):
+    assert tuple(report) == env.KEYS
+    assert tuple(report["nvcc"]) == env.NVCC_KEYS
+    assert tuple(report["host_compiler"]) == env.COMPILER_KEYS
+    assert tuple(report["nvcc_host_compiler"]) == env.COMPILER_KEYS
+    assert tuple(report["target_archs"]) == env.TARGET_KEYS
+    assert tuple(report["cache"]) == env.CACHE_KEYS
+    assert all(tuple(gpu) == env.GPU_KEYS for gpu in report["gpus"])
+
+
+def test_json_report(tmp_path):
+    fake_entry(tmp_path / "cache")
+    result = run_env("--json", JITK_CUDA_ARCH="9.0;8.0", JITK_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert_stable_keys(report)
+    assert report["jitk"] == jitk.__version__
+    assert report["python"] == sys.version.split()[0]
+    assert report["torch"] and report["tvm_ffi"]
+    assert report["nvcc"]["error"] is None
+    assert report["nvcc"]["version"] == toolchain.compiler_versions([toolchain.nvcc_path()])[0]
+    assert os.path.isfile(report["nvcc"]["path"])
+    for key, compiler in (("host_compiler", toolchain.host_compiler()),
+                          ("nvcc_host_compiler", toolchain.nvcc_host_compiler())):
+        assert report[key]["path"] == compiler
+        assert report[key]["version"] == toolchain.compiler_versions([compiler])[0]
+    assert report["target_archs"] == {"archs": ["8.0", "9.0"], "source": "JITK_CUDA_ARCH",
+                                      "error": None}
+    assert report["cache"] == {"dir": str(tmp_path / "cache"), "entries": 1,
+                               "bytes": cache.folder_size(tmp_path / "cache")}
+    assert report["settings"] == {"JITK_CACHE_DIR": str(tmp_path / "cache"),
+                                  "JITK_CUDA_ARCH": "9.0;8.0"}
+
+
+def test_text_report_says_where_things_come_from(tmp_path):
+    result = run_env(JITK_CUDA_ARCH="9.0", JITK_CACHE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines())
+    assert lines["jitk"].strip() == jitk.__version__
+    assert lines["builds for"].strip() == "sm_90 (JITK_CUDA_ARCH)"
+    assert f"{toolchain.nvcc_path()} (" in lines["nvcc"]
+    assert lines["cache"].strip() == f"{tmp_path}: 0 entries, 0.0 MiB"
+    assert "JITK_CUDA_ARCH=9.0" in lines["settings"]
+
+
+def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
+    def no_nvcc():
+        raise jitk.ToolchainError("jitk could not find the CUDA toolkit")
+
+    monkeypatch.setattr(toolchain, "find_nvcc", no_nvcc)
+    monkeypatch.delenv("JITK_CUDA_ARCH", raising=False)
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(toolchain, "current_gpu_capability", lambda: None)
+    report = env.collect()
+    assert_stable_keys(report)
+    assert report["nvcc"]["path"] is None
+    assert "could not find the CUDA toolkit" in report["nvcc"]["error"]
+    assert report["target_archs"]["archs"] is None
+    assert "set JITK_CUDA_ARCH" in report["target_archs"]["error"]
+    text = env.render(report)
+    assert "nvcc:" in text and "error: jitk could not find the CUDA toolkit" in text
