@@ -37,16 +37,16 @@ context, which they raise too (the process then needs a restart, as after any fa
 Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exit, then to
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
 
-What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256 threads
-each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU gets that many
-fewer SMs (a bf16 GEMM measured 42% slower beside a busy worker of 8 blocks, 11% beside an idle
-one, on an H100: docs/developer_guide/persistent_kernels.md); a worker started while the GPU is full waits
-for SMs like any kernel. And CUDA's lazy module loading (the default) loads a kernel at its
-first launch, and CUDA warns that this loading may wait for the GPU's running work, which a
-resident worker never finishes (jitk.wait_value's docstring measured such hangs behind stream
-waits): run every kernel you will use beside the worker once before `start()`, as the tests
-and the benchmark do. `start()` itself loads the worker's kernel first.
-"""
+What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
+threads each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU gets
+that many fewer SMs (a bf16 GEMM measured 42% slower beside a busy worker of 8 blocks, 11%
+beside an idle one, on an H100: docs/developer_guide/persistent_kernels.md); a worker started
+while the GPU is full waits for SMs like any kernel. And CUDA's lazy module loading (the
+default) loads a kernel at its first launch, and CUDA warns that this loading may wait for the
+GPU's running work, which a resident worker never finishes (jitk.wait_value's docstring
+measured such hangs behind stream waits): run every kernel you will use beside the worker once
+before `start()`, as the tests and the benchmark do. `start()` itself loads the worker's
+kernel first. """
 
 from __future__ import annotations
 
