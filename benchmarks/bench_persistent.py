@@ -35,6 +35,7 @@ from common import device_name, parse_args, print_table, write_json  # noqa: E40
 from persistent_cases import chain_items, chain_worker  # noqa: E402
 
 import jitk  # noqa: E402
+from jitk.timing import median_us  # noqa: E402
 
 N, OPS, SHORT_OPS, BLOCKS = 4096, 180, 18, 8
 GEMM = 8192
@@ -66,18 +67,6 @@ def host_us(fn, steps: int) -> float:
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
-
-
-def event_us(fn, steps: int) -> float:
-    samples = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
     return statistics.median(samples)
 
 
@@ -116,11 +105,11 @@ def main() -> None:
     torch.cuda.synchronize()
     rows = [
         {"how": "(a) 180 eager launches", "step_us": host_us(synced(eager), steps),
-         "events_us": event_us(eager, steps)},
+         "events_us": median_us(eager, repeats=steps, warmup=0)},
         {"how": "(b) CUDA graph replay", "step_us": host_us(synced(graph.replay), steps),
-         "events_us": event_us(graph.replay, steps)},
+         "events_us": median_us(graph.replay, repeats=steps, warmup=0)},
     ]
-    gemm_alone = event_us(gemm, 20)
+    gemm_alone = median_us(gemm, repeats=20, warmup=0)
 
     worker = chain_worker(capacity=1024)
     items, _ = chain_items(x, w, bufs, OPS)
@@ -155,12 +144,12 @@ def main() -> None:
         push_us = statistics.median(push_only)
         per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
 
-        gemm_idle = event_us(gemm, 20)
+        gemm_idle = median_us(gemm, repeats=20, warmup=0)
         carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
         gemm_carved = None
         if carveout is not None:  # cuBLAS told to leave the worker's SMs alone
             carveout(BLOCKS)
-            gemm_carved = event_us(gemm, 20)
+            gemm_carved = median_us(gemm, repeats=20, warmup=0)
             carveout(None)
         running = threading.Event()
         running.set()
@@ -174,7 +163,7 @@ def main() -> None:
         busy = threading.Thread(target=keep_busy)
         busy.start()
         try:
-            gemm_busy = event_us(gemm, 20)
+            gemm_busy = median_us(gemm, repeats=20, warmup=0)
         finally:
             running.clear()
             busy.join(timeout=60)

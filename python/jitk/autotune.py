@@ -36,7 +36,7 @@ import torch
 
 from . import __version__
 from .cache import cache_root
-from .custom_op import OpInfo, find_op
+from .custom_op import OpInfo, find_op, op_info
 from .lock import build_lock, lock_path
 from .timing import captured_graph
 
@@ -199,7 +199,7 @@ class TuningSpace:
 
     def attach(self, op: Callable | OpInfo | str) -> TuningSpace:
         """Records this space as the op's (OpInfo.tuning); returns self."""
-        info = _info(op)
+        info = op_info(op, "autotune")
         self.op, info.tuning = info.name, self
         return self
 
@@ -281,17 +281,6 @@ def _jsonable(bucket: tuple) -> list:
     return [str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for v in bucket]
 
 
-def _info(op: Callable | OpInfo | str) -> OpInfo:
-    if isinstance(op, OpInfo):
-        return op
-    if isinstance(op, str):
-        return find_op(op)
-    info = getattr(op, "info", None)
-    if not isinstance(info, OpInfo):
-        raise TypeError(f"expected a jitk op (function, OpInfo or name), got {op!r}")
-    return info
-
-
 # ---------------------------------------------------------------------------- tuning
 def _build_candidate(op: str, bucket: tuple, config: dict) -> None:
     from . import registry
@@ -352,7 +341,7 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
     and, with `save`, recorded in the tuning file."""
     from .testing import compare_with_reference
 
-    info = _info(op)
+    info = op_info(op, "autotune")
     space = info.tuning
     if not isinstance(space, TuningSpace):
         raise ValueError(f"tune: {info.name} declares no tuning space")

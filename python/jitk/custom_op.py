@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["OpInfo", "Tolerance", "add_call_wrapper", "find_op", "op", "reference_mode",
+__all__ = ["OpInfo", "Tolerance", "add_call_wrapper", "find_op", "op", "op_info", "reference_mode",
            "registered_ops", "remove_call_wrapper"]
 
 _NONE = type(None)
@@ -439,6 +439,19 @@ def find_op(name: str) -> OpInfo:
             f"{name!r} names {len(found)} ops; give the namespace"
         raise KeyError(f"{problem} (registered: {known})")
     return found[0]
+
+
+def op_info(op: object, caller: str) -> OpInfo:
+    """The OpInfo of a jitk op given as its function, its OpInfo or its name."""
+    if isinstance(op, OpInfo):
+        return op
+    if isinstance(op, str):
+        return find_op(op)
+    info = getattr(op, "info", None)
+    if not isinstance(info, OpInfo):
+        raise TypeError(f"{caller}: expected a jitk op (function, OpInfo or name), got "
+                        f"{_describe(op)}")
+    return info
 
 
 def refresh_all() -> None:

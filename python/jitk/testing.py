@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .custom_op import OpInfo, find_op, reference_mode
+from .custom_op import OpInfo, op_info, reference_mode
 
 __all__ = ["Case", "CaseReport", "ParityError", "check_op", "compare_with_reference"]
 
@@ -64,17 +64,6 @@ class CaseReport:
         return (f"{mark} {self.op} [{self.case}] {self.tensor} {self.dtype}: abs "
                 f"{self.max_abs:.3g} rel {self.max_rel:.3g} ulps {self.max_ulps:.3g}"
                 f"{' ' + self.note if self.note else ''}")
-
-
-def _info(op: object) -> OpInfo:
-    if isinstance(op, OpInfo):
-        return op
-    if isinstance(op, str):
-        return find_op(op)
-    info = getattr(op, "info", None)
-    if not isinstance(info, OpInfo):
-        raise TypeError(f"check_op: expected a jitk op (function, OpInfo or name), got {op!r}")
-    return info
 
 
 def _built(case: Case, device: torch.device, seed: int) -> tuple[tuple, dict, dict]:
@@ -212,7 +201,7 @@ def check_op(op: object, cases: Iterable[Case] | None = None, *, device: str | N
     a GPU) runs the op itself and compares; without, opcheck runs the operator in reference
     mode (see the module docstring). Returns a report per compared tensor and case; raises
     ParityError if any fails (unless told not to)."""
-    info = _info(op)
+    info = op_info(op, "check_op")
     if info.reference is None:
         raise ValueError(f"check_op: {info.name} has no reference; declare one with "
                          "jitk.op(reference=...)")
