@@ -24,6 +24,7 @@ An op body tells the log what it chose (instantiation, method, tuned configurati
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import fnmatch
 import functools
@@ -146,6 +147,7 @@ class _Output:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - process-long
+                atexit.register(self.file.close)  # closed at exit, not left to the collector
             except OSError as error:
                 raise OSError(f"{DEST_ENV}={self.dest!r}: cannot open {path} for the jitk "
                               f"call log: {error.strerror}") from None
