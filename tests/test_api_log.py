@@ -139,6 +139,10 @@ def test_a_shipped_op_logs_its_kernel_before_the_launch_that_fails(logging_at, c
         logged[1]
     assert logged[-1] == ("  note: kernel=jitk::norm::RMSNorm<128, bf16_t>, rows_bucket=4, "
                           "tuning=default")
+    with pytest.raises(RuntimeError, match="Device mismatch"):  # the same shape again
+        jitk.rmsnorm(x, weight)
+    again = lines_of(capsys.readouterr().out)
+    assert again[0].endswith("jitk::rmsnorm call 2") and again[-1] == logged[-1]
 
 
 def test_level_5_statistics_before_and_after(logging_at, capsys):

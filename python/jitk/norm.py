@@ -111,8 +111,9 @@ def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
 
 # Argument types are checked by the operator layer (jitk.op) before the bodies below run;
 # the values the kernel cannot take are refused here, before any module is built. This is
-# every eager call's path: one Python call, the eps check and one dict lookup by exact shape
-# (the tuning space's call cache); the shape bucket is worked out only for a new shape.
+# every eager call's path: one Python call, the eps check, one dict lookup by exact shape
+# (the tuning space's call cache) and the call log's flag; the shape bucket is worked out only
+# for a new shape or a logged call.
 def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float) -> Callable:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
@@ -120,6 +121,8 @@ def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: flo
     kernel = space.calls.get((input.shape, input.dtype))
     if kernel is None:
         kernel = space.calls[input.shape, input.dtype] = space.lookup(_bucket(function, input))
+    if api_log.noting:  # every logged call, not only a shape's first
+        _note_choice(function, _bucket(function, input))
     return kernel
 
 
@@ -129,10 +132,7 @@ def _bucket(function: str, input: torch.Tensor) -> tuple:
     except IndexError:
         raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
                          "(the hidden size)") from None
-    bucket = hidden, input.dtype, _rows_bucket(input, hidden)
-    if api_log.noting:
-        _note_choice(function, bucket)
-    return bucket
+    return hidden, input.dtype, _rows_bucket(input, hidden)
 
 
 def _note_choice(function: str, bucket: tuple) -> None:
