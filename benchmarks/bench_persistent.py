@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
 
 import torch  # noqa: E402
 from common import device_name, parse_args, print_table, write_json  # noqa: E402
-from persistent_cases import chain_items, chain_worker  # noqa: E402
+from persistent_cases import chain_items, chain_worker, test_worker  # noqa: E402
 
 import jitk  # noqa: E402
 from jitk.timing import median_us  # noqa: E402
@@ -43,6 +43,8 @@ GEMM = 8192
 GOAL_STEP_VS_GRAPH = 0.5
 GOAL_ITEM_US = 1.0
 GOAL_GEMM_SLOWDOWN = 0.08
+# An idle block's longest sleep between looks for work: the default, and longer ones.
+IDLE_POLLS_US = (0.256, 2.0, 8.0)
 
 
 def eager_chain(x, w, bufs, n_ops):
@@ -68,6 +70,58 @@ def host_us(fn, steps: int) -> float:
         fn()
         samples.append((time.perf_counter() - start) * 1e6)
     return statistics.median(samples)
+
+
+def empty_item_us(steps: int) -> float:
+    """The worker's own time per item: the slope between chains of 18 and 180 empty items
+    (the test table's `busy` op for 0 ns)."""
+    worker = test_worker(capacity=1024)
+    chains = {n: worker.prepare([("busy", {"ns": 0})] * n, chain=True) for n in (SHORT_OPS, OPS)}
+    worker.start(blocks=BLOCKS)
+    try:
+        times = {n: host_us(lambda b=b: worker.wait(worker.push_many(b)[-1]), steps)
+                 for n, b in chains.items()}
+    finally:
+        worker.stop(timeout=30)
+    return (times[OPS] - times[SHORT_OPS]) / (OPS - SHORT_OPS)
+
+
+def gated_us(fn, repeats: int = 20) -> float:
+    """fn's median GPU time between CUDA events, each run enqueued behind a gate the host
+    opens only after the end event is enqueued: a host thread that waits for the GIL (the
+    busy worker's producer holds it) adds no idle time between the events."""
+    gate = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    samples = []
+    for k in range(1, repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        jitk.stream_wait_value(gate, k, op="geq")
+        start.record()
+        fn()
+        end.record()
+        gate.fill_(k)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def gemm_beside_busy(gemm, step) -> tuple[float, int]:
+    """The GEMM's median time while a host thread keeps pushing chains; and how many ran."""
+    running = threading.Event()
+    running.set()
+    chains = [0]
+
+    def keep_busy():
+        while running.is_set():
+            step()
+            chains[0] += 1
+
+    busy = threading.Thread(target=keep_busy)
+    busy.start()
+    try:
+        return gated_us(gemm), chains[0]
+    finally:
+        running.clear()
+        busy.join(timeout=60)
 
 
 def synced(fn):
@@ -109,17 +163,19 @@ def main() -> None:
         {"how": "(b) CUDA graph replay", "step_us": host_us(synced(graph.replay), steps),
          "events_us": median_us(graph.replay, repeats=steps, warmup=0)},
     ]
-    gemm_alone = median_us(gemm, repeats=20, warmup=0)
+    gated_us(gemm, repeats=3)  # loads the gate's and the GEMM's kernels before any worker
+    gemm_alone = gated_us(gemm)
 
     worker = chain_worker(capacity=1024)
     items, _ = chain_items(x, w, bufs, OPS)
     batch = worker.prepare(items, chain=True)
     short = worker.prepare(items[:SHORT_OPS], chain=True)
+
+    def pushed(prepared):
+        return lambda: worker.wait(worker.push_many(prepared)[-1])
+
     worker.start(blocks=BLOCKS)
     try:
-        def pushed(prepared):
-            return lambda: worker.wait(worker.push_many(prepared)[-1])
-
         def one_by_one():
             last = None
             for op, kwargs in items:
@@ -133,8 +189,6 @@ def main() -> None:
         rows.append({"how": "(c) worker, one batched push", "step_us": batched_us})
         rows.append({"how": "(c) worker, one push per item",
                      "step_us": host_us(one_by_one, max(10, steps // 5))})
-        first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0], factor=1.0)),
-                        steps)
         push_only = []
         for _ in range(steps):
             start = time.perf_counter()
@@ -143,32 +197,35 @@ def main() -> None:
             worker.wait(t)
         push_us = statistics.median(push_only)
         per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
-
-        gemm_idle = median_us(gemm, repeats=20, warmup=0)
-        carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
-        gemm_carved = None
-        if carveout is not None:  # cuBLAS told to leave the worker's SMs alone
-            carveout(BLOCKS)
-            gemm_carved = median_us(gemm, repeats=20, warmup=0)
-            carveout(None)
-        running = threading.Event()
-        running.set()
-        chains = [0]
-
-        def keep_busy():
-            while running.is_set():
-                pushed(batch)()
-                chains[0] += 1
-
-        busy = threading.Thread(target=keep_busy)
-        busy.start()
-        try:
-            gemm_busy = median_us(gemm, repeats=20, warmup=0)
-        finally:
-            running.clear()
-            busy.join(timeout=60)
     finally:
         worker.stop(timeout=30)
+    empty_item = empty_item_us(steps)
+
+    carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    gemm_rows = [{"gemm": f"bf16 {GEMM}^3 alone", "ms": gemm_alone / 1e3, "slowdown": 0.0}]
+    if carveout is not None:  # cuBLAS told to leave the worker's SMs alone, no worker
+        carveout(BLOCKS)
+        carved = gated_us(gemm)
+        carveout(None)
+        gemm_rows.append({"gemm": f"alone, sm_carveout={BLOCKS} (no worker)",
+                          "ms": carved / 1e3, "slowdown": carved / gemm_alone - 1})
+    first_rows = []
+    for idle_poll in IDLE_POLLS_US:
+        worker.start(blocks=BLOCKS, idle_poll_us=idle_poll)
+        try:
+            time.sleep(0.01)
+            first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0],
+                                                              factor=1.0)), steps)
+            first_rows.append({"idle_poll_us": idle_poll, "first_item_us": first})
+            idle = gated_us(gemm)
+            gemm_rows.append({"gemm": f"beside an idle worker (idle_poll_us={idle_poll})",
+                              "ms": idle / 1e3, "slowdown": idle / gemm_alone - 1})
+            busy, chains = gemm_beside_busy(gemm, pushed(batch))
+            gemm_rows.append({"gemm": f"beside a busy worker (idle_poll_us={idle_poll}, "
+                                      f"{chains} chains ran)",
+                              "ms": busy / 1e3, "slowdown": busy / gemm_alone - 1})
+        finally:
+            worker.stop(timeout=30)
 
     graph_us = rows[1]["step_us"]
     for row in rows:
@@ -177,25 +234,20 @@ def main() -> None:
     print(f"{device_name()}; chain of {OPS} ops on 1x{N} bf16; worker on {BLOCKS} blocks")
     print_table("Step time (host issue to host-visible end), median", rows,
                 ["how", "step_us", "events_us", "per_op_us", "vs_graph"])
-    gemm_rows = [{"gemm": f"bf16 {GEMM}^3 alone", "ms": gemm_alone / 1e3, "slowdown": 0.0},
-                 {"gemm": "beside an idle worker", "ms": gemm_idle / 1e3,
-                  "slowdown": gemm_idle / gemm_alone - 1},
-                 {"gemm": f"beside a busy worker ({chains[0]} chains ran)", "ms": gemm_busy / 1e3,
-                  "slowdown": gemm_busy / gemm_alone - 1}]
-    if gemm_carved is not None:
-        gemm_rows.append({"gemm": f"beside an idle worker, sm_carveout={BLOCKS}",
-                          "ms": gemm_carved / 1e3, "slowdown": gemm_carved / gemm_alone - 1})
-    print_table("GEMM beside the worker (CUDA events, median of 20)", gemm_rows,
+    print_table("GEMM beside the worker (CUDA events behind a host-opened gate, median of 20)",
+                gemm_rows,
                 ["gemm", "ms", "slowdown"])
+    print_table("First item: push() to wait() returning, median", first_rows,
+                ["idle_poll_us", "first_item_us"])
     print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us "
-          f"(goal <= {GOAL_ITEM_US}); first item, push to host-visible completion: "
-          f"{first:.1f} us, of which push() on the host {push_us:.1f} us")
+          f"(goal <= {GOAL_ITEM_US}), of which the worker's own (an empty op): "
+          f"{empty_item:.2f} us; push() of one item on the host {push_us:.1f} us")
     print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
           f"{GOAL_STEP_VS_GRAPH}); worst GEMM slowdown: "
           f"{max(r['slowdown'] for r in gemm_rows):+.1%} (goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
     write_json(args.json, {"device": device_name(), "steps": rows, "gemm": gemm_rows,
-                           "per_item_us": per_item, "first_item_us": first,
-                           "push_us": push_us})
+                           "per_item_us": per_item, "empty_item_us": empty_item,
+                           "first_item": first_rows, "push_us": push_us})
 
 
 if __name__ == "__main__":

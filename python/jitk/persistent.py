@@ -80,6 +80,7 @@ _ERRORS = {
     4: "the op of item {ticket} failed with code {detail} (BlockContext::fail)",
 }
 _INT64 = (-(2**63), 2**63 - 1)
+IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
 
 
@@ -261,8 +262,12 @@ class Worker:
         return value
 
     # ------------------------------------------------------------------ running
-    def start(self, blocks: int = 8, *, dependency_timeout: float = 1.0) -> Worker:
-        """Launches `blocks` worker blocks (one SM each) on a stream of their own."""
+    def start(self, blocks: int = 8, *, dependency_timeout: float = 1.0,
+              idle_poll_us: float = IDLE_POLL_US) -> Worker:
+        """Launches `blocks` worker blocks (one SM each) on a stream of their own.
+        `idle_poll_us` bounds an idle block's sleep between looks for new work (each a PCIe
+        read of the ring): longer costs the GPU's other kernels less and a new item more
+        latency."""
         if self._running:
             raise RuntimeError("this worker is already running; stop() it first")
         if not isinstance(blocks, int) or blocks < 1:
@@ -270,6 +275,8 @@ class Worker:
         if not 0 < dependency_timeout <= 3600:
             raise ValueError(f"dependency_timeout must be in (0, 3600] seconds, got "
                              f"{dependency_timeout!r}")
+        if not 0.032 <= idle_poll_us <= 1000:
+            raise ValueError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a worker cannot start inside CUDA graph capture: it would be "
                                "captured as a node that never finishes, not launched")
@@ -293,7 +300,8 @@ class Worker:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
         self._ended = torch.cuda.Event()
         self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
-                             int(dependency_timeout * 1e9), self._stream.cuda_stream)
+                             int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
+                             self._stream.cuda_stream)
         self._ended.record(self._stream)
         self._running, self._stopping = True, False
         return self

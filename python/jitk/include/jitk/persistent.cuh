@@ -18,17 +18,17 @@
 // Memory model (PTX ISA, "Memory Consistency Model"). Every hand-off is a release store paired
 // with an acquire load of the same word, at the narrowest scope that holds both sides:
 // - host producer -> worker: the host writes an item's words, then its ticket word with release
-//   (publish()); the worker's thread 0 reads the ticket with ld.acquire.sys, then the words. sys,
+//   (publish()); the worker's warp 0 reads tickets with ld.acquire.sys, then the words. sys,
 //   because the writer is a CPU thread. No volatile or __ldg: the read-only path may keep a stale
 //   line forever, and volatile alone orders nothing.
 // - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
 // - worker -> other blocks, later work on this GPU, and the host (completion): the block's
-//   threads meet at __syncthreads(), then a thread runs fence.acq_rel.gpu and stores the
-//   ticket (a release at GPU scope; see complete()). PTX release is cumulative: the writes the
-//   barrier ordered before that thread (every thread's part of the op's output) are published
-//   with it. Other blocks read the counter with ld.acquire.gpu, the host with an acquire load;
-//   what the host then does through CUDA (a copy, a kernel, a stream waiting on the counter)
-//   reads the GPU's memory after it.
+//   threads meet at __syncthreads() after the last item of a run, then threads run
+//   fence.acq_rel.gpu and store the run's tickets (releases at GPU scope; see complete_run()).
+//   PTX release is cumulative: the writes the barrier ordered before those threads (every
+//   thread's part of every op's output) are published with them. Other blocks read the counter with
+//   ld.acquire.gpu, the host with an acquire load; what the host then does through CUDA (a copy, a
+//   kernel, a stream waiting on the counter) reads the GPU's memory after it.
 // - claims (ticket counters in GPU memory) are relaxed atomics: they order nothing; the slot's
 //   ticket word, read with acquire, says whether the item is there.
 //
@@ -92,6 +92,7 @@ struct Queue {
   Item* device_items;      // GPU
   int64_t mask;            // capacity - 1 (a power of two)
   int64_t budget_ns;       // the longest any wait inside the worker may take
+  int64_t idle_sleep_ns;   // the longest sleep between an idle block's looks for work
 };
 
 // ---------------------------------------------------------------------------------------
@@ -136,15 +137,18 @@ __device__ __forceinline__ int64_t now_ns() {
   return t;
 }
 
-// Polls back off from kFirstSleepNs, doubling to kMaxSleepNs: an item already there costs one
-// read, a new one is seen at most about kMaxSleepNs (plus a PCIe read) late.
+// Polls back off from kFirstSleepNs, doubling to a bound: an item already there costs one
+// read, a new one is seen at most about the bound (plus a PCIe read) late. Dependency and
+// ring waits use kMaxSleepNs; an idle block's search for work uses Queue::idle_sleep_ns,
+// since each of its looks is a PCIe read that other kernels' memory traffic shares.
 inline constexpr unsigned kFirstSleepNs = 32;
 inline constexpr unsigned kMaxSleepNs = 256;
 struct Backoff {
   unsigned ns = kFirstSleepNs;
+  unsigned bound = kMaxSleepNs;
   __device__ void sleep() {
     __nanosleep(ns);
-    ns = min(2 * ns, kMaxSleepNs);
+    ns = min(2 * ns, bound);
   }
 };
 
@@ -239,8 +243,10 @@ class TableContext : public BlockContext {
 // The worker kernel.
 
 // Host items one block claims at once: a run of items each of which waits for the one before
-// (a chain) goes to one block, which runs them in order with no hand-off between SMs.
-inline constexpr int kMaxRun = 32;
+// (a chain) goes to one block, which runs them in order with no hand-off between SMs. Warp 0
+// looks at kSlotsPerLane slots a lane, all in flight at once.
+inline constexpr int kSlotsPerLane = 4;
+inline constexpr int kMaxRun = kSlotsPerLane * kWarpThreads;
 inline constexpr unsigned kAllLanes = 0xffffffffu;
 
 // A device-ring item (lane 0 of warp 0), claimed only once published.
@@ -256,8 +262,10 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
 
 // Warp 0 claims the published host items from the head on that form a chain (item k + 1 waits
 // for item k), at most kMaxRun, into items[]. Returns how many, 0 when the head item is not
-// published, -1 when another block claimed first. Only lane 0 polls (one PCIe read); the
-// lanes read the rest of a run in parallel, each ordering its item's words after its ticket.
+// published, -1 when another block claimed first. Only lane 0 polls (one PCIe read). Then two
+// more round trips for a whole run: every lane reads its slots' tickets (acquire), then the
+// words of those that are published, straight into items[] (which nothing else reads while
+// warp 0 searches); the words decide where the chain ends.
 __device__ inline int claim_host_run(const Queue& q, Item* items) {
   const int lane = threadIdx.x;
   int64_t h = 0;
@@ -268,15 +276,25 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
   }
   if (!__shfl_sync(kAllLanes, published, 0)) return 0;
   h = __shfl_sync(kAllLanes, h, 0);
-  const int64_t t = h + lane;
-  const Item* slot = &q.host_items[t & q.mask];
-  const bool joins = lane == 0 || (load_acquire_sys(&slot->ticket) == t && slot->after == t - 1);
-  const unsigned left_out = __ballot_sync(kAllLanes, !joins);
-  const int run = left_out ? __ffs(left_out) - 1 : kMaxRun;
+  bool ready[kSlotsPerLane];
+#pragma unroll
+  for (int k = 0; k < kSlotsPerLane; ++k) {
+    const int64_t t = h + k * kWarpThreads + lane;
+    ready[k] = load_acquire_sys(&q.host_items[t & q.mask].ticket) == t;
+  }
+  int run = kMaxRun;
+#pragma unroll
+  for (int k = 0; k < kSlotsPerLane; ++k) {
+    const int index = k * kWarpThreads + lane;
+    const int64_t t = h + index;
+    if (ready[k]) items[index] = q.host_items[t & q.mask];  // ordered after its acquire
+    const bool joins = index == 0 || (ready[k] && items[index].after == t - 1);
+    const unsigned left_out = __ballot_sync(kAllLanes, !joins);
+    if (left_out != 0) run = min(run, k * kWarpThreads + __ffs(left_out) - 1);
+  }
   bool won = false;
   if (lane == 0) won = atomic_cas_gpu(&q.state[kHostHead], h, h + run);
   if (!__shfl_sync(kAllLanes, won, 0)) return -1;
-  if (lane < run) items[lane] = *slot;
   return run;
 }
 
@@ -284,7 +302,7 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
 // host ring. Returns the number of items in items[], or 0 when the block should exit.
 __device__ inline int next_run(const Queue& q, Item* items) {
   const int lane = threadIdx.x;
-  Backoff backoff;
+  Backoff backoff{kFirstSleepNs, static_cast<unsigned>(q.idle_sleep_ns)};
   bool draining = false;
   for (unsigned polls = 0;; ++polls) {
     const bool device = lane == 0 && try_device_item(q, items[0]);
@@ -316,24 +334,28 @@ __device__ inline bool dispatch(const Item& item, TableContext<Ops...>& ctx) {
   return known;
 }
 
-// A completion is a GPU-scope release: fence.acq_rel.gpu, then a relaxed store of the ticket
-// (a fence before a strong store is a release in PTX). Two threads do it, each with its own
-// fence, so the counter in pinned memory (a PCIe write) never holds up the next item's:
-// thread 0 the counter other blocks wait on, thread 32 the host's.
-// Not system scope: a fence.sys waits for earlier PCIe writes to land (with one an item, a
-// chain took 6.1 us an item on an H100). An op whose results the host or another device reads in
-// host memory ends with
-// __syncthreads() and one thread's __threadfence_system().
-__device__ inline void complete(const Queue& q, int64_t ticket) {
-  const int64_t t = ticket & ~kDeviceTicket;
-  const bool device = (ticket & kDeviceTicket) != 0;
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    store_relaxed((device ? q.device_done : q.host_done_gpu) + (t & q.mask), t);
-  } else if (threadIdx.x == kWarpThreads && !device) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    store_relaxed(&q.host_done[t & q.mask], t);
-  }
+// A run's completions, published once the block has run all of it: tickets first..first+count-1
+// (a run of host items is consecutive; a device item comes alone). Within a run nothing waits
+// on these counters (the block runs a chain in order, separated by barriers), and a fence
+// costs an L2 round trip, so one fence a run, not one an item: an item's counter is late by
+// at most the rest of its run. Each counter is a GPU-scope release: a fence.acq_rel.gpu, then
+// a relaxed store of the ticket (a fence before a strong store is a release in PTX),
+// cumulative over the writes the last barrier ordered before it. Warp 0 stores the counters
+// other blocks wait on, warp 1 the host's in pinned memory, so that those PCIe writes never
+// hold up warp 0's next search (a later fence in warp 0 would wait for them).
+// Not system scope: a fence.sys waits for earlier PCIe writes to land. An op whose results the
+// host or another device reads in host memory ends with __syncthreads() and one thread's
+// __threadfence_system().
+__device__ inline void complete_run(const Queue& q, int64_t first, int count) {
+  const int warp = threadIdx.x / kWarpThreads;
+  const int lane = threadIdx.x % kWarpThreads;
+  const bool device = (first & kDeviceTicket) != 0;
+  if (warp > 1 || (warp == 1 && device)) return;
+  int64_t* done = warp == 1 ? q.host_done : (device ? q.device_done : q.host_done_gpu);
+  const int64_t t0 = first & ~kDeviceTicket;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  for (int i = lane; i < count; i += kWarpThreads)
+    store_relaxed(done + ((t0 + i) & q.mask), t0 + i);
 }
 
 template <typename... Ops>
@@ -348,27 +370,26 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
     __syncthreads();
     const int found = count;  // read once: warp 0 rewrites it for the next run
     if (found == 0) return;
+    // Read before the last barrier: once it is passed, warp 0 refills items[].
+    const int64_t first = items[0].ticket;
+    // A failed dependency fails the item too; it is still completed so nothing waits on it.
+    // Only the first item of a run can wait: each later one waits for the item before it,
+    // which this block has just run (the barrier after it orders its writes).
+    if (threadIdx.x == 0 && items[0].after != kNoDependency && !wait_for(q, items[0].after)) {
+      record_error(q, kDependencyTimeout, first, items[0].after);
+      items[0].op = -1;
+    }
+    __syncthreads();
     for (int i = 0; i < found; ++i) {
-      Item& item = items[i];
-      // Read before the barriers: once the last one is passed, warp 0 refills items[].
-      const int64_t ticket = item.ticket;
-      // A failed dependency fails this item too; it is still completed so nothing waits on it.
-      // Within a run the dependency is the item before, which this block has just done.
-      const bool waits =
-          item.after != kNoDependency && (i == 0 || item.after != items[i - 1].ticket);
-      if (threadIdx.x == 0 && waits && !wait_for(q, item.after)) {
-        record_error(q, kDependencyTimeout, item.ticket, item.after);
-        item.op = -1;
-      }
-      __syncthreads();
+      const Item& item = items[i];
       if (item.op >= 0) {
         TableContext<Ops...> ctx(q, item.ticket);
         const bool known = dispatch<Ops...>(item, ctx);
         if (!known && threadIdx.x == 0) record_error(q, kUnknownOp, item.ticket, item.op);
       }
-      __syncthreads();  // every thread's writes, then the releases (cumulative) in complete()
-      complete(q, ticket);
+      __syncthreads();  // every thread's writes: for the next item, then the run's releases
     }
+    complete_run(q, first, found);
   }
 }
 
@@ -495,7 +516,7 @@ struct Worker {
   }
 
   static void launch(TensorView ring, TensorView done, TensorView host_words, TensorView state,
-                     int64_t blocks, int64_t budget_ns, int64_t stream) {
+                     int64_t blocks, int64_t budget_ns, int64_t idle_sleep_ns, int64_t stream) {
     const int64_t capacity = ring.numel() / kItemWords;
     RuntimeCheck(capacity >= 16 && (capacity & (capacity - 1)) == 0,
                  "the ring's capacity must be a power of two >= 16, got ", capacity);
@@ -503,6 +524,8 @@ struct Worker {
                      state.numel() == kStateHeaderWords + (2 + kItemWords) * capacity,
                  "'state' must be a contiguous int64 tensor of ",
                  kStateHeaderWords + (2 + kItemWords) * capacity, " elements");
+    RuntimeCheck(idle_sleep_ns >= kFirstSleepNs && idle_sleep_ns <= 1'000'000,
+                 "idle_sleep_ns must be ", kFirstSleepNs, " to 1000000, got ", idle_sleep_ns);
     RuntimeCheck(blocks >= 1 && blocks <= max_blocks(state.device().device_id),
                  "blocks must be 1 to ", max_blocks(state.device().device_id), ", got ", blocks);
     host_words_of(done, capacity, "done");
@@ -516,7 +539,8 @@ struct Worker {
                   gpu + kStateHeaderWords + capacity,
                   reinterpret_cast<Item*>(gpu + kStateHeaderWords + 2 * capacity),
                   capacity - 1,
-                  budget_ns};
+                  budget_ns,
+                  idle_sleep_ns};
     const DeviceGuard on(state.device().device_id);
     LaunchKernel(static_cast<unsigned>(blocks), kBlockThreads,
                  reinterpret_cast<cudaStream_t>(stream))(kernel, q);
