@@ -154,6 +154,8 @@ def test_not_running_refusals(chain):
                  kind=ValueError)
     expect_error(lambda: chain.start(dependency_timeout=0), "dependency_timeout must be in",
                  kind=ValueError)
+    expect_error(lambda: chain.start(stream="side"), "stream must be a torch.cuda.Stream",
+                 kind=ValueError)
     for idle_poll_us in (0, 0.01, 2000):
         expect_error(lambda v=idle_poll_us: chain.start(idle_poll_us=v),
                      "idle_poll_us must be in [0.032, 1000]", kind=ValueError)

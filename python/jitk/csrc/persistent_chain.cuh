@@ -32,6 +32,10 @@ __device__ __forceinline__ void for_each_vec(int64_t n, F&& f) {
 
 // y = rmsnorm(x) * w over one row of n.
 struct RMSNorm {
+  // Rows of up to kThreads * kVec * kHeldVecs elements stay in registers between the sum and
+  // the scaling, and the weight loads go out with the row's: one memory round trip an item,
+  // where the general path below takes two (a chain's item time is mostly such trips).
+  static constexpr int kHeldVecs = 2;
   struct Args {
     const bf16_t* x;
     const bf16_t* w;
@@ -45,6 +49,7 @@ struct RMSNorm {
     const auto* xv = reinterpret_cast<const Vec*>(a.x);
     const auto* wv = reinterpret_cast<const Vec*>(a.w);
     auto* yv = reinterpret_cast<Vec*>(a.y);
+    if (vec && a.n <= kThreads * kVec * kHeldVecs) return run_held(a, xv, wv, yv, scratch);
     float sum = 0.0f;
     if (vec) {
       for_each_vec(a.n, [&](int64_t v) {
@@ -58,8 +63,7 @@ struct RMSNorm {
         sum += v * v;
       }
     }
-    const float total = device::block_sum<kThreads>(sum, scratch);
-    const float scale = rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
+    const float scale = inverse_rms(sum, a, scratch);
     if (vec) {
       for_each_vec(a.n, [&](int64_t v) {
         const Vec x = xv[v], w = wv[v];
@@ -74,6 +78,42 @@ struct RMSNorm {
       for (int64_t i = threadIdx.x; i < a.n; i += kThreads) {
         a.y[i] = __float2bfloat16(__bfloat162float(a.x[i]) * scale * __bfloat162float(a.w[i]));
       }
+    }
+  }
+
+  static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
+    const float total = device::block_sum<kThreads>(sum, scratch);
+    return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
+  }
+
+  static __device__ void run_held(const Args& a, const Vec* xv, const Vec* wv, Vec* yv,
+                                  float* scratch) {
+    Vec x[kHeldVecs], w[kHeldVecs];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kHeldVecs; ++j) {
+      const int64_t v = threadIdx.x + j * kThreads;
+      if (v >= a.n / kVec) continue;
+      x[j] = xv[v];
+      w[j] = wv[v];
+    }
+#pragma unroll
+    for (int j = 0; j < kHeldVecs; ++j) {
+      if (threadIdx.x + j * kThreads >= a.n / kVec) continue;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) sum += __bfloat162float(x[j][k]) * __bfloat162float(x[j][k]);
+    }
+    const float scale = inverse_rms(sum, a, scratch);
+#pragma unroll
+    for (int j = 0; j < kHeldVecs; ++j) {
+      const int64_t v = threadIdx.x + j * kThreads;
+      if (v >= a.n / kVec) continue;
+      Vec y;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        y[k] = __float2bfloat16(__bfloat162float(x[j][k]) * scale * __bfloat162float(w[j][k]));
+      }
+      yv[v] = y;
     }
   }
 };
