@@ -90,6 +90,7 @@ def placements(can_carve: bool):
     """(label, idle_poll_us, worker on a green context of its own, cuBLAS told to leave the
     worker's SMs) for each way of running the worker beside the GEMM."""
     rows = [(f"idle_poll_us={us}", us, False, False) for us in IDLE_POLLS_US]
+    rows += [(f"{n} block{'s' * (n > 1)}", IDLE_POLLS_US[-1], False, False) for n in (1, 2)]
     rows.append(("green context", IDLE_POLLS_US[-1], True, False))
     if can_carve:
         rows.append((f"sm_carveout={BLOCKS}", IDLE_POLLS_US[-1], False, True))
@@ -232,12 +233,21 @@ def main() -> None:
         carveout(None)
         gemm_rows.append({"gemm": f"alone, sm_carveout={BLOCKS} (no worker)",
                           "ms": carved / 1e3, "slowdown": carved / gemm_alone - 1})
+    # Control: no worker, one thread spinning in a kernel on another stream for the GEMMs.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(2e9))  # about a second at the H100's clocks
+    spun = gated_us(gemm)
+    side.synchronize()
+    gemm_rows.append({"gemm": "beside a 1-thread spin kernel (no worker)", "ms": spun / 1e3,
+                      "slowdown": spun / gemm_alone - 1})
     first_rows = []
     for label, idle_poll, green, carved in placements(carveout is not None):
         stream = green_stream(BLOCKS) if green else None
         if green and stream is None:
             continue
-        worker.start(blocks=BLOCKS, idle_poll_us=idle_poll, stream=stream)
+        blocks = int(label.split()[0]) if label.endswith(("block", "blocks")) else BLOCKS
+        worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=stream)
         try:
             if carved:
                 carveout(BLOCKS)
@@ -274,7 +284,7 @@ def main() -> None:
     print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
           f"{GOAL_STEP_VS_GRAPH})")
     for state in ("idle", "busy"):
-        best = min((r for r in gemm_rows if f"a {state} worker" in r["gemm"]),
+        best = min((r for r in gemm_rows if f"{state} worker" in r["gemm"]),
                    key=lambda r: r["slowdown"])
         print(f"GEMM slowdown beside a {state} worker, best placement: {best['slowdown']:+.1%} "
               f"({best['gemm']}; goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
