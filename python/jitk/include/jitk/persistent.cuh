@@ -245,7 +245,7 @@ class TableContext : public BlockContext {
 // Host items one block claims at once: a run of items each of which waits for the one before
 // (a chain) goes to one block, which runs them in order with no hand-off between SMs. Warp 0
 // looks at kSlotsPerLane slots a lane, all in flight at once.
-inline constexpr int kSlotsPerLane = 4;
+inline constexpr int kSlotsPerLane = 8;
 inline constexpr int kMaxRun = kSlotsPerLane * kWarpThreads;
 inline constexpr unsigned kAllLanes = 0xffffffffu;
 
