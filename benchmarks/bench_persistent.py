@@ -87,14 +87,15 @@ def empty_item_us(steps: int) -> float:
 
 
 def placements(can_carve: bool):
-    """(label, idle_poll_us, worker on a green context of its own, cuBLAS told to leave the
-    worker's SMs) for each way of running the worker beside the GEMM."""
-    rows = [(f"idle_poll_us={us}", us, False, False) for us in IDLE_POLLS_US]
-    rows += [(f"{n} block{'s' * (n > 1)}", IDLE_POLLS_US[-1], False, False) for n in (1, 2)]
+    """(label, idle_poll_us, worker on a green context of its own, SMs cuBLAS is told to leave
+    free, 0 for none) for each way of running the worker beside the GEMM."""
+    rows = [(f"idle_poll_us={us}", us, False, 0) for us in IDLE_POLLS_US]
+    rows += [(f"{n} block{'s' * (n > 1)}", IDLE_POLLS_US[0], False, 0) for n in (1, 2)]
     rows.append(("green context", IDLE_POLLS_US[-1], True, False))
     if can_carve:
-        rows.append((f"sm_carveout={BLOCKS}", IDLE_POLLS_US[-1], False, True))
-        rows.append((f"green context, sm_carveout={BLOCKS}", IDLE_POLLS_US[-1], True, True))
+        for carve in (BLOCKS, 2 * BLOCKS):
+            rows.append((f"sm_carveout={carve}", IDLE_POLLS_US[-1], False, carve))
+            rows.append((f"green context, sm_carveout={carve}", IDLE_POLLS_US[-1], True, carve))
     return rows
 
 
@@ -250,7 +251,7 @@ def main() -> None:
         worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=stream)
         try:
             if carved:
-                carveout(BLOCKS)
+                carveout(carved)
             time.sleep(0.01)
             first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0],
                                                               factor=1.0)), steps)

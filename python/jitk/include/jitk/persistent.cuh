@@ -18,9 +18,10 @@
 // Memory model (PTX ISA, "Memory Consistency Model"). Every hand-off is a release store paired
 // with an acquire load of the same word, at the narrowest scope that holds both sides:
 // - host producer -> worker: the host writes an item's words, then its ticket word with release
-//   (publish()); the worker's warp 0 reads tickets with ld.acquire.sys, then the words. sys,
-//   because the writer is a CPU thread. No volatile or __ldg: the read-only path may keep a stale
-//   line forever, and volatile alone orders nothing.
+//   (publish()); the worker's warp 0 reads tickets (relaxed), fences (fence.acq_rel.sys: an
+//   acquire with those reads), then reads the words. sys, because the writer is a CPU thread. No
+//   volatile or __ldg: the read-only path may keep a stale line forever, and volatile alone orders
+//   nothing.
 // - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
 // - worker -> other blocks, later work on this GPU, and the host (completion): the block's
 //   threads meet at __syncthreads() after the last item of a run, then threads run
@@ -98,15 +99,20 @@ struct Queue {
 // ---------------------------------------------------------------------------------------
 // Device side: loads and stores with explicit order and scope.
 
-__device__ __forceinline__ int64_t load_acquire_sys(const int64_t* p) {
+// Polls are relaxed loads, acquired with a fence only once a poll sees what it waits for (a
+// relaxed read, then fence.acq_rel, is an acquire pattern in PTX): an idle worker polls all
+// the time, and a GEMM beside one that polled with ld.acquire.sys ran up to 3x slower on an H100
+// (benchmarks/bench_persistent.py).
+__device__ __forceinline__ int64_t load_relaxed_sys(const int64_t* p) {
   int64_t v;
-  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ int64_t load_acquire_gpu(const int64_t* p) {
-  int64_t v;
-  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ void fence_acquire_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ void fence_acquire_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 __device__ __forceinline__ int64_t load_relaxed_gpu(const int64_t* p) {
   int64_t v;
@@ -162,8 +168,12 @@ __device__ __forceinline__ void record_error(const Queue& q, int64_t code, int64
   store_release_sys(&q.host_words[kError], code);
 }
 
+// The host's stop order, acquired once it is other than kRun (a drain must see the items
+// pushed before it).
 __device__ __forceinline__ int64_t stop_word(const Queue& q) {
-  return load_acquire_sys(&q.host_words[kStop]);
+  const int64_t stop = load_relaxed_sys(&q.host_words[kStop]);
+  if (stop != kRun) fence_acquire_sys();
+  return stop;
 }
 
 // Whether `ticket` (host, or device with kDeviceTicket) is done, waiting at most the budget.
@@ -174,11 +184,12 @@ __device__ inline bool wait_for(const Queue& q, int64_t ticket) {
   const int64_t* done = (device ? q.device_done : q.host_done_gpu) + (t & q.mask);
   const int64_t deadline = now_ns() + q.budget_ns;
   Backoff backoff;
-  for (unsigned polls = 0; load_acquire_gpu(done) < t; ++polls) {
+  for (unsigned polls = 0; load_relaxed_gpu(done) < t; ++polls) {
     // The stop word is a PCIe read, kept off most polls as in next_run().
     if (now_ns() > deadline || (polls % 16 == 15 && stop_word(q) == kAbort)) return false;
     backoff.sleep();
   }
+  fence_acquire_gpu();  // an acquire, with the read that saw the ticket done
   return true;
 }
 
@@ -223,13 +234,14 @@ class TableContext : public BlockContext {
     // The slot is free once the item capacity tickets back is done (its words were read).
     const int64_t deadline = now_ns() + q_.budget_ns;
     Backoff backoff;
-    while (load_acquire_gpu(&q_.device_done[t & q_.mask]) < t - (q_.mask + 1)) {
+    while (load_relaxed_gpu(&q_.device_done[t & q_.mask]) < t - (q_.mask + 1)) {
       if (now_ns() > deadline) {
         record_error(q_, kDeviceRingFull, ticket_, t);
         return kNoDependency;
       }
       backoff.sleep();
     }
+    fence_acquire_gpu();  // the slot's last reader is done before it is rewritten
     Item* slot = &q_.device_items[t & q_.mask];
     slot->op = kIndexOf<Op, Ops...>;
     slot->after = after;
@@ -253,9 +265,10 @@ inline constexpr unsigned kAllLanes = 0xffffffffu;
 __device__ inline bool try_device_item(const Queue& q, Item& out) {
   const int64_t h = load_relaxed_gpu(&q.state[kDeviceHead]);
   const Item* slot = &q.device_items[h & q.mask];
-  if (load_acquire_gpu(&slot->ticket) != h) return false;
+  if (load_relaxed_gpu(&slot->ticket) != h) return false;
   if (!atomic_cas_gpu(&q.state[kDeviceHead], h, h + 1)) return false;
-  out = *slot;  // ordered after the acquire above; the slot is not reused until out completes
+  fence_acquire_gpu();  // an acquire, with the read of the ticket
+  out = *slot;          // the slot is not reused until out completes
   out.ticket = h | kDeviceTicket;
   return true;
 }
@@ -263,7 +276,7 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
 // Warp 0 claims the published host items from the head on that form a chain (item k + 1 waits
 // for item k), at most kMaxRun, into items[]. Returns how many, 0 when the head item is not
 // published, -1 when another block claimed first. Only lane 0 polls (one PCIe read). Then two
-// more round trips for a whole run: every lane reads its slots' tickets (acquire), then the
+// more round trips for a whole run: every lane reads its slots' tickets, fences, then reads the
 // words of those that are published, straight into items[] (which nothing else reads while
 // warp 0 searches); the words decide where the chain ends.
 __device__ inline int claim_host_run(const Queue& q, Item* items) {
@@ -272,7 +285,7 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
   bool published = false;
   if (lane == 0) {
     h = load_relaxed_gpu(&q.state[kHostHead]);
-    published = load_acquire_sys(&q.host_items[h & q.mask].ticket) == h;
+    published = load_relaxed_sys(&q.host_items[h & q.mask].ticket) == h;
   }
   if (!__shfl_sync(kAllLanes, published, 0)) return 0;
   h = __shfl_sync(kAllLanes, h, 0);
@@ -280,8 +293,9 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
 #pragma unroll
   for (int k = 0; k < kSlotsPerLane; ++k) {
     const int64_t t = h + k * kWarpThreads + lane;
-    ready[k] = load_acquire_sys(&q.host_items[t & q.mask].ticket) == t;
+    ready[k] = load_relaxed_sys(&q.host_items[t & q.mask].ticket) == t;
   }
+  fence_acquire_sys();  // with the relaxed reads above: the published items' words come after
   int run = kMaxRun;
 #pragma unroll
   for (int k = 0; k < kSlotsPerLane; ++k) {
