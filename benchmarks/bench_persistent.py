@@ -222,6 +222,17 @@ def main() -> None:
             worker.wait(t)
         push_us = statistics.median(push_only)
         per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
+        # The host's share of a step: the batched push alone, and a wait that finds its item
+        # already done.
+        host_push, host_wait = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            last = worker.push_many(batch)[-1]
+            host_push.append((time.perf_counter() - start) * 1e6)
+            worker.wait(last)
+            start = time.perf_counter()
+            worker.wait(last)
+            host_wait.append((time.perf_counter() - start) * 1e6)
     finally:
         worker.stop(timeout=30)
     empty_item = empty_item_us(steps)
@@ -282,6 +293,9 @@ def main() -> None:
     print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us "
           f"(goal <= {GOAL_ITEM_US}), of which the worker's own (an empty op): "
           f"{empty_item:.2f} us; push() of one item on the host {push_us:.1f} us")
+    print(f"host share of a step: push_many() of the prepared chain "
+          f"{statistics.median(host_push):.1f} us, wait() for a done item "
+          f"{statistics.median(host_wait):.1f} us")
     print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
           f"{GOAL_STEP_VS_GRAPH})")
     for state in ("idle", "busy"):
