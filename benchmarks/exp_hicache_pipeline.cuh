@@ -284,7 +284,8 @@ struct Pipeline {
       const int64_t count = std::min(c.chunk_pages, c.pages - first);
       const int64_t slot = chunk % c.slots;
       char* staged = c.stage_host + slot * slot_bytes;
-      if (chunk >= c.slots) wait_event(r.events[slot], "load-back: a staging slot's copy");
+      // Also a slot whose copy an earlier call left in flight (a fresh event reads done).
+      wait_event(r.events[slot], "load-back: a staging slot's copy");
       workers.run([&](int w, int n) {
         int64_t a, b;
         share(c.caches * count, w, n, a, b);  // pieces of K, then of V
