@@ -36,14 +36,15 @@ wait
 tail -n 3 "$out"/build_*.log
 
 echo "== staged write-back: jitk vs SGLang 0.5.23 =="
-timeout 100 python3 benchmarks/bench_hicache.py --staged --peers --skip-overlap --skip-solo \
+timeout 80 python3 benchmarks/bench_hicache.py --staged --peers --skip-overlap --skip-solo \
   --json "$out/staged.json" > "$out/staged.log" 2>&1
 echo "exit $?"
 grep -A 12 "jitk vs SGLang" "$out/staged.log" || tail -n 20 "$out/staged.log"
 grep -A 5 "staged write-back, 64 MiB" "$out/staged.log"
 
 echo "== point 4: small pages beside the GEMM =="
-timeout 170 python3 benchmarks/exp_hicache_pipeline.py --json "$out/point4.json" \
+timeout 220 python3 benchmarks/exp_hicache_pipeline.py --json "$out/point4.json" \
   > "$out/point4.log" 2>&1
 echo "exit $?"
+grep -E "CHECK|checked|GEMM alone|Error|error" "$out/point4.log" | head -n 5
 sed -n '/^host ceilings$/,$p' "$out/point4.log" | grep -v "^$" || tail -n 30 "$out/point4.log"
