@@ -64,7 +64,8 @@ class Staging:
 
 
 def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
-                   chunk_bytes: int, one_launch: bool, staging: Staging, share: float = 0.0):
+                   chunk_bytes: int, one_launch: bool, staging: Staging, share: float = 0.0,
+                   blocks: int = BLOCKS):
     """One call per index set: a layer's K+V by the pipeline; with `share` > 0 that share
     of the pages goes by jitk's SM kernel on a second stream at the same time."""
     piece = page * ROW
@@ -85,7 +86,7 @@ def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
             entry, flat(pools.host[0]), flat(pools.host[1]), host_tokens[split:][::page].clone(),
             flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[split:][::page].cuda(),
             staging.host, staging.dev, 2, ROW, page, max(1, chunk_bytes // piece), SLOTS,
-            threads, BLOCKS, True, one_launch)
+            threads, blocks, True, one_launch)
         calls.append(functools.partial(split_call, kernel if split else None,
                                        pipeline if split < tokens else None, side))
     return calls
@@ -241,13 +242,17 @@ def todo_rows(pools, staging: Staging, direction: str) -> list:
     """(tokens, page, label, calls, CPU threads) of every measured path for a direction."""
     todo = []
     for tokens in (4096, 16384, 32768, 65536):
-        todo.append((tokens, 1, "device half alone (1 launch)",
-                     device_half_calls(pools, direction, tokens, 1, staging), 0))
+        for blocks in (BLOCKS, 132) if tokens >= 32768 else (BLOCKS,):
+            todo.append((tokens, 1, f"device half alone (1 launch, {blocks} blocks)",
+                         device_half_calls(pools, direction, tokens, 1, staging, blocks), 0))
     for tokens, page in ((32768, 1), (32768, 16), (65536, 1), (65536, 16)):
         for chunk in (4 * MIB, 8 * MIB):
             todo.append((tokens, page, f"pipeline 1 launch, {chunk // MIB} MiB chunks",
                          pipeline_calls(pools, direction, tokens, page, 15, chunk, True,
                                         staging), 15))
+        todo.append((tokens, page, "pipeline 1 launch of 132 blocks, 4 MiB chunks",
+                     pipeline_calls(pools, direction, tokens, page, 15, 4 * MIB, True, staging,
+                                    blocks=132), 15))
         todo.append((tokens, page, "pipeline per chunk, 4 MiB chunks",
                      pipeline_calls(pools, direction, tokens, page, 15, 4 * MIB, False,
                                     staging), 15))
