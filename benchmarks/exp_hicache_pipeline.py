@@ -114,6 +114,7 @@ def check(pools, direction: str, page: int, staging: Staging, one_launch: bool) 
     i_dst, i_src = (gpu_tokens, host_tokens) if direction == "h2d" else (host_tokens, gpu_tokens)
     for d in dst:
         d.index_fill_(0, i_dst.to(d.device), float("nan"))
+    torch.cuda.synchronize()  # the one-launch load-back's streams do not wait for this one
     entry = module().load_back if direction == "h2d" else module().write_back
     entry(flat(pools.host[0]), flat(pools.host[1]), host_tokens[::page].contiguous(),
           flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[::page].contiguous(), staging.host,
