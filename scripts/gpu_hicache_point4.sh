@@ -2,7 +2,10 @@
 # Issue #17 on the device machine, in one call: jitk's staged write-back against SGLang
 # 0.5.23's own (point 2: "as fast as SGLang's"), then small pages beside a GEMM (point 4,
 # benchmarks/exp_hicache_pipeline.py). Run from the worktree; SGLang's kernels come from
-# .peers/sgl523 at the repository root (or $SGL523), see ../shared/peers/README.md.
+# .peers/sgl523 at the repository root (or $SGL523), see ../shared/peers/README.md. That
+# extraction lacks SGLang's staged write-back; add it from the wheel before carrying:
+#   unzip -n .peers/wheel/sglang-0.5.23-*.whl 'sglang/kernels/jit/csrc/kvcacheio/staged_write_back.cuh' \
+#     'sglang/kernels/jit/csrc/kvcacheio/relayout.cuh' -d .peers/sgl523
 #   bash scripts/gpu_hicache_point4.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +39,8 @@ wait
 tail -n 3 "$out"/build_*.log
 
 echo "== staged write-back: jitk vs SGLang 0.5.23 =="
+[ -f "$peers/sglang/kernels/jit/csrc/kvcacheio/staged_write_back.cuh" ] ||
+  echo "no staged_write_back.cuh under $peers: the SGLang comparison will fail (see the header)"
 timeout 80 python3 benchmarks/bench_hicache.py --staged --peers --skip-overlap --skip-solo \
   --json "$out/staged.json" > "$out/staged.log" 2>&1
 echo "exit $?"
