@@ -5,8 +5,9 @@
 //   load-back:  CPU gather (host pool -> pinned chunk) -> H2D copy -> GPU scatter (-> pool)
 //   write-back: GPU gather (pool -> device staging) -> D2H copy -> CPU scatter (-> host pool)
 // chunk by chunk, so that the CPU works on one chunk while the copy engines move another.
-// Also the host-memory ceilings these pipelines live under: a contiguous multi-threaded
-// memcpy between pinned buffers.
+// The GPU half runs per chunk or as one launch a call (beside a GEMM every launch waits for
+// SMs). Also what these pipelines live under: multi-threaded copies and gathers between
+// pinned buffers (host memory bandwidth), and blocks held resident (the GEMM's time).
 //
 // Benchmark only: buffers are flat uint8 tensors, page indices int64 (first slot of each
 // page), checked for size; the indices themselves are trusted.
