@@ -16,7 +16,9 @@ Tables:
   (torch's threads, one copy into consecutive GPU slots), and with --peers SGLang 0.5.23's
   register and TMA kernels from .peers/sgl523 (PYTHONPATH); --pages picks the page sizes.
 - staged (--staged): the staged write-back (layer_first GPU -> page_first host), alone and
-  beside the GEMMs, pages of 1 / 16 / 64.
+  beside the GEMMs, pages of 1 / 16 / 64; with --peers first jitk against SGLang 0.5.23's
+  own staged write-back (K/V and MLA, pages of 1 / 16 / 64 / 128, interleaved rounds, both
+  checked exact, ratios to a pinned d2h copy_ of the same bytes).
 - sweep (--sweep): the kernel's bandwidth per block quota, which picks its default.
 Transfers run on side streams (the copy engines' batch submission refuses the legacy default
 stream). --quick measures a subset.
@@ -53,12 +55,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter runs")
     parser.add_argument("--sweep", action="store_true", help="block quota sweep")
-    parser.add_argument("--skip-solo", action="store_true", help="overlap table only")
+    parser.add_argument("--skip-solo", action="store_true", help="no solo table")
+    parser.add_argument("--skip-overlap", action="store_true", help="no overlap table")
     parser.add_argument("--pages", default=None,
                         help="overlap table: page sizes, e.g. 1,16 (default 64,16,1)")
     parser.add_argument("--staged", action="store_true",
                         help="the staged write-back (layer_first GPU -> page_first host), alone "
-                             "and beside the GEMMs, pages of 1 / 16 / 64")
+                             "and beside the GEMMs, pages of 1 / 16 / 64; with --peers first "
+                             "jitk vs SGLang 0.5.23's, pages of 1 / 16 / 64 / 128")
     parser.add_argument("--peers", action="store_true",
                         help="overlap table: SGLang 0.5.23's kernels too (PYTHONPATH with "
                              ".peers/sgl523, see ../shared/peers/README.md)")
@@ -353,6 +357,87 @@ def staged_table(args) -> list[dict]:
     return rows
 
 
+STAGED_PAGES = (1, 16, 64, 128)
+STAGED_MLA_ROW = 576  # bf16: DeepSeek's 512 + 64 latent row, 1152 bytes
+
+
+def staged_peers_table(args) -> list[dict]:
+    """The staged write-back, jitk vs SGLang 0.5.23's (staged_write_back.cuh), alone: K/V
+    (8 layers x 1 KiB rows) and MLA (8 layers x 1152 B), 4096 tokens a call in random whole
+    pages on both sides, staging of 1024 tokens. Same tensors, same process; rounds
+    interleave a pinned d2h copy_ of the same bytes (the ceiling), jitk and SGLang; medians.
+    Both results are checked exact against torch first (host pool poisoned)."""
+    try:
+        import sgl523  # noqa: F401  (SGLang's build set-up)
+        from sglang.kernels.ops.kvcache import hicache as sglang_hicache
+    except ImportError as error:
+        print(f"SGLang 0.5.23's staged write-back did not load: {error}", flush=True)
+        return []
+    rows = []
+    for cache in ("K/V", "MLA"):
+        caches, row = (2, 512) if cache == "K/V" else (1, STAGED_MLA_ROW)
+        dtype = torch.float16 if cache == "K/V" else torch.bfloat16
+        device = [[random_rows(GPU_POOL // 4, 2 * row, "cuda").view(dtype)
+                   for _ in range(STAGED_LAYERS)] for _ in range(caches)]
+        host = [torch.empty(STAGED_HOST, STAGED_LAYERS, row, dtype=dtype, pin_memory=True)
+                for _ in range(caches)]
+        staging = [torch.empty(STAGED_CAPACITY, STAGED_LAYERS, row, dtype=dtype, device="cuda")
+                   for _ in range(caches)]
+        tables = [torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).cuda()
+                  for layers in device]
+        moved = caches * STAGED_TOKENS * STAGED_LAYERS * 2 * row
+        for page in STAGED_PAGES:
+            sets = [(page_indices(STAGED_TOKENS, GPU_POOL // 4, page).cuda(),
+                     page_indices(STAGED_TOKENS, STAGED_HOST, page)) for _ in range(INDEX_SETS)]
+
+            buffers = (tables, staging, host, page)
+            jitk_calls = [staged_call(hicache, buffers, *i) for i in sets]
+            sglang_calls = [staged_call(sglang_hicache, buffers, *i) for i in sets]
+            for name, calls in (("jitk", jitk_calls), ("sglang", sglang_calls)):
+                check_staged(name, calls[0], sets[0], device, host)
+            copy_call = same_size_copy("d2h", moved)
+            timing = {"warmup_ms": 10, "rep_ms": 60}
+            found = {"copy": [], "jitk": [], "sglang": []}
+            for _ in range(2 if args.quick else 5):
+                found["copy"].append(common.time_us(copy_call, **timing))
+                found["jitk"].append(common.time_us(rotating(jitk_calls), **timing))
+                found["sglang"].append(common.time_us(rotating(sglang_calls), **timing))
+            gbps = {k: moved / statistics.median(v) / 1e3 for k, v in found.items()}
+            rows.append({"cache": cache, "page": page,
+                         "page bytes": page * STAGED_LAYERS * 2 * row,
+                         "jitk GB/s": gbps["jitk"], "sglang GB/s": gbps["sglang"],
+                         "jitk / sglang": gbps["jitk"] / gbps["sglang"],
+                         "d2h copy_ GB/s": gbps["copy"], "jitk ratio": gbps["jitk"] / gbps["copy"],
+                         "sglang ratio": gbps["sglang"] / gbps["copy"]})
+            print("  ", _short(rows[-1]), flush=True)
+    return rows
+
+
+def staged_call(provider, buffers: tuple, src: torch.Tensor, dst: torch.Tensor):
+    """A zero-argument staged write-back by `provider` (a module with SGLang's two staged
+    functions), K/V or MLA by the number of pointer tables."""
+    tables, staging, host, page = buffers
+    if len(tables) == 2:
+        return lambda: provider.transfer_hicache_all_layer_staged_lf_pf(
+            tables[0], tables[1], src, dst, staging[0], staging[1], host[0], host[1],
+            page_size=page)
+    return lambda: provider.transfer_hicache_all_layer_mla_staged_lf_pf(
+        tables[0], src, dst, staging[0], host[0], page_size=page)
+
+
+def check_staged(name: str, call, indices, device: list, host: list) -> None:
+    """One staged call against torch: every host page it names equals the GPU page."""
+    src, dst = indices
+    for h in host:
+        h.view(torch.uint8).fill_(0x7B)
+    call()
+    torch.cuda.synchronize()
+    for layers, h in zip(device, host):
+        want = torch.stack([layer[src] for layer in layers], dim=1).cpu()
+        if not torch.equal(h[dst].view(torch.uint8), want.view(torch.uint8)):
+            raise AssertionError(f"staged write-back by {name}: host pages differ")
+
+
 def _short(row: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -525,11 +610,17 @@ def main():
     result = {"device": common.device_name(), "device_copy_gbps": device_copy,
               "pinned_h2d_gbps": h2d, "pinned_d2h_gbps": d2h}
     with torch.cuda.stream(torch.cuda.Stream()):  # the GEMMs' stream
+        if args.staged and args.peers:
+            result["staged_peers"] = staged_peers_table(args)
+            if result["staged_peers"]:
+                common.print_table("staged write-back, jitk vs SGLang 0.5.23 (ratio: to the "
+                                   "d2h copy_ of the same bytes)", result["staged_peers"],
+                                   list(result["staged_peers"][0]))
         if args.staged:
             result["staged"] = staged_table(args)
             common.print_table("staged write-back, 64 MiB a call (GB/s of K+V data)",
                                result["staged"], list(result["staged"][0]))
-        result["overlap"] = overlap_table(args, sms)
+        result["overlap"] = [] if args.skip_overlap else overlap_table(args, sms)
     common.write_json(args.json, result)
     with torch.cuda.stream(torch.cuda.Stream()):
         if args.sweep:
@@ -546,11 +637,12 @@ def main():
                            ["direction", "tokens", "bytes/token", "page", "pool", "method",
                             "jitk us", "jitk GB/s", "ceiling GB/s", "ratio",
                             "vs same-size copy", "torch-index us", "graph us"])
-    common.print_table(f"beside {GEMM[0]} x bf16 {GEMM[1]}^3 GEMMs on the main stream",
-                       result["overlap"],
-                       ["direction", "tokens", "bytes/token", "page", "method", "gemm ms",
-                        "alone GB/s", "beside GB/s", "GEMM slowdown", "layers"])
-    print_goal(result["overlap"])
+    if result["overlap"]:
+        common.print_table(f"beside {GEMM[0]} x bf16 {GEMM[1]}^3 GEMMs on the main stream",
+                           result["overlap"],
+                           ["direction", "tokens", "bytes/token", "page", "method", "gemm ms",
+                            "alone GB/s", "beside GB/s", "GEMM slowdown", "layers"])
+        print_goal(result["overlap"])
     common.write_json(args.json, result)
 
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue #17 on the device machine, in one call: jitk's staged write-back against SGLang
+# 0.5.23's own (point 2: "as fast as SGLang's"), then small pages beside a GEMM (point 4,
+# benchmarks/exp_hicache_pipeline.py). Run from the worktree; SGLang's kernels come from
+# .peers/sgl523 at the repository root (or $SGL523), see ../shared/peers/README.md. That
+# extraction lacks SGLang's staged write-back; add it from the wheel before carrying:
+#   unzip -n .peers/wheel/sglang-0.5.23-*.whl 'sglang/kernels/jit/csrc/kvcacheio/staged_write_back.cuh' \
+#     'sglang/kernels/jit/csrc/kvcacheio/relayout.cuh' -d .peers/sgl523
+#   bash scripts/gpu_hicache_point4.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/jitk-gpu-out}"
+mkdir -p "$out"
+root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
+[ -d "$root/.peers" ] || root=$(cd ../.. && pwd)  # a worktree under .wt/ of the checkout
+peers="${SGL523:-$root/.peers/sgl523}"
+export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}" \
+  SGLANG_JIT_CACHE_DIR="${SGLANG_JIT_CACHE_DIR:-/tmp/sglang-jit}"
+if ! python3 -c "import tvm_ffi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "$root"/.whl/*.whl || { echo "no apache-tvm-ffi wheel in $root/.whl"; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/python:$peers${PYTHONPATH:+:$PYTHONPATH}"
+nproc; lscpu | grep -E "Model name|NUMA node\(s\)|Socket" ; free -g | head -2
+
+# Every module this run uses, built at once.
+python3 benchmarks/exp_hicache_pipeline.py --build-only > "$out/build_exp.log" 2>&1 &
+python3 - > "$out/build_sglang.log" 2>&1 <<'PY' &
+import sgl523  # noqa: F401
+from sglang.kernels.ops.kvcache import hicache as h
+for size in (1024, 1152):
+    h._jit_hicache_staged_module(element_size=size, unroll=h._default_unroll(size),
+                                 block_quota=h.DEFAULT_BLOCK_QUOTA)
+PY
+python3 -c "from jitk import hicache as h; h._staged_module(); h._copy_module()" \
+  > "$out/build_jitk.log" 2>&1
+wait
+tail -n 3 "$out"/build_*.log
+
+echo "== staged write-back: jitk vs SGLang 0.5.23 =="
+[ -f "$peers/sglang/kernels/jit/csrc/kvcacheio/staged_write_back.cuh" ] ||
+  echo "no staged_write_back.cuh under $peers: the SGLang comparison will fail (see the header)"
+timeout 80 python3 benchmarks/bench_hicache.py --staged --peers --skip-overlap --skip-solo \
+  --json "$out/staged.json" > "$out/staged.log" 2>&1
+echo "exit $?"
+grep -A 12 "jitk vs SGLang" "$out/staged.log" || tail -n 20 "$out/staged.log"
+grep -A 5 "staged write-back, 64 MiB" "$out/staged.log"
+
+echo "== point 4: small pages beside the GEMM =="
+timeout 220 python3 benchmarks/exp_hicache_pipeline.py --json "$out/point4.json" \
+  > "$out/point4.log" 2>&1
+echo "exit $?"
+grep -E "CHECK|checked|GEMM alone|Error|error" "$out/point4.log" | head -n 5
+sed -n '/^host ceilings$/,$p' "$out/point4.log" | grep -v "^$" || tail -n 30 "$out/point4.log"
