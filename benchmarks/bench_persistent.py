@@ -111,6 +111,14 @@ def green_stream(sms: int):
     return stream
 
 
+def on_stream(fn, stream):
+    """fn, run with `stream` current."""
+    def run():
+        with torch.cuda.stream(stream):
+            return fn()
+    return run
+
+
 def gated_us(fn, repeats: int = 20) -> float:
     """fn's median GPU time between CUDA events, each run enqueued behind a gate the host
     opens only after the end event is enqueued: a host thread that waits for the GIL (the
@@ -129,8 +137,8 @@ def gated_us(fn, repeats: int = 20) -> float:
     return statistics.median(samples)
 
 
-def gemm_beside_busy(gemm, step) -> tuple[float, int]:
-    """The GEMM's median time while a host thread keeps pushing chains; and how many ran."""
+def gemm_beside_busy(measure, step) -> tuple[float, int]:
+    """measure() (a GEMM's time) while a host thread keeps pushing chains; and how many ran."""
     running = threading.Event()
     running.set()
     chains = [0]
@@ -143,7 +151,7 @@ def gemm_beside_busy(gemm, step) -> tuple[float, int]:
     busy = threading.Thread(target=keep_busy)
     busy.start()
     try:
-        return gated_us(gemm), chains[0]
+        return measure(), chains[0]
     finally:
         running.clear()
         busy.join(timeout=60)
@@ -268,7 +276,7 @@ def main() -> None:
                                                               factor=1.0)), steps)
             first_rows.append({"worker": label, "first_item_us": first})
             idle = gated_us(gemm)
-            busy, chains = gemm_beside_busy(gemm, pushed(batch))
+            busy, chains = gemm_beside_busy(lambda: gated_us(gemm), pushed(batch))
         finally:
             if carved:
                 carveout(None)
@@ -277,6 +285,28 @@ def main() -> None:
                           "slowdown": idle / gemm_alone - 1})
         gemm_rows.append({"gemm": f"beside a busy worker ({chains} chains), {label}",
                           "ms": busy / 1e3, "slowdown": busy / gemm_alone - 1})
+
+    # The issue's placement: the worker on a green context of BLOCKS SMs, the GEMM on one of
+    # the other SMs; slowdowns against that GEMM alone there (and its cost against the whole).
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rest, mine = green_stream(sms - BLOCKS), green_stream(BLOCKS)
+    if rest is not None:
+        rest_gemm = on_stream(lambda: gated_us(gemm), rest)
+        on_stream(lambda: gated_us(gemm, repeats=3), rest)()  # cuBLAS's set-up on that stream
+        rest_alone = rest_gemm()
+        worker.start(blocks=BLOCKS, stream=mine)
+        try:
+            idle = rest_gemm()
+            busy, chains = gemm_beside_busy(rest_gemm, pushed(batch))
+        finally:
+            worker.stop(timeout=30)
+        label = f"GEMM on a green context of the other {sms - BLOCKS} SMs"
+        gemm_rows.append({"gemm": f"{label}, alone (vs the whole GPU)", "ms": rest_alone / 1e3,
+                          "slowdown": rest_alone / gemm_alone - 1})
+        gemm_rows.append({"gemm": f"{label}, beside an idle worker (vs alone there)",
+                          "ms": idle / 1e3, "slowdown": idle / rest_alone - 1})
+        gemm_rows.append({"gemm": f"{label}, beside a busy worker ({chains} chains; vs alone "
+                                  "there)", "ms": busy / 1e3, "slowdown": busy / rest_alone - 1})
 
     graph_us = rows[1]["step_us"]
     for row in rows:
