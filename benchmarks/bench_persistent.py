@@ -74,9 +74,10 @@ def host_us(fn, steps: int) -> float:
 
 def empty_item_us(steps: int) -> float:
     """The worker's own time per item: the slope between chains of 18 and 180 empty items
-    (the test table's `busy` op for 0 ns)."""
+    (the test table's `nothing` op)."""
     worker = test_worker(capacity=1024)
-    chains = {n: worker.prepare([("busy", {"ns": 0})] * n, chain=True) for n in (SHORT_OPS, OPS)}
+    chains = {n: worker.prepare([("nothing", {"unused": 0})] * n, chain=True)
+              for n in (SHORT_OPS, OPS)}
     worker.start(blocks=BLOCKS)
     try:
         times = {n: host_us(lambda b=b: worker.wait(worker.push_many(b)[-1]), steps)

@@ -29,6 +29,7 @@ TEST_OPS = (
     Op("fail", "persistent_test::Fail", (IntArg("code"),)),
     Op("poke", "persistent_test::Poke", (IntArg("address"),)),
     Op("busy", "persistent_test::Busy", (IntArg("ns"),)),
+    Op("nothing", "persistent_test::Nothing", (IntArg("unused"),)),
 )
 
 

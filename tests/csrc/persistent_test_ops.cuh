@@ -99,4 +99,12 @@ struct Busy {
   }
 };
 
+// Does nothing: a chain of these times the worker's own cost an item.
+struct Nothing {
+  struct Args {
+    int64_t unused;
+  };
+  static __device__ void run(const Args&, BlockContext&) {}
+};
+
 }  // namespace persistent_test
