@@ -174,3 +174,22 @@ def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh
     reused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300, check=True)
     assert reused.stdout.strip() == str(sorted(result.config.items()))  # the file's order
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", [1, 2])  # load-back, write-back
+def test_tuning_a_hicache_transfer_checks_every_candidate_and_the_call_runs_the_winner(
+        fresh_file, direction):
+    from jitk import hicache
+
+    info = jitk.custom_op.find_op("jitk::transfer_hicache_one_layer")
+    args, kwargs = info.tuning.sample((1024, 1024, direction), torch.bfloat16,
+                                      torch.device("cuda"))
+    bucket = info.tuning.bucket(*args, **kwargs)
+    result = autotune.tune(info, args, kwargs, rounds=3)
+    assert not result.failures and result.config in info.tuning.candidates(bucket)
+    assert info.tuning.config(bucket) == result.config  # recorded, and what lookups find
+    dst = args[0]
+    dst.fill_(float("nan"))
+    hicache.transfer_hicache_one_layer(*args, **kwargs)
+    torch.testing.assert_close(dst[args[2]].cpu(), args[3][args[5]].cpu(), rtol=0, atol=0)

@@ -563,10 +563,51 @@ def test_staged_write_back_checks_its_arguments():
 
 def test_precompile_configs_are_a_few_labelled_thunks():
     configs = hicache.precompile_configs()
-    assert 1 <= len(configs) <= 6
+    assert 1 <= len(configs) <= 6  # with nothing tuned
     labels = [label for label, _ in configs]
     assert len(set(labels)) == len(labels)
     assert all(callable(thunk) for _, thunk in configs)
+
+
+# ---------------------------------------------------------------------------- tuning
+@pytest.fixture
+def tuning_file(tmp_path, monkeypatch):
+    from jitk import autotune
+
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    autotune._STORE.clear()
+    yield autotune
+    autotune._STORE.clear()
+    for space in hicache._LAUNCH_SPACES.values():
+        space.forget()
+
+
+@pytest.mark.parametrize("caches", [2, 1])
+def test_the_launch_bucket_is_row_bytes_direction_and_rows(caches):
+    space = hicache._LAUNCH_SPACES[caches]
+    args, kwargs = space.sample((100, 1024, 1), torch.bfloat16, torch.device("cpu"))
+    assert len(args) == 2 * caches + 2 and args[caches].numel() == 100
+    assert space.bucket(*args, **kwargs) == (1024, "host->host", 128)  # no GPU here
+    paged = space.bucket(*args, page_size=4, index_granularity="page")
+    assert paged == (1024, "host->host", 512)  # an index names 4 rows
+    for shape in ((100, 1024), (100, 1024, 4), (100, 1023, 1)):
+        expect_error(lambda shape=shape: space.sample(shape, torch.bfloat16, torch.device("cpu")),
+                     "INDICESxROW_BYTESxDIRECTION", kind=ValueError)
+
+
+def test_a_tuned_launch_runs_the_kernel_with_its_knobs(tuning_file, monkeypatch):
+    space = hicache._LAUNCH_SPACES[2]
+    bucket = (1024, "host->gpu", 4096)
+    assert space.config(bucket) == {"unroll": hicache.DEFAULT_UNROLL, "block_quota": "default"}
+    tuning_file.record([{"op": space.op, "bucket": list(bucket), "config": {
+        "unroll": 8, "block_quota": 16}, "environment": tuning_file.environment()}])
+    assert space.config(bucket) == {"unroll": 8, "block_quota": 16}
+    calls = []
+    monkeypatch.setattr(hicache, "_one_layer", lambda *args: calls.append(args))
+    space.build(bucket, space.config(bucket))("k", "v", "i", "ks", "vs", "is", page_size=2)
+    assert calls == [(2, ("k", "v", "i", "ks", "vs", "is"), None, 8, 16, 2, "kernel", "token")]
+    labels = [label for label, _ in hicache.precompile_configs()]
+    assert "element_size=1024 unroll=8" in labels  # a serving image builds what was tuned
 
 
 def test_every_kernel_source_is_hashed_into_the_module_key():

@@ -20,7 +20,9 @@ refused).
 
 Methods (`method=`), every one selectable:
 - "kernel": a transfer kernel on `block_quota` SMs (by default 6 when the transfer crosses
-  PCIe, the fewest that reach the link's bandwidth, so compute keeps the rest). It reads the
+  PCIe, the fewest that reach the link's bandwidth, so compute keeps the rest; where a call
+  names neither `unroll` nor `block_quota`, `python -m jitk tune` may have chosen both for
+  its rows' size, direction and count). It reads the
   indices on the GPU, or pinned on the host, at run time (so graph replays see new values),
   and skips a page whose run is out of range. Beside a kernel that fills every SM (a large
   GEMM) its blocks wait for SMs, and its bandwidth drops with them.
@@ -64,6 +66,7 @@ from typing import NamedTuple
 import torch
 
 from . import api_log
+from .autotune import TuningSpace
 from .cpp_args import make_cpp_args
 from .custom_op import Tolerance, op
 from .jit import load_jit
@@ -545,6 +548,7 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     element_size = _element_size(element_dim * dst.element_size(),
                                  f"element_dim {element_dim} of {dst.dtype}")
     hint, pages = _pages(page_size, index_granularity)
+    launch_named = unroll is not None or block_quota is not None
     unroll, quota = _unroll(unroll), _optional(block_quota, "block_quota", 1)
     gpu = _gpu_of(dst, src)
     chosen = _method(method, indices_dst, lambda: element_size * (
@@ -552,6 +556,11 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
         if _packed(dst, element_dim) and _packed(src, element_dim) else 1), gpu)
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    if chosen == "kernel" and not launch_named:  # the tuned launch, or today's default
+        bucket = _launch_bucket(dst, src, indices_dst, element_size, pages)
+        return _LAUNCH_SPACES[caches].lookup(bucket)(
+            *tensors, element_dim=element_dim, page_size=page_size,
+            index_granularity=index_granularity)
     if api_log.noting:
         api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
     if chosen == "kernel":
@@ -676,15 +685,16 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
 
 
 # ---------------------------------------------------------------------------- parity cases
-def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0):
-    """A bf16 cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain
-    CPU memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
+def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0,
+           dtype: torch.dtype = torch.bfloat16):
+    """A cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain CPU
+    memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
     on_gpu = where == "gpu" or device.type == "cpu"
     if paged:
         whole = torch.randn(tokens // paged, paged + 3, *row, device=device if on_gpu else "cpu")
-        cache = whole.to(torch.bfloat16)[:, :paged]
+        cache = whole.to(dtype)[:, :paged]
     else:
-        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(torch.bfloat16)
+        cache = torch.randn(tokens, *row, device=device if on_gpu else "cpu").to(dtype)
     return cache if on_gpu else cache.pin_memory()
 
 
@@ -806,6 +816,73 @@ def _staged_cases(mla: bool) -> list:
                  outputs=staging)]
 
 
+# ---------------------------------------------------------------------------- tuning
+# The kernel's launch per bucket, its unroll and block quota: tuned by `python -m jitk tune`
+# and looked up where a call runs the kernel and names neither. "auto"'s choice between the
+# kernel and the copy engines stays the measured rule above: the tuner times CUDA graph
+# replays, where a copy-engine call is one recorded node a copy, not what an eager call does.
+_DEFAULT_QUOTA = "default"  # the C++ side's: 6 SMs across PCIe, else every SM
+_LAUNCH_KNOBS = {"unroll": UNROLLS, "block_quota": (_DEFAULT_QUOTA, 2, 4, 8, 16, 32)}
+# A tuning shape is (indices, bytes a row, direction): 1 host to GPU (load-back), 2 GPU to
+# host (write-back), 3 GPU to GPU. A transfer moves bytes: the dtype only sets the rows' type.
+_DIRECTIONS = {1: ("host", "gpu"), 2: ("gpu", "host"), 3: ("gpu", "gpu")}
+_TUNING_SHAPES = ((4096, 1024, 1), (4096, 1024, 2))
+
+
+def _launch_bucket(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor,
+                   element_size: int, pages: int) -> tuple:
+    """(row bytes, direction, rows moved rounded up to a power of two)."""
+    where = {True: "gpu", False: "host"}
+    rows = indices.numel() * pages
+    return (element_size, f"{where[src.is_cuda]}->{where[dst.is_cuda]}",
+            1 << max(rows - 1, 0).bit_length())
+
+
+def _launch_space(caches: int) -> TuningSpace:
+    """The one-layer transfer's launch knobs, K/V (caches=2) or MLA."""
+    def bucket(*tensors: torch.Tensor, element_dim: int | None = None,
+               page_size: int | None = None, index_granularity: str = "token",
+               **_: object) -> tuple:
+        dst, indices, src = tensors[0], tensors[caches], tensors[caches + 1]
+        size = _element_dim(dst, element_dim) * dst.element_size()
+        return _launch_bucket(dst, src, indices, size,
+                              _slots_per_index(page_size, index_granularity))
+
+    def build(bucket: tuple, knobs: dict) -> Callable:
+        quota = None if knobs["block_quota"] == _DEFAULT_QUOTA else knobs["block_quota"]
+
+        def run(*tensors: torch.Tensor, element_dim: int | None = None,
+                page_size: int | None = None, index_granularity: str = "token",
+                **_: object) -> None:
+            _one_layer(caches, tensors, element_dim, knobs["unroll"], quota, page_size,
+                       "kernel", index_granularity)
+        return run
+
+    def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+        if len(shape) != 3 or shape[2] not in _DIRECTIONS or shape[1] % dtype.itemsize:
+            raise ValueError(f"a HiCache tuning shape is INDICESxROW_BYTESxDIRECTION (1 load-"
+                             f"back, 2 write-back, 3 GPU to GPU), rows a whole number of "
+                             f"{dtype} elements; got {'x'.join(map(str, shape))}")
+        count, row_bytes, direction = shape
+        src_at, dst_at = _DIRECTIONS[direction]
+        row = (row_bytes // dtype.itemsize,)
+        caches_of = [(_cache(2 * count, row, dst_at, device, dtype=dtype),
+                      _cache(2 * count, row, src_at, device, dtype=dtype))
+                     for _ in range(caches)]
+        indices = [torch.randperm(2 * count, device=device)[:count] for _ in range(2)]
+        return (*(d for d, _ in caches_of), indices[0], *(s for _, s in caches_of),
+                indices[1]), {}
+
+    return TuningSpace(_LAUNCH_KNOBS, bucket,
+                       lambda bucket: {"unroll": DEFAULT_UNROLL, "block_quota": _DEFAULT_QUOTA},
+                       build, outputs=("k_cache_dst", "v_cache_dst") if caches == 2
+                       else ("cache_dst",), sample=sample, shapes=_TUNING_SHAPES)
+
+
+_LAUNCH_SPACES = {2: _launch_space(2).attach(transfer_hicache_one_layer),
+                  1: _launch_space(1).attach(transfer_hicache_one_layer_mla)}
+
+
 # Bytes per token and layer of common models: 1, 4 or 8 KV heads of 128 fp16/bf16 (what
 # one GPU holds under tensor parallelism), and DeepSeek's MLA latent row (576 bf16).
 _COMMON_ELEMENT_SIZES = (256, 1024, 2048, 1152)
@@ -813,9 +890,13 @@ _COMMON_ELEMENT_SIZES = (256, 1024, 2048, 1152)
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) for the copy engines and the kernel of each common element size."""
-    kernels = [(f"element_size={size}", functools.partial(_kernel_module, size, DEFAULT_UNROLL))
-               for size in _COMMON_ELEMENT_SIZES]
-    return [("copy engines", _copy_module), ("staged write-back", _staged_module), *kernels]
+    kernels = {(size, DEFAULT_UNROLL) for size in _COMMON_ELEMENT_SIZES}
+    kernels |= {(bucket[0], knobs["unroll"]) for space in _LAUNCH_SPACES.values()
+                for bucket, knobs in space.recorded()}  # what the tuning file chose
+    return [("copy engines", _copy_module), ("staged write-back", _staged_module),
+            *((f"element_size={size} unroll={unroll}",
+               functools.partial(_kernel_module, size, unroll)) for size, unroll in
+              sorted(kernels))]
 
 
 # ------------------------------------------------------------------ staged write-back
