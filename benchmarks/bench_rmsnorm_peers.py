@@ -50,8 +50,9 @@ def measure(sgl523, space, rows: int, hidden: int) -> dict:
     us = {name: statistics.median(s) for name, s in samples.items()}
     knobs = space.config(space.bucket(x, weight, outs["jitk"], EPS))
     return {"shape": f"{rows}x{hidden}",
-            "jitk knobs": "r{row_registers}{cap}".format(
-                cap="" if knobs["register_cap"] else " nocap", **knobs),
+            "jitk knobs": "r{row_registers}{cap}{sum}".format(
+                cap="" if knobs["register_cap"] else " nocap",
+                sum="" if knobs["broadcast_sum"] else " shfl", **knobs),
             "jitk us": us["jitk"], "sglang us": us["sglang"],
             "jitk/sglang": us["jitk"] / us["sglang"],
             "jitk <= sglang": "yes" if us["jitk"] <= us["sglang"] else "NO"}

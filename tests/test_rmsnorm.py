@@ -438,6 +438,27 @@ def test_fused_add(dtype, hidden, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_registers", [4, 16])
+def test_shuffled_block_sum_matches_reference(row_registers):
+    """The tuning choice that adds a block's warp sums by shuffles (broadcast_sum off), on rows
+    of 5 and 20 warps (5120 wide at 16 and 4 registers a thread), both entry points."""
+    dtype, hidden, rows = torch.bfloat16, 5120, 77
+    knobs = {**norm._default_knobs((hidden, dtype, 128)), "row_registers": row_registers,
+             "broadcast_sum": False}
+    kernels = norm._kernels_with((hidden, dtype, 128), knobs)
+    weight = random(hidden, dtype=dtype)
+    x = random(rows, hidden, dtype=dtype, scale=3.0)
+    out = poisoned_like(x)
+    kernels.rmsnorm(x, weight, out, 1e-6)
+    assert_matches(out, reference(x, weight), dtype)
+    residual = random(rows, hidden, dtype=dtype)
+    expected_sum = x + residual
+    kernels.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(x, reference(expected_sum, weight), dtype)
+
+
+@pytest.mark.gpu
 def test_eps_is_honoured():
     dtype, hidden = torch.float32, 100
     weight = random(hidden, dtype=dtype)

@@ -82,14 +82,14 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # of the search: the weight prefetch (it pays where each layer's weight is cold, which a
 # tuning loop over one weight never sees) and PDL (it pays between different kernels).
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
-          "max_vec_bytes": (16,), "register_cap": (True, False)}
+          "max_vec_bytes": (16,), "register_cap": (True, False), "broadcast_sum": (True, False)}
 
 
 def _default_knobs(bucket: tuple) -> dict:
     """rmsnorm.cuh's DefaultTuning."""
     hidden, dtype, _ = bucket
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
-            "pdl": True, "max_vec_bytes": 16, "register_cap": True}
+            "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": True}
 
 
 @functools.cache

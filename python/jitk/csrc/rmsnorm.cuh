@@ -38,9 +38,9 @@ inline constexpr int kMaxRowRegisters = 16;
 // The launch knobs jitk.autotune and benchmarks/tune_rmsnorm.py sweep: registers a thread would
 // rather give x (fewer spread a row over more threads); block 0 prefetching the weight; launch
 // with PDL; the widest access in bytes (16, 8 or 4; narrower where the hidden size needs it);
-// the register cap of 8 blocks an SM (kMinBlocks).
+// the register cap of 8 blocks an SM (kMinBlocks); how a block adds its warps' sums (row_sum).
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
-          bool kRegisterCap_ = true>
+          bool kRegisterCap_ = true, bool kBroadcastSum_ = true>
 struct Tuning {
   static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
   static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
@@ -49,6 +49,7 @@ struct Tuning {
   static constexpr bool kPdl = kPdl_;
   static constexpr int kMaxVecBytes = kMaxVecBytes_;
   static constexpr bool kRegisterCap = kRegisterCap_;
+  static constexpr bool kBroadcastSum = kBroadcastSum_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -147,16 +148,22 @@ __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], 
   }
 }
 
+// Four running sums, not one: a chain of 32 dependent FMAs (four 16-byte bf16 vectors) is
+// 128 cycles on the critical path of a short launch; four chains of 8 are a quarter of it.
 template <typename Tiling, int kCount>
 __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
-  float sum = 0.0f;
+  constexpr int kChains = 4;
+  float sums[kChains] = {};
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
     const auto f = Tiling::unpack(x[i]);
 #pragma unroll
-    for (int e = 0; e < Tiling::kVecSize; ++e) sum = fmaf(f[e], f[e], sum);
+    for (int e = 0; e < Tiling::kVecSize; ++e) {
+      float& sum = sums[(i * Tiling::kVecSize + e) % kChains];
+      sum = fmaf(f[e], f[e], sum);
+    }
   }
-  return sum;
+  return (sums[0] + sums[1]) + (sums[2] + sums[3]);
 }
 
 // x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
@@ -179,8 +186,11 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
 }
 
 // A row's sum over its threads, which every one of them gets. Consecutive calls must alternate
-// between two scratch buffers (the next call's barrier orders the reuse).
-template <typename Tiling>
+// between two scratch buffers (the next call's barrier orders the reuse). Across warps, with
+// kBroadcastSum every thread adds the warps' sums itself from shared memory (same-address
+// reads are broadcasts: a few loads and adds), else each warp shuffles them (5 dependent
+// shuffles, ~25 cycles each, after the barrier).
+template <typename Tiling, bool kBroadcastSum>
 __device__ __forceinline__ float row_sum(float sum, float* scratch) {
   constexpr int kLanes = Tiling::kSubWarp ? Tiling::kThreadsPerRow : kWarpThreads;
   constexpr int kWarps = Tiling::kRowWarps;
@@ -193,6 +203,12 @@ __device__ __forceinline__ float row_sum(float sum, float* scratch) {
   if constexpr (kWarps > 1) {
     if (lane == 0) scratch[warp] = sum;
     __syncthreads();
+    if constexpr (kBroadcastSum) {
+      float sums[4] = {};
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
+      return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    }
     sum = device::warp_sum(lane < kWarps ? scratch[lane] : 0.0f);
   }
   return sum;
@@ -215,10 +231,18 @@ struct Row {
     if (kFusedAdd)
       residual = reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + p.residual_rows.offset(at));
   }
+
+  // Works the addresses out here: left alone, the compiler moves their 64-bit multiplies into
+  // the loop, after pdl_wait, onto the critical path of a short launch.
+  __device__ __forceinline__ void settle() {
+    device::compute_now(input);
+    device::compute_now(output);
+    if constexpr (kFusedAdd) device::compute_now(residual);
+  }
 };
 
 // The row stays in registers: read once, reduce, scale by `w` (this thread's slots), write.
-template <typename Tiling, bool kFusedAdd>
+template <typename Tiling, bool kBroadcastSum, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
     const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane,
     float eps, float* scratch) {
@@ -229,7 +253,7 @@ __device__ __forceinline__ void normalize_in_registers(
     combine<Tiling>(x, r, [](float a, float b) { return a + b; });
     store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
-  const float sum = row_sum<Tiling>(sum_of_squares<Tiling>(x), scratch);
+  const float sum = row_sum<Tiling, kBroadcastSum>(sum_of_squares<Tiling>(x), scratch);
   device::keep_packed(w);
   device::keep_packed(x);
   combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
@@ -238,7 +262,7 @@ __device__ __forceinline__ void normalize_in_registers(
 
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
 // one that reads the row again, mostly from L2, to scale it; a chunk's loads fly together.
-template <typename Tiling, bool kFusedAdd>
+template <typename Tiling, bool kBroadcastSum, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFusedAdd>& row,
                                                         const typename Tiling::Pack* weight,
                                                         int lane, float eps, float* scratch) {
@@ -256,7 +280,8 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
     }
     sum_sq += sum_of_squares<Tiling>(x);
   }
-  const float inv_rms = rsqrtf(row_sum<Tiling>(sum_sq, scratch) / Tiling::kHidden + eps);
+  const float inv_rms =
+      rsqrtf(row_sum<Tiling, kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
@@ -279,7 +304,7 @@ template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads,
                                   (Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd> : 1))
     rmsnorm_kernel(const Params p) {
-  __shared__ float scratch[2][Tiling::kRowWarps];  // turns alternate
+  __shared__ alignas(16) float scratch[2][Tiling::kRowWarps];  // turns alternate
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
@@ -288,6 +313,7 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
   Row<Tiling, kFusedAdd> row(p, first + group);
+  row.settle();
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
@@ -306,9 +332,10 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
   if constexpr (Tiling::kInRegisters) load_slots<Tiling>(w, weight, 0, lane, true);
   for (int turn = 0;; turn ^= 1) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers(row, w, lane, p.eps, scratch[turn]);
+      normalize_in_registers<Tiling, Tuning::kBroadcastSum>(row, w, lane, p.eps, scratch[turn]);
     } else {
-      normalize_in_two_passes(row, weight, lane, p.eps, scratch[turn]);
+      normalize_in_two_passes<Tiling, Tuning::kBroadcastSum>(row, weight, lane, p.eps,
+                                                             scratch[turn]);
     }
     if ((first += step) >= p.rows) break;
     row = Row<Tiling, kFusedAdd>(p, first + group);

@@ -35,6 +35,13 @@ __device__ __forceinline__ void store_stream(void* ptr, const uint4& v) {
                : "memory");
 }
 
+// Makes the compiler compute `ptr` here, before any later volatile asm (pdl_wait, say),
+// rather than where it is first used.
+template <typename T>
+__device__ __forceinline__ void compute_now(T*& ptr) {
+  asm volatile("" : "+l"(ptr));
+}
+
 // Asks L2 for the 128-byte line holding `ptr`. A hint: no value any load returns changes,
 // so it is safe even before pdl_wait().
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

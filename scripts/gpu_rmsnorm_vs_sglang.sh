@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# RMSNorm's acceptance run on one GPU, in one call: tune, then jitk against SGLang 0.5.23 at
+# the decode and prefill shapes (a second process reading the tuning file), 32768x8192 against
+# a copy of the same bytes, then the GPU tests of RMSNorm and the parity harness.
+#   bash scripts/gpu_rmsnorm_vs_sglang.sh      (run from the repository; SGLang's kernels at
+#                                               .peers/sgl523, or PEERS=DIR)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/jitk-gpu-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
+if ! python3 -c "import tvm_ffi" 2>/dev/null; then
+  wheels=$(ls .whl/*.whl ../../.whl/*.whl 2>/dev/null)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels \
+    || { echo "no apache-tvm-ffi wheel in .whl/"; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+peers="${PEERS:-$(ls -d .peers/sgl523 ../../.peers/sgl523 2>/dev/null | head -n 1)}"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+start=$SECONDS
+timeout 240 python3 -m jitk tune rmsnorm 2>&1 | tail -n 3 | tee "$out/tune.log"
+echo "tune: $((SECONDS - start)) s"
+PYTHONPATH="$peers:$PYTHONPATH" timeout 150 python3 benchmarks/bench_rmsnorm_peers.py \
+  --json "$out/peers.json" > "$out/peers.log" 2>&1
+tail -n 34 "$out/peers.log"
+timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
+import sys
+sys.path.insert(0, "benchmarks")
+import bench_rmsnorm as b, common
+row = b.measure("rmsnorm", b.BF16, 32768, 8192, "rows", common.device_copy_gbps())
+print(f"32768x8192 bf16: jitk {row['jitk graph us']:.1f} us, same-size copy "
+      f"{row['same-size copy us']:.1f} us: {row['vs same-size copy']:.3f} of the copy")
+PY
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_rmsnorm.py \
+  tests/test_parity.py 2>&1 | tail -n 4 | tee "$out/pytest.log"
