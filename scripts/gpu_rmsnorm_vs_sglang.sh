@@ -2,10 +2,12 @@
 # RMSNorm's acceptance run on one GPU, in one call: tune, then jitk against SGLang 0.5.23 at
 # the decode and prefill shapes (a second process reading the tuning file), 32768x8192 against
 # a copy of the same bytes, then the GPU tests of RMSNorm and the parity harness.
-#   bash scripts/gpu_rmsnorm_vs_sglang.sh      (run from the repository; SGLang's kernels at
-#                                               .peers/sgl523, or PEERS=DIR)
+#   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune] [peers] [large] [tests]   (default: all)
+# SGLang's kernels are looked for at .peers/sgl523 (or PEERS=DIR); a stage run alone reuses
+# the tuning file of an earlier one in JITK_CACHE_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+stages=" ${*:-tune peers large tests} "
 out="${OUT:-/tmp/jitk-gpu-out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
@@ -19,13 +21,17 @@ peers="${PEERS:-$(ls -d .peers/sgl523 ../../.peers/sgl523 2>/dev/null | head -n 
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
-start=$SECONDS
-timeout 240 python3 -m jitk tune rmsnorm 2>&1 | tail -n 3 | tee "$out/tune.log"
-echo "tune: $((SECONDS - start)) s"
-PYTHONPATH="$peers:$PYTHONPATH" timeout 150 python3 benchmarks/bench_rmsnorm_peers.py \
-  --json "$out/peers.json" > "$out/peers.log" 2>&1
-tail -n 34 "$out/peers.log"
-timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
+if [[ $stages == *" tune "* ]]; then
+  start=$SECONDS
+  timeout 200 python3 -m jitk tune rmsnorm 2>&1 | tail -n 3 | tee "$out/tune.log"
+  echo "tune: $((SECONDS - start)) s"
+fi
+if [[ $stages == *" peers "* ]]; then
+  PYTHONPATH="$peers:$PYTHONPATH" timeout 170 python3 benchmarks/bench_rmsnorm_peers.py \
+    --json "$out/peers.json" > "$out/peers.log" 2>&1
+  tail -n 34 "$out/peers.log"
+fi
+[[ $stages == *" large "* ]] && timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
 import sys
 sys.path.insert(0, "benchmarks")
 import bench_rmsnorm as b, common
@@ -33,5 +39,5 @@ row = b.measure("rmsnorm", b.BF16, 32768, 8192, "rows", common.device_copy_gbps(
 print(f"32768x8192 bf16: jitk {row['jitk graph us']:.1f} us, same-size copy "
       f"{row['same-size copy us']:.1f} us: {row['vs same-size copy']:.3f} of the copy")
 PY
-timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_rmsnorm.py \
-  tests/test_parity.py 2>&1 | tail -n 4 | tee "$out/pytest.log"
+[[ $stages == *" tests "* ]] && timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  tests/test_rmsnorm.py tests/test_parity.py 2>&1 | tail -n 4 | tee "$out/pytest.log"
