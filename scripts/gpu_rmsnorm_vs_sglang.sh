@@ -39,5 +39,5 @@ row = b.measure("rmsnorm", b.BF16, 32768, 8192, "rows", common.device_copy_gbps(
 print(f"32768x8192 bf16: jitk {row['jitk graph us']:.1f} us, same-size copy "
       f"{row['same-size copy us']:.1f} us: {row['vs same-size copy']:.3f} of the copy")
 PY
-[[ $stages == *" tests "* ]] && timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 \
-  tests/test_rmsnorm.py tests/test_parity.py 2>&1 | tail -n 4 | tee "$out/pytest.log"
+[[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q \
+  -p no:cacheprovider -n 8 tests/test_rmsnorm.py tests/test_parity.py 2>&1 | tail -n 4 | tee "$out/pytest.log"

@@ -223,33 +223,36 @@ struct Row {
   Pack* output;
   bool valid;
 
+  // The offsets are worked out here, where the row is made: left alone, the compiler moves
+  // their 64-bit multiplies into the loop, after pdl_wait, onto the critical path of a short
+  // launch. (Pinning the pointers instead would hide that they are global: generic loads.)
   __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
     const RowIndex at = p.split.index(valid ? row : 0);
+    int64_t input_at = p.input_rows.offset(at), output_at = p.output_rows.offset(at);
+    int64_t residual_at = kFusedAdd ? p.residual_rows.offset(at) : 0;
+    device::compute_now(input_at);
+    device::compute_now(output_at);
+    device::compute_now(residual_at);
     using T = typename Tiling::T;
-    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + p.input_rows.offset(at));
-    output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + p.output_rows.offset(at));
-    if (kFusedAdd)
-      residual = reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + p.residual_rows.offset(at));
-  }
-
-  // Works the addresses out here: left alone, the compiler moves their 64-bit multiplies into
-  // the loop, after pdl_wait, onto the critical path of a short launch.
-  __device__ __forceinline__ void settle() {
-    device::compute_now(input);
-    device::compute_now(output);
-    if constexpr (kFusedAdd) device::compute_now(residual);
+    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + input_at);
+    output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + output_at);
+    if (kFusedAdd) residual = reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + residual_at);
   }
 };
 
 // The row stays in registers: read once, reduce, scale by `w` (this thread's slots), write.
+// On the first turn the weight is loaded here, after the row: it waits for the reduction
+// anyway, while the row's loads, queued behind it, would delay the reduction.
 template <typename Tiling, bool kBroadcastSum, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
-    const Row<Tiling, kFusedAdd>& row, typename Tiling::Pack (&w)[Tiling::kVecsPerThread], int lane,
-    float eps, float* scratch) {
+    const Row<Tiling, kFusedAdd>& row, const typename Tiling::Pack* weight,
+    typename Tiling::Pack (&w)[Tiling::kVecsPerThread], bool first_turn, int lane, float eps,
+    float* scratch) {
   typename Tiling::Pack x[Tiling::kVecsPerThread], r[kFusedAdd ? Tiling::kVecsPerThread : 1];
   load_slots<Tiling>(x, row.input, 0, lane, row.valid);
+  if constexpr (kFusedAdd) load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
+  if (first_turn) load_slots<Tiling>(w, weight, 0, lane, true);
   if constexpr (kFusedAdd) {
-    load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
     combine<Tiling>(x, r, [](float a, float b) { return a + b; });
     store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
@@ -313,7 +316,6 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
   Row<Tiling, kFusedAdd> row(p, first + group);
-  row.settle();
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
@@ -329,10 +331,10 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
 
   // Every thread of a block takes as many turns (on its first row): shuffles, barriers match.
   typename Tiling::Pack w[Tiling::kInRegisters ? Tiling::kVecsPerThread : 1];
-  if constexpr (Tiling::kInRegisters) load_slots<Tiling>(w, weight, 0, lane, true);
-  for (int turn = 0;; turn ^= 1) {
+  for (int turn = 0, first_turn = 1;; turn ^= 1, first_turn = 0) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers<Tiling, Tuning::kBroadcastSum>(row, w, lane, p.eps, scratch[turn]);
+      normalize_in_registers<Tiling, Tuning::kBroadcastSum>(row, weight, w, first_turn, lane, p.eps,
+                                                            scratch[turn]);
     } else {
       normalize_in_two_passes<Tiling, Tuning::kBroadcastSum>(row, weight, lane, p.eps,
                                                              scratch[turn]);

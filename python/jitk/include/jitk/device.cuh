@@ -35,11 +35,12 @@ __device__ __forceinline__ void store_stream(void* ptr, const uint4& v) {
                : "memory");
 }
 
-// Makes the compiler compute `ptr` here, before any later volatile asm (pdl_wait, say),
-// rather than where it is first used.
+// Makes the compiler compute `value` (64 bits) here, before any later volatile asm (pdl_wait,
+// say), rather than where it is first used.
 template <typename T>
-__device__ __forceinline__ void compute_now(T*& ptr) {
-  asm volatile("" : "+l"(ptr));
+__device__ __forceinline__ void compute_now(T& value) {
+  static_assert(sizeof(T) == 8);
+  asm volatile("" : "+l"(value));
 }
 
 // Asks L2 for the 128-byte line holding `ptr`. A hint: no value any load returns changes,
