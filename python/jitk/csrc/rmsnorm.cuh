@@ -232,7 +232,7 @@ struct Row {
     int64_t residual_at = kFusedAdd ? p.residual_rows.offset(at) : 0;
     device::compute_now(input_at);
     device::compute_now(output_at);
-    device::compute_now(residual_at);
+    if constexpr (kFusedAdd) device::compute_now(residual_at);
     using T = typename Tiling::T;
     input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + input_at);
     output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + output_at);
