@@ -1,13 +1,22 @@
-"""jitk.rmsnorm against SGLang 0.5.23's own RMSNorm, in one process, on the same tensors.
+"""jitk's RMSNorm and fused-add RMSNorm against SGLang 0.5.23's own, in one process, on the
+same tensors: the acceptance grid of issue 18.
 
-Out of place (x -> out), bf16, rows x hidden over decode and prefill sizes. Each figure is us
-per call under CUDA graph replay of 10-call chains: the providers' graphs are replayed in
-turn, round after round, and each figure is the median of its rounds. Both results are
-checked against torch (float32) first. jitk runs what a lookup picks: the tuned choice from
-the tuning file (`python -m jitk tune`), else the default. Needs SGLang's kernels:
-PYTHONPATH=.peers/sgl523 (see ../shared/peers/README.md).
-    python benchmarks/bench_rmsnorm_peers.py [--quick] [--json PATH]"""
+rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition), bf16 and
+fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed two
+ways: "graph", us per call under CUDA graph replay of 10-call chains; "eager", one call
+between CUDA events (the host's launch time included), the GPU drained before it. The
+providers alternate, round after round; a figure is the median of its rounds. Noise: half the
+interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by no more than that is
+"within noise" and counted apart, neither as a win nor hidden. Both providers' results are
+checked against float32 torch first, on fresh data; a size SGLang refuses is reported as such.
+jitk runs what a lookup picks: the tuning file's choice (`python -m jitk tune`), else the
+default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see ../shared/peers/README.md).
+Prints the counts per (op, dtype, placement, mode) and every shape jitk is slower at; the
+grids of ratios go to --grids (default: stdout).
+    python benchmarks/bench_rmsnorm_peers.py [--quick] [--json PATH] [--grids PATH]"""
 
+import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -18,61 +27,172 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import jitk  # noqa: E402
-import jitk.norm  # noqa: E402  (registers the operator)
+import jitk.norm  # noqa: E402  (registers the operators)
 
 ROWS = (1, 16, 77, 256, 1024, 4096)
 HIDDENS = (4096, 5120, 7168, 8192, 12288)
-CALLS, ROUNDS = 10, 15
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GROUPS = [(op, dtype, placement) for op, placements in
+          (("rmsnorm", ("out of place", "in place")), ("fused_add_rmsnorm", ("in place",)))
+          for dtype in DTYPES for placement in placements]
+MODES = ("graph", "eager")
+CALLS, ROUNDS, QUICK_ROUNDS = 10, 15, 7
 EPS = 1e-6
 
 
-def measure(sgl523, space, rows: int, hidden: int) -> dict:
-    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
-    weight = torch.randn(hidden, device="cuda").to(torch.bfloat16)
-    outs = {"jitk": torch.empty_like(x), "sglang": torch.empty_like(x)}
-    calls = {"jitk": lambda: jitk.rmsnorm(x, weight, out=outs["jitk"], eps=EPS),
-             "sglang": lambda: sgl523.rmsnorm(x, weight, outs["sglang"], EPS)}
-    expected = torch.nn.functional.rms_norm(x.float(), (hidden,), weight.float(), EPS)
-    for name, call in calls.items():
-        call()
-        torch.testing.assert_close(outs[name].float(), expected, rtol=2e-2, atol=2e-2,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-    graphs = {name: common.captured_graph(call, CALLS) for name, call in calls.items()}
-    samples = {name: [] for name in graphs}
+def providers(sgl523, op: str, placement: str, t: dict) -> dict:
+    """name -> a call on the tensors `t` (x, weight, out, residual)."""
+    if op == "fused_add_rmsnorm":
+        return {"jitk": lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], t["weight"], EPS),
+                "sglang": lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], t["weight"],
+                                                           EPS)}
+    out = "x" if placement == "in place" else "out"
+    return {"jitk": lambda: jitk.rmsnorm(t["x"], t["weight"], out=t[out], eps=EPS),
+            "sglang": lambda: sgl523.rmsnorm(t["x"], t["weight"], t[out], EPS)}
+
+
+def tensors(rows: int, hidden: int, dtype: torch.dtype) -> dict:
+    # A weight near 1 keeps values finite over the repeated in-place calls of a timing.
+    x = torch.randn(rows, hidden, device="cuda").to(dtype)
+    return {"x": x, "weight": (0.9 + 0.2 * torch.rand(hidden, device="cuda")).to(dtype),
+            "out": torch.full_like(x, float("nan")), "residual": torch.randn_like(x)}
+
+
+def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.dtype,
+          name: str) -> str | None:
+    """None when `name` matches float32 torch on fresh tensors, else why not; raises what the
+    provider raises for a size it refuses."""
+    t = tensors(rows, hidden, dtype)
+    x, residual = t["x"].clone(), t["residual"].clone()
+    source = x + residual if op == "fused_add_rmsnorm" else x
+    expected = torch.nn.functional.rms_norm(source.float(), (hidden,), t["weight"].float(), EPS)
+    providers(sgl523, op, placement, t)[name]()
+    got = t["out"] if placement == "out of place" else t["x"]
+    try:
+        torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+        if op == "fused_add_rmsnorm":
+            torch.testing.assert_close(t["residual"], source, rtol=0, atol=0)
+    except AssertionError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def rounds_us(calls: dict, mode: str, rounds: int) -> dict:
+    """name -> us per call in each round, the providers alternating."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, graph in graphs.items():
+    if mode == "graph":
+        runs = {name: common.captured_graph(call, CALLS).replay for name, call in calls.items()}
+        per_run = CALLS
+    else:
+        runs, per_run = calls, 1
+        for call in calls.values():
+            call()
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            torch.cuda.synchronize()
             start.record()
-            graph.replay()
+            run()
             end.record()
             end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / CALLS)
-    us = {name: statistics.median(s) for name, s in samples.items()}
-    knobs = space.config(space.bucket(x, weight, outs["jitk"], EPS))
-    return {"shape": f"{rows}x{hidden}",
-            "jitk knobs": "r{row_registers}{cap}{sum}".format(
-                cap="" if knobs["register_cap"] else " nocap",
-                sum="" if knobs["broadcast_sum"] else " shfl", **knobs),
-            "jitk us": us["jitk"], "sglang us": us["sglang"],
-            "jitk/sglang": us["jitk"] / us["sglang"],
-            "jitk <= sglang": "yes" if us["jitk"] <= us["sglang"] else "NO"}
+            samples[name].append(start.elapsed_time(end) * 1e3 / per_run)
+    return samples
+
+
+def verdict(ratio: float, noise: float) -> str:
+    return "yes" if ratio <= 1 else "noise" if ratio - 1 <= noise else "NO"
+
+
+def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
+            rounds: int) -> list[dict]:
+    """The shape's row for each mode."""
+    dtype = DTYPES[dtype_name]
+    base = {"op": op, "dtype": dtype_name, "placement": placement, "rows": rows,
+            "hidden": hidden}
+    problems = {"jitk": check(sgl523, op, placement, rows, hidden, dtype, "jitk")}
+    try:
+        problems["sglang"] = check(sgl523, op, placement, rows, hidden, dtype, "sglang")
+    except Exception as error:  # noqa: BLE001 - SGLang's own refusal, whatever its type
+        reason = str(error).strip().splitlines()[-1][:120]
+        return [{**base, "mode": mode, "verdict": "refused", "why": reason} for mode in MODES]
+    if any(problems.values()):
+        raise AssertionError(f"{op} {dtype_name} {placement} {rows}x{hidden}: {problems}")
+    t = tensors(rows, hidden, dtype)
+    calls = providers(sgl523, op, placement, t)
+    results = []
+    for mode in MODES:
+        samples = rounds_us(calls, mode, rounds)
+        ratios = [j / s for j, s in zip(samples["jitk"], samples["sglang"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        jitk_us, sglang_us = (statistics.median(samples[name]) for name in ("jitk", "sglang"))
+        results.append({**base, "mode": mode, "jitk us": jitk_us, "sglang us": sglang_us,
+                        "ratio": jitk_us / sglang_us, "noise": (q3 - q1) / 2,
+                        "verdict": verdict(jitk_us / sglang_us, (q3 - q1) / 2)})
+    return results
+
+
+def group_name(op: str, dtype: str, placement: str, mode: str) -> str:
+    return f"{op} {dtype} {placement} {mode}"
+
+
+def print_grids(results: list[dict], out) -> None:
+    """A grid of jitk/SGLang per group: rows x hidden, '~' within noise, '!' slower."""
+    marks = {"yes": " ", "noise": "~", "NO": "!"}
+    for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
+        cells = {(r["rows"], r["hidden"]): r for r in results
+                 if (r["op"], r["dtype"], r["placement"], r["mode"]) == key}
+        print(f"\n{group_name(*key)}: jitk/SGLang (~ within noise, ! slower, - refused)",
+              file=out)
+        print("rows  " + "  ".join(f"{h:>6}" for h in HIDDENS), file=out)
+        for rows in sorted({r for r, _ in cells}):
+            line = [f"{cells[rows, h]['ratio']:5.3f}{marks[cells[rows, h]['verdict']]}"
+                    if cells[rows, h]["verdict"] != "refused" else f"{'-':>6}" for h in HIDDENS]
+            print(f"{rows:>4}  " + "  ".join(line), file=out)
+
+
+def print_summary(results: list[dict]) -> None:
+    print("\njitk <= SGLang per group (graph: replay of 10-call chains; eager: one call)")
+    for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
+        rows = [r for r in results if (r["op"], r["dtype"], r["placement"], r["mode"]) == key]
+        count = {v: sum(r["verdict"] == v for r in rows) for v in ("yes", "noise", "NO",
+                                                                    "refused")}
+        measured = len(rows) - count["refused"]
+        print(f"  {group_name(*key)}: jitk <= SGLang: {count['yes']}/{measured}"
+              f" (+{count['noise']} within noise, {count['NO']} slower"
+              + (f"; SGLang refuses {count['refused']}" if count["refused"] else "") + ")")
+    refused = sorted({(r["op"], r["hidden"], r["why"]) for r in results
+                      if r["verdict"] == "refused"})
+    for op, hidden, why in refused:
+        print(f"  SGLang refuses {op} at hidden {hidden}: {why}")
+    slower = [r for r in results if r["verdict"] in ("NO", "noise")]
+    if slower:
+        print("\nslower (us per call, jitk / SGLang, noise = half the IQR of the round ratios):")
+    for r in slower:
+        print(f"  {group_name(r['op'], r['dtype'], r['placement'], r['mode'])} "
+              f"{r['rows']}x{r['hidden']}: {r['jitk us']:.2f} / {r['sglang us']:.2f} "
+              f"({r['ratio']:.3f}, noise {r['noise']:.3f})"
+              + (" within noise" if r["verdict"] == "noise" else ""))
 
 
 def main():
-    args = common.parse_args(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_ROUNDS} rounds a shape, not {ROUNDS}")
+    parser.add_argument("--grids", metavar="PATH", help="write the grids there, not to stdout")
+    args = parser.parse_args()
     import sgl523  # SGLang's kernels; fails here, with its own message, when not set up
 
     print("device:", common.device_name())
-    space = jitk.custom_op.find_op("jitk::rmsnorm").tuning
-    results = [measure(sgl523, space, rows, hidden) for hidden in HIDDENS
-               for rows in ((16, 1024) if args.quick else ROWS)]
-    common.print_table(f"rmsnorm bf16 out of place, us per call (graph replay of {CALLS}-call "
-                       f"chains, median of {ROUNDS} interleaved rounds)", results,
-                       ["shape", "jitk knobs", "jitk us", "sglang us", "jitk/sglang",
-                        "jitk <= sglang"])
-    wins = sum(r["jitk <= sglang"] == "yes" for r in results)
-    print(f"jitk <= SGLang at {wins} of {len(results)} shapes")
-    common.write_json(args.json, {"device": common.device_name(), "rows": results})
+    sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
+    rounds = QUICK_ROUNDS if args.quick else ROUNDS
+    results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
+               for row in measure(sgl523, *group, rows, hidden, rounds)]
+    with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
+        print_grids(results, out)
+    print_summary(results)
+    common.write_json(args.json, {"device": common.device_name(), "rounds": rounds,
+                                  "rows": results})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# RMSNorm's acceptance run on one GPU, in one call: tune, then jitk against SGLang 0.5.23 at
-# the decode and prefill shapes (a second process reading the tuning file), 32768x8192 against
-# a copy of the same bytes, then the GPU tests of RMSNorm and the parity harness.
+# RMSNorm's acceptance run on one GPU, in one call: tune both ops in both 16-bit dtypes (timed;
+# every candidate's time in tune.log), then jitk against SGLang 0.5.23 over issue 18's grid (a
+# second process reading the tuning file; the summary here, the grids in grids.log; QUICK=1
+# for fewer rounds), 32768x8192 against a copy of the same bytes, then the GPU tests of RMSNorm
+# and the parity harness. Full logs are left in $OUT (default /tmp/jitk-gpu-out).
 #   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune] [peers] [large] [tests]   (default: all)
 # SGLang's kernels are looked for at .peers/sgl523 (or PEERS=DIR); a stage run alone reuses
 # the tuning file of an earlier one in JITK_CACHE_DIR.
@@ -23,13 +25,16 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 if [[ $stages == *" tune "* ]]; then
   start=$SECONDS
-  timeout 200 python3 -m jitk tune rmsnorm 2>&1 | tail -n 3 | tee "$out/tune.log"
+  timeout 200 python3 -m jitk tune rmsnorm fused_add_rmsnorm --dtype bfloat16 float16 -v \
+    > "$out/tune.log" 2>&1
+  grep -E "^(built|tuned)|failed|rror" "$out/tune.log" | tail -n 5
   echo "tune: $((SECONDS - start)) s"
 fi
 if [[ $stages == *" peers "* ]]; then
-  PYTHONPATH="$peers:$PYTHONPATH" timeout 170 python3 benchmarks/bench_rmsnorm_peers.py \
-    --json "$out/peers.json" > "$out/peers.log" 2>&1
-  tail -n 34 "$out/peers.log"
+  PYTHONPATH="$peers:$PYTHONPATH" timeout "${PEERS_TIMEOUT:-240}" python3 \
+    benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} --json "$out/peers.json" \
+    --grids "$out/grids.log" > "$out/peers.log" 2>&1
+  head -n 16 "$out/peers.log"; grep -c "^  .*: .* / " "$out/peers.log"
 fi
 [[ $stages == *" large "* ]] && timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
 import sys

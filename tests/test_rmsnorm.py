@@ -438,14 +438,14 @@ def test_fused_add(dtype, hidden, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_registers", [4, 16])
-def test_shuffled_block_sum_matches_reference(row_registers):
-    """The tuning choice that adds a block's warp sums by shuffles (broadcast_sum off), on rows
-    of 5 and 20 warps (5120 wide at 16 and 4 registers a thread), both entry points."""
-    dtype, hidden, rows = torch.bfloat16, 5120, 77
-    knobs = {**norm._default_knobs((hidden, dtype, 128)), "row_registers": row_registers,
-             "broadcast_sum": False}
-    kernels = norm._kernels_with((hidden, dtype, 128), knobs)
+@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT], ids=str)
+@pytest.mark.parametrize("hidden", [5120, 12288])
+def test_tried_knobs_match_reference(changes, hidden):
+    """Every choice the tuner tries, both entry points, on 77 rows of 5 to 32 warps (12288 at 4
+    registers: 1024 threads, some with a slot past the row's end)."""
+    dtype, rows = torch.bfloat16, 77
+    bucket = (hidden, dtype, 128)
+    kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), **changes})
     weight = random(hidden, dtype=dtype)
     x = random(rows, hidden, dtype=dtype, scale=3.0)
     out = poisoned_like(x)

@@ -324,32 +324,45 @@ def run_tune(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise CommandError("tune times kernels on a GPU, and none is visible")
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise UsageError(f"--dtype: no torch dtype named {args.dtype!r}")
+    dtypes = {name: getattr(torch, name, None) for name in args.dtype}
+    for name, dtype in dtypes.items():
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"--dtype: no torch dtype named {name!r}")
     ops = [info for info in selected_ops(args.op) if info.tuning is not None]
     if not ops:
         raise UsageError("none of the selected ops declares a tuning space")
-    calls = [(info, info.tuning.sample(shape, dtype, torch.device("cuda")), shape)
-             for info in ops for shape in (args.shapes or info.tuning.shapes)]
+    calls = [(info, info.tuning.sample(shape, dtype, torch.device("cuda")), shape, name)
+             for info in ops for name, dtype in dtypes.items()
+             for shape in (args.shapes or info.tuning.shapes)]
     started = time.perf_counter()
     jobs = {(info.name, bucket, str(config)): (info.name, bucket, config)
-            for info, (call_args, kwargs), _ in calls
+            for info, (call_args, kwargs), _, _ in calls
             for bucket in [info.tuning.bucket(*call_args, **kwargs)]
             for config in info.tuning.candidates(bucket)}
     autotune.prebuild(list(jobs.values()), default_precompile_archs()[0],
                       args.jobs or os.cpu_count() or 1)
     built = time.perf_counter()
     print(f"built {len(jobs)} candidate(s) in {built - started:.1f} s")
-    for info, (call_args, kwargs), shape in calls:
+    for info, (call_args, kwargs), shape, name in calls:
         result = autotune.tune(info, call_args, kwargs)
-        print(f"{info.name} {'x'.join(map(str, shape))} {args.dtype}: {result.us:.2f} us "
-              f"(default {result.default_us:.2f}) {result.config}"
+        default = info.tuning.default(info.tuning.bucket(*call_args, **kwargs))
+        print(f"{info.name} {'x'.join(map(str, shape))} {name}: {result.us:.2f} us "
+              f"(default {result.default_us:.2f}) {_changes(result.config, default)}"
               + (f"; {len(result.failures)} failed the reference" if result.failures else ""),
               flush=True)
+        if args.verbose:
+            for config, us in result.timings:
+                print(f"    {'failed' if us is None else f'{us:.3f}'}  "
+                      f"{_changes(config, default)}")
     print(f"tuned {len(calls)} shape(s) in {time.perf_counter() - built:.1f} s; recorded in "
           f"{autotune.tuning_file()}")
     return EXIT_OK
+
+
+def _changes(config: dict, default: dict) -> str:
+    """A tuning choice as its differences from the default ("default" when none)."""
+    changed = {name: value for name, value in config.items() if default.get(name) != value}
+    return " ".join(f"{name}={value}" for name, value in changed.items()) or "default"
 
 
 def valid_arch(text: str) -> str:
@@ -531,7 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("op", nargs="*", help="op names (default: every op with a space)")
     tune.add_argument("--shapes", nargs="+", type=parse_shape, metavar="SHAPE",
                       help="shapes such as 16x4096 (default: each op's own list)")
-    tune.add_argument("--dtype", default="bfloat16", help="torch dtype name (bfloat16)")
+    tune.add_argument("--dtype", nargs="+", default=["bfloat16"], metavar="DTYPE",
+                      help="torch dtype names (default: bfloat16)")
+    tune.add_argument("--verbose", "-v", action="store_true",
+                      help="print every candidate's time, not only the winner's")
     tune.add_argument("--jobs", "-j", type=positive_int, metavar="N",
                       help="builds at a time (default: the number of CPUs)")
     tune.set_defaults(handler=run_tune)

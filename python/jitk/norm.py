@@ -78,18 +78,41 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 
 
 # ---------------------------------------------------------------------------- tuning
-# jitk::norm::Tuning's knobs, in its template order, and what jitk.autotune tries. Left out
-# of the search: the weight prefetch (it pays where each layer's weight is cold, which a
-# tuning loop over one weight never sees) and PDL (it pays between different kernels).
+# jitk::norm::Tuning's knobs, in its template order, and the values a tuning file may name.
+# Left out of the search: the weight prefetch (it pays where each layer's weight is cold, which
+# a tuning loop over one weight never sees), PDL (it pays between different kernels) and the
+# vector width (16 bytes, SGLang's too, is the widest an H100 loads).
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
-          "max_vec_bytes": (16,), "register_cap": (True, False), "broadcast_sum": (True, False)}
+          "max_vec_bytes": (16,), "register_cap": (True, False),
+          "broadcast_sum": (False, True), "pin_offsets": (False, True),
+          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True)}
+
+# What the tuner tries, as changes to the defaults: the full product is 192 modules a width.
+# Every bucket: the threads a row (row_registers) and the register cap. Buckets of up to
+# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also: the short
+# critical path (offsets before the wait, the row before the weight, four partial sums, the
+# block sum read from shared memory), and SGLang's strategy (a row per block of hidden/16
+# threads, two 16-byte vectors each, the next kernel let launch at the end).
+_SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
+_TRIED = ({"row_registers": 4}, {"row_registers": 8}, {"row_registers": 16},
+          {"row_registers": 16, "register_cap": False})
+_TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH}, {"row_registers": 16, **_SHORT_PATH},
+                {"row_registers": 8, "late_trigger": True})
+_SHORT_LAUNCH_ROWS = 256
 
 
 def _default_knobs(bucket: tuple) -> dict:
     """rmsnorm.cuh's DefaultTuning."""
     hidden, dtype, _ = bucket
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
-            "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": True}
+            "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
+            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False}
+
+
+def _tried(bucket: tuple, knobs: dict) -> bool:
+    """Whether the tuner times `knobs` at `bucket` (the default always)."""
+    tried = _TRIED + (_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else ())
+    return any(knobs == {**_default_knobs(bucket), **changes} for changes in tried)
 
 
 @functools.cache
@@ -207,7 +230,8 @@ def _space(entry: str) -> TuningSpace:
 
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
+                       allowed=_tried, outputs=("out",) if entry == "rmsnorm" else (),
+                       sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))
 

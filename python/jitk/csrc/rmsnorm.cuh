@@ -38,18 +38,28 @@ inline constexpr int kMaxRowRegisters = 16;
 // The launch knobs jitk.autotune and benchmarks/tune_rmsnorm.py sweep: registers a thread would
 // rather give x (fewer spread a row over more threads); block 0 prefetching the weight; launch
 // with PDL; the widest access in bytes (16, 8 or 4; narrower where the hidden size needs it);
-// the register cap of 8 blocks an SM (kMinBlocks); how a block adds its warps' sums (row_sum).
+// the register cap of 8 blocks an SM (kMinBlocks). Then the choices that shorten a short
+// launch's critical path, each off by default: how a block adds its warps' sums (row_sum); the
+// row's offsets worked out before pdl_wait (Row); the row loaded before the weight
+// (normalize_in_registers); partial sums of squares (sum_of_squares); and the next kernel let
+// launch only once this one's work is done rather than at its start (rmsnorm_kernel).
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
-          bool kRegisterCap_ = true, bool kBroadcastSum_ = true>
+          bool kRegisterCap_ = true, bool kBroadcastSum_ = false, bool kPinOffsets_ = false,
+          bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false>
 struct Tuning {
   static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
   static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
+  static_assert(kSumChains_ == 1 || kSumChains_ == 2 || kSumChains_ == 4);
   static constexpr int kRowRegisters = kRowRegisters_;
   static constexpr bool kPrefetchWeight = kPrefetchWeight_;
   static constexpr bool kPdl = kPdl_;
   static constexpr int kMaxVecBytes = kMaxVecBytes_;
   static constexpr bool kRegisterCap = kRegisterCap_;
   static constexpr bool kBroadcastSum = kBroadcastSum_;
+  static constexpr bool kPinOffsets = kPinOffsets_;
+  static constexpr bool kRowFirst = kRowFirst_;
+  static constexpr int kSumChains = kSumChains_;
+  static constexpr bool kLateTrigger = kLateTrigger_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -148,11 +158,10 @@ __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], 
   }
 }
 
-// Four running sums, not one: a chain of 32 dependent FMAs (four 16-byte bf16 vectors) is
-// 128 cycles on the critical path of a short launch; four chains of 8 are a quarter of it.
-template <typename Tiling, int kCount>
+// kChains running sums: one chain of 32 dependent FMAs (four 16-byte bf16 vectors) is 128
+// cycles on the critical path of a short launch; four chains of 8 are a quarter of it.
+template <typename Tiling, int kChains, int kCount>
 __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
-  constexpr int kChains = 4;
   float sums[kChains] = {};
 #pragma unroll
   for (int i = 0; i < kCount; ++i) {
@@ -163,7 +172,9 @@ __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)
       sum = fmaf(f[e], f[e], sum);
     }
   }
-  return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  if constexpr (kChains == 4) return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  if constexpr (kChains == 2) return sums[0] + sums[1];
+  return sums[0];
 }
 
 // x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
@@ -215,7 +226,7 @@ __device__ __forceinline__ float row_sum(float sum, float* scratch) {
 }
 
 // One row's place in each tensor; `valid` is false past the last row (a block's last turn).
-template <typename Tiling, bool kFusedAdd>
+template <typename Tiling, bool kFusedAdd, bool kPinOffsets>
 struct Row {
   using Pack = typename Tiling::Pack;
   const Pack* input;
@@ -223,16 +234,18 @@ struct Row {
   Pack* output;
   bool valid;
 
-  // The offsets are worked out here, where the row is made: left alone, the compiler moves
-  // their 64-bit multiplies into the loop, after pdl_wait, onto the critical path of a short
-  // launch. (Pinning the pointers instead would hide that they are global: generic loads.)
+  // kPinOffsets: the offsets are worked out here, where the row is made; left alone, the
+  // compiler may move their 64-bit multiplies into the loop, after pdl_wait, onto the critical
+  // path of a short launch. (Pinning the pointers instead would hide that they are global.)
   __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
     const RowIndex at = p.split.index(valid ? row : 0);
     int64_t input_at = p.input_rows.offset(at), output_at = p.output_rows.offset(at);
     int64_t residual_at = kFusedAdd ? p.residual_rows.offset(at) : 0;
-    device::compute_now(input_at);
-    device::compute_now(output_at);
-    if constexpr (kFusedAdd) device::compute_now(residual_at);
+    if constexpr (kPinOffsets) {
+      device::compute_now(input_at);
+      device::compute_now(output_at);
+      if constexpr (kFusedAdd) device::compute_now(residual_at);
+    }
     using T = typename Tiling::T;
     input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + input_at);
     output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + output_at);
@@ -241,22 +254,24 @@ struct Row {
 };
 
 // The row stays in registers: read once, reduce, scale by `w` (this thread's slots), write.
-// On the first turn the weight is loaded here, after the row: it waits for the reduction
-// anyway, while the row's loads, queued behind it, would delay the reduction.
-template <typename Tiling, bool kBroadcastSum, bool kFusedAdd>
+// With kRowFirst the weight is loaded here on the first turn, after the row (it waits for the
+// reduction anyway, while the row's loads, queued behind it, would delay the reduction);
+// otherwise the kernel loaded it before its first turn.
+template <typename Tiling, typename Tuning, bool kFusedAdd>
 __device__ __forceinline__ void normalize_in_registers(
-    const Row<Tiling, kFusedAdd>& row, const typename Tiling::Pack* weight,
+    const Row<Tiling, kFusedAdd, Tuning::kPinOffsets>& row, const typename Tiling::Pack* weight,
     typename Tiling::Pack (&w)[Tiling::kVecsPerThread], bool first_turn, int lane, float eps,
     float* scratch) {
   typename Tiling::Pack x[Tiling::kVecsPerThread], r[kFusedAdd ? Tiling::kVecsPerThread : 1];
   load_slots<Tiling>(x, row.input, 0, lane, row.valid);
   if constexpr (kFusedAdd) load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
-  if (first_turn) load_slots<Tiling>(w, weight, 0, lane, true);
+  if (Tuning::kRowFirst && first_turn) load_slots<Tiling>(w, weight, 0, lane, true);
   if constexpr (kFusedAdd) {
     combine<Tiling>(x, r, [](float a, float b) { return a + b; });
     store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
-  const float sum = row_sum<Tiling, kBroadcastSum>(sum_of_squares<Tiling>(x), scratch);
+  const float sum = row_sum<Tiling, Tuning::kBroadcastSum>(
+      sum_of_squares<Tiling, Tuning::kSumChains>(x), scratch);
   device::keep_packed(w);
   device::keep_packed(x);
   combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
@@ -265,10 +280,10 @@ __device__ __forceinline__ void normalize_in_registers(
 
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
 // one that reads the row again, mostly from L2, to scale it; a chunk's loads fly together.
-template <typename Tiling, bool kBroadcastSum, bool kFusedAdd>
-__device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFusedAdd>& row,
-                                                        const typename Tiling::Pack* weight,
-                                                        int lane, float eps, float* scratch) {
+template <typename Tiling, typename Tuning, bool kFusedAdd>
+__device__ __forceinline__ void normalize_in_two_passes(
+    const Row<Tiling, kFusedAdd, Tuning::kPinOffsets>& row, const typename Tiling::Pack* weight,
+    int lane, float eps, float* scratch) {
   constexpr int kChunk = Tiling::kMaxVecsInRegisters;
   float sum_sq = 0.0f;
 #pragma unroll 1
@@ -281,10 +296,10 @@ __device__ __forceinline__ void normalize_in_two_passes(const Row<Tiling, kFused
       combine<Tiling>(x, r, [](float a, float b) { return a + b; });
       store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
-    sum_sq += sum_of_squares<Tiling>(x);
+    sum_sq += sum_of_squares<Tiling, Tuning::kSumChains>(x);
   }
   const float inv_rms =
-      rsqrtf(row_sum<Tiling, kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps);
+      rsqrtf(row_sum<Tiling, Tuning::kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
@@ -307,7 +322,8 @@ template <typename Tiling, typename Tuning, bool kFusedAdd>
 __global__ void __launch_bounds__(Tiling::kBlockThreads,
                                   (Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd> : 1))
     rmsnorm_kernel(const Params p) {
-  __shared__ alignas(16) float scratch[2][Tiling::kRowWarps];  // turns alternate
+  // Turns alternate; row_sum reads the broadcast sums 16 bytes at a time.
+  __shared__ alignas(Tuning::kBroadcastSum ? 16 : 4) float scratch[2][Tiling::kRowWarps];
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
@@ -315,7 +331,7 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
   int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
-  Row<Tiling, kFusedAdd> row(p, first + group);
+  Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group);
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
@@ -325,23 +341,27 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
     }
   }
   // Launched with PDL, this kernel may start before the previous one is done: wait for it
-  // before reading or writing anything. The next may launch now; it waits in turn for this.
+  // before reading or writing anything. The next may launch now (or, with kLateTrigger, once
+  // this block's work is done); either way it waits in turn for this one to finish.
   device::pdl_wait();
-  device::pdl_launch_dependents();
+  if constexpr (!Tuning::kLateTrigger) device::pdl_launch_dependents();
 
   // Every thread of a block takes as many turns (on its first row): shuffles, barriers match.
   typename Tiling::Pack w[Tiling::kInRegisters ? Tiling::kVecsPerThread : 1];
+  if constexpr (Tiling::kInRegisters && !Tuning::kRowFirst) {
+    load_slots<Tiling>(w, weight, 0, lane, true);
+  }
   for (int turn = 0, first_turn = 1;; turn ^= 1, first_turn = 0) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers<Tiling, Tuning::kBroadcastSum>(row, weight, w, first_turn, lane, p.eps,
-                                                            scratch[turn]);
+      normalize_in_registers<Tiling, Tuning>(row, weight, w, first_turn, lane, p.eps,
+                                             scratch[turn]);
     } else {
-      normalize_in_two_passes<Tiling, Tuning::kBroadcastSum>(row, weight, lane, p.eps,
-                                                             scratch[turn]);
+      normalize_in_two_passes<Tiling, Tuning>(row, weight, lane, p.eps, scratch[turn]);
     }
     if ((first += step) >= p.rows) break;
-    row = Row<Tiling, kFusedAdd>(p, first + group);
+    row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group);
   }
+  if constexpr (Tuning::kLateTrigger) device::pdl_launch_dependents();
 }
 
 // ---------------------------------------------------------------------------------------
