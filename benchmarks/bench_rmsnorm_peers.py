@@ -3,14 +3,16 @@ same tensors: the acceptance grid of issue 18.
 
 rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition), bf16 and
 fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed two
-ways: "graph", us per call under CUDA graph replay of 10-call chains; "eager", one call
-between CUDA events (the host's launch time included), the GPU drained before it. The
-providers alternate, round after round; a figure is the median of its rounds. Noise: half the
-interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by no more than that is
-"within noise" and counted apart, neither as a win nor hidden. Both providers' results are
-checked against float32 torch first, on fresh data; a size SGLang refuses is reported as such.
-jitk runs what a lookup picks: the tuning file's choice (`python -m jitk tune`), else the
-default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see ../shared/peers/README.md).
+ways: "graph", us per call under CUDA graph replay of 10-call chains; "single", one eager
+call alone on the GPU. Between CUDA events in both, queued behind a 0.1 ms sleep of the GPU,
+so that the events time the device's work and not the host's launch (bench_op.py times
+that). The providers alternate, round after round; a figure is the median of its rounds.
+Noise: half the interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by
+no more than that is "within noise" and counted apart, neither as a win nor hidden. Both
+providers' results are checked against float32 torch first, on fresh data; a size SGLang
+refuses is reported as such. jitk runs what a lookup picks: the tuning file's choice
+(`python -m jitk tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523
+(see ../shared/peers/README.md).
 Prints the counts per (op, dtype, placement, mode) and every shape jitk is slower at; the
 grids of ratios go to --grids (default: stdout).
     python benchmarks/bench_rmsnorm_peers.py [--quick] [--json PATH] [--grids PATH]"""
@@ -35,8 +37,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GROUPS = [(op, dtype, placement) for op, placements in
           (("rmsnorm", ("out of place", "in place")), ("fused_add_rmsnorm", ("in place",)))
           for dtype in DTYPES for placement in placements]
-MODES = ("graph", "eager")
+MODES = ("graph", "single")
 CALLS, ROUNDS, QUICK_ROUNDS = 10, 15, 7
+SLEEP_CYCLES = 200_000  # ~0.1 ms at an H100's clock: longer than the host takes to queue
 EPS = 1e-6
 
 
@@ -78,7 +81,8 @@ def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.
 
 
 def rounds_us(calls: dict, mode: str, rounds: int) -> dict:
-    """name -> us per call in each round, the providers alternating."""
+    """name -> us per call in each round, the providers alternating; the GPU drained, then
+    kept asleep while the host queues the events and the run."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if mode == "graph":
         runs = {name: common.captured_graph(call, CALLS).replay for name, call in calls.items()}
@@ -91,6 +95,7 @@ def rounds_us(calls: dict, mode: str, rounds: int) -> dict:
     for _ in range(rounds):
         for name, run in runs.items():
             torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)
             start.record()
             run()
             end.record()
@@ -151,7 +156,7 @@ def print_grids(results: list[dict], out) -> None:
 
 
 def print_summary(results: list[dict]) -> None:
-    print("\njitk <= SGLang per group (graph: replay of 10-call chains; eager: one call)")
+    print("\njitk <= SGLang per group (graph: replay of 10-call chains; single: one call)")
     for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
         rows = [r for r in results if (r["op"], r["dtype"], r["placement"], r["mode"]) == key]
         count = {v: sum(r["verdict"] == v for r in rows) for v in ("yes", "noise", "NO",

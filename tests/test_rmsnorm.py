@@ -613,3 +613,44 @@ def test_interleaved_and_misaligned_heads(dtype):
     norm.fused_add_rmsnorm(misaligned, residual, weight)
     assert torch.equal(residual, expected_sum)
     assert_matches(misaligned, reference(expected_sum, weight), dtype)
+
+
+def test_defaults_leave_every_decode_size_knob_off():
+    """The defaults are main's kernel: the short-path and late-trigger knobs off."""
+    for bucket in ((4096, torch.bfloat16, 1), (128, torch.float16, 4096)):
+        knobs = norm._default_knobs(bucket)
+        assert (knobs["broadcast_sum"], knobs["pin_offsets"], knobs["row_first"],
+                knobs["sum_chains"], knobs["late_trigger"]) == (False, False, False, 1, False)
+
+
+@pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE], ids=str)
+def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
+    short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
+    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
+    short_candidates, long_candidates = space.candidates(short), space.candidates(long)
+    assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
+    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 8
+    assert all({k: c[k] for k in off} == off for c in long_candidates)
+    sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
+    assert sglang_like in short_candidates and sglang_like in long_candidates
+
+
+def test_tune_builds_one_module_per_width_dtype_and_choice():
+    """Both ops and every row bucket of a width share the module of a choice."""
+    keys, configs = set(), set()
+    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        for rows in (1, 16, 128, 256, 1024, 4096):
+            bucket = (5120, torch.bfloat16, rows)
+            for config in space.candidates(bucket):
+                keys.add(space.job_key(bucket, config))
+                configs.add(tuple(config.values()))
+    assert len(keys) == len(configs) == 8
+
+
+@pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])
+def test_tuning_samples_pass_every_argument(name):
+    """A built kernel takes no defaults: the tuner's sample call names every parameter."""
+    info = jitk.custom_op.find_op(name)
+    args, kwargs = info.tuning.sample((3, 256), torch.float16, torch.device("cpu"))
+    bound = info.signature.bind(*args, **kwargs)
+    assert list(bound.arguments) == list(info.signature.parameters)

@@ -335,7 +335,7 @@ def run_tune(args: argparse.Namespace) -> int:
              for info in ops for name, dtype in dtypes.items()
              for shape in (args.shapes or info.tuning.shapes)]
     started = time.perf_counter()
-    jobs = {(info.name, bucket, str(config)): (info.name, bucket, config)
+    jobs = {info.tuning.job_key(bucket, config): (info.name, bucket, config)
             for info, (call_args, kwargs), _, _ in calls
             for bucket in [info.tuning.bucket(*call_args, **kwargs)]
             for config in info.tuning.candidates(bucket)}

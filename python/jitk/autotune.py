@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -175,6 +175,9 @@ class TuningSpace:
              choice changes.
     sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, for
              `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
+    module_key: (bucket, knob values) -> what identifies the module `build` makes, so that
+             `python -m jitk tune` builds each once (buckets, or ops, that share a module
+             share a key); default: every (op, bucket, knob values) its own.
     """
 
     knobs: Mapping[str, Sequence]
@@ -185,6 +188,7 @@ class TuningSpace:
     outputs: tuple[str, ...] = ()
     sample: Callable[[tuple, torch.dtype, torch.device], tuple] | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+    module_key: Callable[[tuple, dict], Hashable] | None = None
     op: str = ""  # set by attach()
     calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -209,6 +213,12 @@ class TuningSpace:
         every = [dict(zip(self.knobs, values))
                  for values in itertools.product(*self.knobs.values())]
         return [default, *(c for c in every if c != default and self.allowed(bucket, c))]
+
+    def job_key(self, bucket: tuple, config: dict) -> Hashable:
+        """Candidates with equal keys share what `build` makes (see module_key)."""
+        if self.module_key is not None:
+            return self.module_key(bucket, config)
+        return self.op, _key(self.op, _jsonable(bucket)), json.dumps(config, sort_keys=True)
 
     def lookup(self, bucket: tuple) -> Callable:
         """The function for a bucket: what this process chose, else the file's, else the

@@ -87,17 +87,18 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True)}
 
-# What the tuner tries, as changes to the defaults: the full product is 192 modules a width.
-# Every bucket: the threads a row (row_registers) and the register cap. Buckets of up to
-# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also: the short
+# What the tuner tries, as changes to the defaults (the full product is 192 modules a width):
+# the threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
+# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end,
+# so that its waiting blocks take no room from this one's later waves). In buckets of up to
+# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
 # critical path (offsets before the wait, the row before the weight, four partial sums, the
-# block sum read from shared memory), and SGLang's strategy (a row per block of hidden/16
-# threads, two 16-byte vectors each, the next kernel let launch at the end).
+# block sum read from shared memory), alone and with the late launch.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
 _TRIED = ({"row_registers": 4}, {"row_registers": 8}, {"row_registers": 16},
-          {"row_registers": 16, "register_cap": False})
+          {"row_registers": 16, "register_cap": False}, {"row_registers": 8, "late_trigger": True})
 _TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH}, {"row_registers": 16, **_SHORT_PATH},
-                {"row_registers": 8, "late_trigger": True})
+                {"row_registers": 8, "late_trigger": True, **_SHORT_PATH})
 _SHORT_LAUNCH_ROWS = 256
 
 
@@ -125,6 +126,11 @@ def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
     if knobs == _default_knobs(bucket):
         return _kernels(hidden, dtype)
     return _tuned_kernels(hidden, dtype, tuple(knobs[name] for name in _KNOBS))
+
+
+def _module_key(bucket: tuple, knobs: dict) -> tuple:
+    """What _kernels_with builds: one module a hidden size, dtype and knobs, both entries."""
+    return ("jitk.norm", bucket[0], bucket[1], *knobs.values())
 
 
 def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
@@ -226,12 +232,12 @@ def _space(entry: str) -> TuningSpace:
         weight = torch.randn(shape[-1], device=device).to(dtype)
         if entry == "rmsnorm":  # out of place, as a model's pre-attention norm
             return (x, weight, torch.empty_like(x), 1e-6), {}
-        return (x, torch.randn_like(x), weight), {}
+        return (x, torch.randn_like(x), weight, 1e-6), {}  # eps too: the kernel has no default
 
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       allowed=_tried, outputs=("out",) if entry == "rmsnorm" else (),
-                       sample=sample,
+                       allowed=_tried, module_key=_module_key,
+                       outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))
 
