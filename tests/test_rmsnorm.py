@@ -623,7 +623,8 @@ def test_defaults_leave_every_decode_size_knob_off():
                 knobs["sum_chains"], knobs["late_trigger"]) == (False, False, False, 1, False)
 
 
-@pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE], ids=str)
+@pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
+                         ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
     off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
