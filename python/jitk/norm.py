@@ -89,8 +89,8 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
 
 # What the tuner tries, as changes to the defaults (the full product is 192 modules a width):
 # the threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
-# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end,
-# so that its waiting blocks take no room from this one's later waves). In buckets of up to
+# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end:
+# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100). In buckets of up to
 # _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
 # critical path (offsets before the wait, the row before the weight, four partial sums, the
 # block sum read from shared memory), alone and with the late launch.
