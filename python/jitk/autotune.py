@@ -274,11 +274,13 @@ def autotune_requested() -> bool:
 
 
 def _copies(value: object, memo: dict | None = None) -> object:
-    """`value` with each tensor cloned (one clone per tensor, so aliases stay aliases)."""
+    """`value` with each tensor cloned (one clone per tensor, so aliases stay aliases; a
+    pinned one stays pinned, as a kernel reading host memory needs)."""
     memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
-            memo[id(value)] = value.clone()
+            clone = value.clone()
+            memo[id(value)] = clone.pin_memory() if value.is_pinned() else clone
         return memo[id(value)]
     if isinstance(value, tuple | list):
         return type(value)(_copies(v, memo) for v in value)
