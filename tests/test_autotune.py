@@ -189,7 +189,7 @@ def test_tuning_a_hicache_transfer_checks_every_candidate_and_the_call_runs_the_
     result = autotune.tune(info, args, kwargs, rounds=3)
     assert not result.failures and result.config in info.tuning.candidates(bucket)
     assert info.tuning.config(bucket) == result.config  # recorded, and what lookups find
-    dst = args[0]
+    dst, indices_dst, src, indices_src = args[0], args[2].cpu(), args[3], args[5].cpu()
     dst.fill_(float("nan"))
     hicache.transfer_hicache_one_layer(*args, **kwargs)
-    torch.testing.assert_close(dst[args[2]].cpu(), args[3][args[5]].cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(dst.cpu()[indices_dst], src.cpu()[indices_src], rtol=0, atol=0)

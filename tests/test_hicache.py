@@ -600,14 +600,14 @@ def test_a_tuned_launch_runs_the_kernel_with_its_knobs(tuning_file, monkeypatch)
     bucket = (1024, "host->gpu", 4096)
     assert space.config(bucket) == {"unroll": hicache.DEFAULT_UNROLL, "block_quota": "default"}
     tuning_file.record([{"op": space.op, "bucket": list(bucket), "config": {
-        "unroll": 8, "block_quota": 16}, "environment": tuning_file.environment()}])
-    assert space.config(bucket) == {"unroll": 8, "block_quota": 16}
+        "unroll": 1, "block_quota": 16}, "environment": tuning_file.environment()}])
+    assert space.config(bucket) == {"unroll": 1, "block_quota": 16}
     calls = []
     monkeypatch.setattr(hicache, "_one_layer", lambda *args: calls.append(args))
     space.build(bucket, space.config(bucket))("k", "v", "i", "ks", "vs", "is", page_size=2)
-    assert calls == [(2, ("k", "v", "i", "ks", "vs", "is"), None, 8, 16, 2, "kernel", "token")]
+    assert calls == [(2, ("k", "v", "i", "ks", "vs", "is"), None, 1, 16, 2, "kernel", "token")]
     labels = [label for label, _ in hicache.precompile_configs()]
-    assert "element_size=1024 unroll=8" in labels  # a serving image builds what was tuned
+    assert "element_size=1024 unroll=1" in labels  # a serving image builds what was tuned
 
 
 def test_every_kernel_source_is_hashed_into_the_module_key():
