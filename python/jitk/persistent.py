@@ -41,7 +41,7 @@ What a resident worker costs other work: its blocks hold `blocks` SMs (one block
 threads each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU gets
 that many fewer SMs, and any resident kernel slows a GPU-filling kernel beside it (a bf16 GEMM
 on an H100 measured 8% slower beside a worker of 1 block, as beside one spinning thread, and
-13-15% beside an idle worker of 8: docs/developer_guide/persistent_kernels.md); a worker started
+12-16% beside a worker of 8: docs/developer_guide/persistent_kernels.md); a worker started
 while the GPU is full waits for SMs like any kernel. And CUDA's lazy module loading (the
 default) loads a kernel at its first launch, and CUDA warns that this loading may wait for the
 GPU's running work, which a resident worker never finishes (jitk.wait_value's docstring
