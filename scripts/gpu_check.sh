@@ -6,16 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stages="${*:-tests sanitize bench}"
-out="${OUT:-/tmp/jitk-gpu-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
-
-if ! python3 -c "import tvm_ffi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "no apache-tvm-ffi wheel in .whl/"; exit 1; }
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/gpu_env.sh || exit 1
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 - <<'PY'

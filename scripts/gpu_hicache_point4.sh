@@ -2,26 +2,15 @@
 # Issue #17 on the device machine, in one call: jitk's staged write-back against SGLang
 # 0.5.23's own (point 2: "as fast as SGLang's"), then small pages beside a GEMM (point 4,
 # benchmarks/exp_hicache_pipeline.py). Run from the worktree; SGLang's kernels come from
-# .peers/sgl523 at the repository root (or $SGL523), see ../shared/peers/README.md. That
+# .peers/sgl523 at the repository root (or $PEERS), see ../shared/peers/README.md. That
 # extraction lacks SGLang's staged write-back; add it from the wheel before carrying:
 #   unzip -n .peers/wheel/sglang-0.5.23-*.whl 'sglang/kernels/jit/csrc/kvcacheio/staged_write_back.cuh' \
 #     'sglang/kernels/jit/csrc/kvcacheio/relayout.cuh' -d .peers/sgl523
 #   bash scripts/gpu_hicache_point4.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/jitk-gpu-out}"
-mkdir -p "$out"
-root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
-[ -d "$root/.peers" ] || root=$(cd ../.. && pwd)  # a worktree under .wt/ of the checkout
-peers="${SGL523:-$root/.peers/sgl523}"
-export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}" \
-  SGLANG_JIT_CACHE_DIR="${SGLANG_JIT_CACHE_DIR:-/tmp/sglang-jit}"
-if ! python3 -c "import tvm_ffi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "$root"/.whl/*.whl || { echo "no apache-tvm-ffi wheel in $root/.whl"; exit 1; }
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD/python:$peers${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/gpu_env.sh || exit 1
+export PYTHONPATH="$peers:$PYTHONPATH"
 nproc; lscpu | grep -E "Model name|NUMA node\(s\)|Socket" ; free -g | head -2
 
 # Every module this run uses, built at once.

@@ -10,17 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stages=" ${*:-tune peers large tests} "
-out="${OUT:-/tmp/jitk-gpu-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
-if ! python3 -c "import tvm_ffi" 2>/dev/null; then
-  wheels=$(ls .whl/*.whl ../../.whl/*.whl 2>/dev/null)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels \
-    || { echo "no apache-tvm-ffi wheel in .whl/"; exit 1; }
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-peers="${PEERS:-$(ls -d .peers/sgl523 ../../.peers/sgl523 2>/dev/null | head -n 1)}"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 if [[ $stages == *" tune "* ]]; then

@@ -4,16 +4,7 @@
 #   bash scripts/persistent_check.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/jitk-gpu-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 JITK_CACHE_DIR="${JITK_CACHE_DIR:-/tmp/jitk-cache}"
-if ! python3 -c "import tvm_ffi" 2>/dev/null; then
-  wheels=$(ls .whl/*.whl ../../.whl/*.whl 2>/dev/null)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels ||
-    { echo "no apache-tvm-ffi wheel in .whl/"; exit 1; }
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 
 summary=()
