@@ -652,6 +652,19 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
 def test_tuning_samples_pass_every_argument(name):
     """A built kernel takes no defaults: the tuner's sample call names every parameter."""
     info = jitk.custom_op.find_op(name)
-    args, kwargs = info.tuning.sample((3, 256), torch.float16, torch.device("cpu"))
-    bound = info.signature.bind(*args, **kwargs)
-    assert list(bound.arguments) == list(info.signature.parameters)
+    for args, kwargs in info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu")):
+        bound = info.signature.bind(*args, **kwargs)
+        assert list(bound.arguments) == list(info.signature.parameters)
+
+
+def test_rmsnorm_in_place_is_a_bucket_of_its_own():
+    """rmsnorm is tuned and looked up apart in place; the fused form is in place always."""
+    info = jitk.custom_op.find_op("jitk::rmsnorm")
+    calls = info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu"))
+    buckets = [info.tuning.bucket(*args, **kwargs) for args, kwargs in calls]
+    assert buckets == [(256, torch.float16, 4), (256, torch.float16, 4, "in place")]
+    x, weight, out, eps = calls[0][0]
+    assert info.tuning.bucket(x, weight, out=x, eps=eps) == buckets[1]
+    fused = jitk.custom_op.find_op("jitk::fused_add_rmsnorm").tuning
+    (args, kwargs), = fused.sample_calls((3, 256), torch.float16, torch.device("cpu"))
+    assert fused.bucket(*args, **kwargs) == (256, torch.float16, 4)
