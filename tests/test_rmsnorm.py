@@ -616,11 +616,12 @@ def test_interleaved_and_misaligned_heads(dtype):
 
 
 def test_defaults_leave_every_decode_size_knob_off():
-    """The defaults are main's kernel: the short-path and late-trigger knobs off."""
+    """The defaults are main's kernel: the short-path, late-trigger and fill-SM knobs off."""
     for bucket in ((4096, torch.bfloat16, 1), (128, torch.float16, 4096)):
         knobs = norm._default_knobs(bucket)
         assert (knobs["broadcast_sum"], knobs["pin_offsets"], knobs["row_first"],
-                knobs["sum_chains"], knobs["late_trigger"]) == (False, False, False, 1, False)
+                knobs["sum_chains"], knobs["late_trigger"], knobs["fill_sm"]) == (
+                    False, False, False, 1, False, False)
 
 
 @pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
@@ -630,7 +631,7 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
-    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 8
+    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 10
     assert all({k: c[k] for k in off} == off for c in long_candidates)
     sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
     assert sglang_like in short_candidates and sglang_like in long_candidates
@@ -645,7 +646,7 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 8
+    assert len(keys) == len(configs) == 10
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

@@ -85,20 +85,25 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
-          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True)}
+          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
+          "fill_sm": (False, True)}
 
-# What the tuner tries, as changes to the defaults (the full product is 192 modules a width):
+# What the tuner tries, as changes to the defaults (the full product is 384 modules a width):
 # the threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
 # of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end:
-# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100). In buckets of up to
-# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
-# critical path (offsets before the wait, the row before the weight, four partial sums, the
-# block sum read from shared memory), alone and with the late launch.
+# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100), also with registers capped
+# so that an SM holds 2048 threads (fill_sm: uncapped, its 768-thread blocks at 12288 took 47
+# registers a thread, one block an SM), and then loading the row before the weight, as SGLang
+# does. In buckets of up to _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of
+# latency, also the short critical path (offsets before the wait, the row before the weight,
+# four partial sums, the block sum read from shared memory), alone and with the late launch.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
+_SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
 _TRIED = ({"row_registers": 4}, {"row_registers": 8}, {"row_registers": 16},
-          {"row_registers": 16, "register_cap": False}, {"row_registers": 8, "late_trigger": True})
+          {"row_registers": 16, "register_cap": False}, _SGLANG_LIKE,
+          {**_SGLANG_LIKE, "fill_sm": True}, {**_SGLANG_LIKE, "fill_sm": True, "row_first": True})
 _TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH}, {"row_registers": 16, **_SHORT_PATH},
-                {"row_registers": 8, "late_trigger": True, **_SHORT_PATH})
+                {**_SGLANG_LIKE, **_SHORT_PATH})
 _SHORT_LAUNCH_ROWS = 256
 
 
@@ -107,7 +112,8 @@ def _default_knobs(bucket: tuple) -> dict:
     hidden, dtype = bucket[:2]
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
             "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
-            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False}
+            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False,
+            "fill_sm": False}
 
 
 def _tried(bucket: tuple, knobs: dict) -> bool:

@@ -43,10 +43,13 @@ inline constexpr int kMaxRowRegisters = 16;
 // launch's critical path, each off by default: how a block adds its warps' sums (row_sum); the
 // row's offsets worked out before pdl_wait (Row); the row loaded before the weight
 // (normalize_in_registers); partial sums of squares (sum_of_squares); and the next kernel let
-// launch only once this one's work is done rather than at its start (rmsnorm_kernel).
+// launch only once this one's work is done rather than at its start (rmsnorm_kernel). Last, a
+// register cap that lets an SM hold its full 2048 threads (kFillSm, in place of kRegisterCap's),
+// for long launches of large blocks.
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
           bool kRegisterCap_ = true, bool kBroadcastSum_ = false, bool kPinOffsets_ = false,
-          bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false>
+          bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false,
+          bool kFillSm_ = false>
 struct Tuning {
   static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
   static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
@@ -61,6 +64,7 @@ struct Tuning {
   static constexpr bool kRowFirst = kRowFirst_;
   static constexpr int kSumChains = kSumChains_;
   static constexpr bool kLateTrigger = kLateTrigger_;
+  static constexpr bool kFillSm = kFillSm_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -337,6 +341,12 @@ __device__ __forceinline__ void normalize_in_two_passes(
 // wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90 uncapped.
 template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
 inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
+// With kFillSm, as many blocks as an SM's 2048 threads hold: SGLang's block of hidden / 16
+// threads at 12288 holds two blocks an SM where an uncapped one of jitk held one.
+template <typename Tiling, typename Tuning, bool kFusedAdd>
+inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? max_of(1, 2048 / Tiling::kBlockThreads)
+                                    : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
+                                                           : 1;
 
 template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
 __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
@@ -385,8 +395,7 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
 }
 
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-__global__ void __launch_bounds__(Tiling::kBlockThreads,
-                                  (Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd> : 1))
+__global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, Tuning, kFusedAdd>))
     rmsnorm_kernel(const __grid_constant__ Params p) {
   // A copy of the work for plain rows, which reads no parameter past the first line.
   if (p.plain_rows != 0) return normalize_rows<Tiling, Tuning, kFusedAdd, true>(p, p.plain_rows);
