@@ -628,13 +628,17 @@ def test_defaults_leave_every_decode_size_knob_off():
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
-    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
+    # Loading the row first is SGLang's order too, which long launches try with fill_sm.
+    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH
+           if name != "row_first"}
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
     assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 10
     assert all({k: c[k] for k in off} == off for c in long_candidates)
     sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
-    assert sglang_like in short_candidates and sglang_like in long_candidates
+    for changes in ({}, {"fill_sm": True}, {"fill_sm": True, "row_first": True}):
+        assert {**sglang_like, **changes} in short_candidates
+        assert {**sglang_like, **changes} in long_candidates
 
 
 def test_tune_builds_one_module_per_width_dtype_and_choice():
