@@ -323,6 +323,23 @@ def test_precompile_configs_name_cached_loaders():
     assert configs[0][1]() is kernels()  # the module the tests above built
 
 
+def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypatch):
+    from jitk import autotune
+
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    autotune._STORE.clear()
+    bucket = (5120, torch.float16, 16, "in place")
+    knobs = {**norm._default_knobs(bucket), "row_registers": 8, "fill_sm": True}
+    autotune.record([{"op": "jitk::rmsnorm", "bucket": [5120, "float16", 16, "in place"],
+                      "environment": autotune.environment(), "config": knobs}])
+    try:
+        tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
+    finally:
+        autotune._STORE.clear()
+    assert [(loader.func, loader.args) for loader in tuned] == [(norm._kernels_with,
+                                                                 (bucket, knobs))]
+
+
 # ---------------------------------------------------------------------------------------
 # On a GPU: results against a float64 reference.
 

@@ -315,8 +315,8 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
                  functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
     tuned = {}
     for space in (_RMSNORM_SPACE, _FUSED_SPACE):
-        for (hidden, dtype, rows), knobs in space.recorded():
-            bucket = (hidden, getattr(torch, dtype), rows)
+        for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
+            bucket = (hidden, getattr(torch, dtype), *rest)
             label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
             tuned[label] = functools.partial(_kernels_with, bucket, knobs)
     return [*defaults, *tuned.items()]
