@@ -314,7 +314,8 @@ def test_valid_inputs_pass_every_check():
     k.fused_add_rmsnorm(empty, empty, w, 1e-6)
 
 
-def test_precompile_configs_name_cached_loaders():
+def test_precompile_configs_name_cached_loaders(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))  # no tuning file: the defaults alone
     configs = norm.precompile_configs()
     assert 1 <= len(configs) <= 8
     labels = [label for label, _ in configs]
@@ -327,15 +328,11 @@ def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypa
     from jitk import autotune
 
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    autotune._STORE.clear()
     bucket = (5120, torch.float16, 16, "in place")
     knobs = {**norm._default_knobs(bucket), "row_registers": 8, "fill_sm": True}
     autotune.record([{"op": "jitk::rmsnorm", "bucket": [5120, "float16", 16, "in place"],
                       "environment": autotune.environment(), "config": knobs}])
-    try:
-        tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
-    finally:
-        autotune._STORE.clear()
+    tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
     assert [(loader.func, loader.args) for loader in tuned] == [(norm._kernels_with,
                                                                  (bucket, knobs))]
 
