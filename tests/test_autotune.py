@@ -163,7 +163,7 @@ def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh
     import jitk.norm  # noqa: F401 - registers the operator
 
     info = jitk.custom_op.find_op("jitk::rmsnorm")
-    args, kwargs = info.tuning.sample((16, 4096), torch.bfloat16, torch.device("cuda"))
+    args, kwargs = info.tuning.sample_calls((16, 4096), torch.bfloat16, torch.device("cuda"))[0]
     bucket = info.tuning.bucket(*args, **kwargs)
     result = autotune.tune(info, args, kwargs)
     assert not result.failures and result.config in info.tuning.candidates(bucket)

@@ -314,13 +314,27 @@ def test_valid_inputs_pass_every_check():
     k.fused_add_rmsnorm(empty, empty, w, 1e-6)
 
 
-def test_precompile_configs_name_cached_loaders():
+def test_precompile_configs_name_cached_loaders(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))  # no tuning file: the defaults alone
     configs = norm.precompile_configs()
     assert 1 <= len(configs) <= 8
     labels = [label for label, _ in configs]
     assert len(set(labels)) == len(labels)
     assert labels[0] == "hidden=128 bfloat16"
     assert configs[0][1]() is kernels()  # the module the tests above built
+
+
+def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypatch):
+    from jitk import autotune
+
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    bucket = (5120, torch.float16, 16, "in place")
+    knobs = {**norm._default_knobs(bucket), "row_registers": 8, "fill_sm": True}
+    autotune.record([{"op": "jitk::rmsnorm", "bucket": [5120, "float16", 16, "in place"],
+                      "environment": autotune.environment(), "config": knobs}])
+    tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
+    assert [(loader.func, loader.args) for loader in tuned] == [(norm._kernels_with,
+                                                                 (bucket, knobs))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -616,24 +630,29 @@ def test_interleaved_and_misaligned_heads(dtype):
 
 
 def test_defaults_leave_every_decode_size_knob_off():
-    """The defaults are main's kernel: the short-path and late-trigger knobs off."""
+    """The defaults are main's kernel: the short-path, late-trigger and fill-SM knobs off."""
     for bucket in ((4096, torch.bfloat16, 1), (128, torch.float16, 4096)):
         knobs = norm._default_knobs(bucket)
         assert (knobs["broadcast_sum"], knobs["pin_offsets"], knobs["row_first"],
-                knobs["sum_chains"], knobs["late_trigger"]) == (False, False, False, 1, False)
+                knobs["sum_chains"], knobs["late_trigger"], knobs["fill_sm"]) == (
+                    False, False, False, 1, False, False)
 
 
 @pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
-    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
+    # Loading the row first is SGLang's order too, which long launches try with fill_sm.
+    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH
+           if name != "row_first"}
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
-    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 8
+    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 10
     assert all({k: c[k] for k in off} == off for c in long_candidates)
     sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
-    assert sglang_like in short_candidates and sglang_like in long_candidates
+    for changes in ({}, {"fill_sm": True}, {"fill_sm": True, "row_first": True}):
+        assert {**sglang_like, **changes} in short_candidates
+        assert {**sglang_like, **changes} in long_candidates
 
 
 def test_tune_builds_one_module_per_width_dtype_and_choice():
@@ -645,13 +664,26 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 8
+    assert len(keys) == len(configs) == 10
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])
 def test_tuning_samples_pass_every_argument(name):
     """A built kernel takes no defaults: the tuner's sample call names every parameter."""
     info = jitk.custom_op.find_op(name)
-    args, kwargs = info.tuning.sample((3, 256), torch.float16, torch.device("cpu"))
-    bound = info.signature.bind(*args, **kwargs)
-    assert list(bound.arguments) == list(info.signature.parameters)
+    for args, kwargs in info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu")):
+        bound = info.signature.bind(*args, **kwargs)
+        assert list(bound.arguments) == list(info.signature.parameters)
+
+
+def test_rmsnorm_in_place_is_a_bucket_of_its_own():
+    """rmsnorm is tuned and looked up apart in place; the fused form is in place always."""
+    info = jitk.custom_op.find_op("jitk::rmsnorm")
+    calls = info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu"))
+    buckets = [info.tuning.bucket(*args, **kwargs) for args, kwargs in calls]
+    assert buckets == [(256, torch.float16, 4), (256, torch.float16, 4, "in place")]
+    x, weight, out, eps = calls[0][0]
+    assert info.tuning.bucket(x, weight, out=x, eps=eps) == buckets[1]
+    fused = jitk.custom_op.find_op("jitk::fused_add_rmsnorm").tuning
+    (args, kwargs), = fused.sample_calls((3, 256), torch.float16, torch.device("cpu"))
+    assert fused.bucket(*args, **kwargs) == (256, torch.float16, 4)

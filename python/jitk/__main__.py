@@ -331,9 +331,9 @@ def run_tune(args: argparse.Namespace) -> int:
     ops = [info for info in selected_ops(args.op) if info.tuning is not None]
     if not ops:
         raise UsageError("none of the selected ops declares a tuning space")
-    calls = [(info, info.tuning.sample(shape, dtype, torch.device("cuda")), shape, name)
-             for info in ops for name, dtype in dtypes.items()
-             for shape in (args.shapes or info.tuning.shapes)]
+    calls = [(info, call, shape, name) for info in ops for name, dtype in dtypes.items()
+             for shape in (args.shapes or info.tuning.shapes)
+             for call in info.tuning.sample_calls(shape, dtype, torch.device("cuda"))]
     started = time.perf_counter()
     jobs = {info.tuning.job_key(bucket, config): (info.name, bucket, config)
             for info, (call_args, kwargs), _, _ in calls
@@ -346,7 +346,8 @@ def run_tune(args: argparse.Namespace) -> int:
     for info, (call_args, kwargs), shape, name in calls:
         result = autotune.tune(info, call_args, kwargs)
         default = info.tuning.default(info.tuning.bucket(*call_args, **kwargs))
-        print(f"{info.name} {'x'.join(map(str, shape))} {name}: {result.us:.2f} us "
+        print(f"{info.name} {'x'.join(map(str, shape))} {name} {json.dumps(result.bucket)}: "
+              f"{result.us:.2f} us "
               f"(default {result.default_us:.2f}) {_changes(result.config, default)}"
               + (f"; {len(result.failures)} failed the reference" if result.failures else ""),
               flush=True)

@@ -173,7 +173,8 @@ class TuningSpace:
     calls:   a cache the op's body may keep by any exact key (e.g. (shape, dtype)) -> what
              lookup returned, so a call skips working out its bucket; emptied whenever a
              choice changes.
-    sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, for
+    sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, or a list of
+             them where a shape spans buckets (rmsnorm: out of place and in place), for
              `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
     module_key: (bucket, knob values) -> what identifies the module `build` makes, so that
              `python -m jitk tune` builds each once (buckets, or ops, that share a module
@@ -186,7 +187,7 @@ class TuningSpace:
     build: Callable[[tuple, dict], Callable]
     allowed: Callable[[tuple, dict], bool] = lambda bucket, config: True
     outputs: tuple[str, ...] = ()
-    sample: Callable[[tuple, torch.dtype, torch.device], tuple] | None = None
+    sample: Callable[[tuple, torch.dtype, torch.device], tuple | list] | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
     module_key: Callable[[tuple, dict], Hashable] | None = None
     op: str = ""  # set by attach()
@@ -251,6 +252,11 @@ class TuningSpace:
             return self._chosen[bucket](*args, **kwargs)
 
         return first_call
+
+    def sample_calls(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> list:
+        """The (args, kwargs) of each call `sample` makes of the shape."""
+        calls = self.sample(shape, dtype, device)
+        return calls if isinstance(calls, list) else [calls]
 
     def config(self, bucket: tuple) -> dict:
         """The knob values a lookup of `bucket` uses now (not tuning)."""

@@ -85,29 +85,35 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
-          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True)}
+          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
+          "fill_sm": (False, True)}
 
-# What the tuner tries, as changes to the defaults (the full product is 192 modules a width):
+# What the tuner tries, as changes to the defaults (the full product is 384 modules a width):
 # the threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
 # of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end:
-# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100). In buckets of up to
-# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
-# critical path (offsets before the wait, the row before the weight, four partial sums, the
-# block sum read from shared memory), alone and with the late launch.
+# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100), also with registers capped
+# so that an SM holds 2048 threads (fill_sm: uncapped, its 768-thread blocks at 12288 took 47
+# registers a thread, one block an SM), and then loading the row before the weight, as SGLang
+# does. In buckets of up to _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of
+# latency, also the short critical path (offsets before the wait, the row before the weight,
+# four partial sums, the block sum read from shared memory), alone and with the late launch.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
+_SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
 _TRIED = ({"row_registers": 4}, {"row_registers": 8}, {"row_registers": 16},
-          {"row_registers": 16, "register_cap": False}, {"row_registers": 8, "late_trigger": True})
+          {"row_registers": 16, "register_cap": False}, _SGLANG_LIKE,
+          {**_SGLANG_LIKE, "fill_sm": True}, {**_SGLANG_LIKE, "fill_sm": True, "row_first": True})
 _TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH}, {"row_registers": 16, **_SHORT_PATH},
-                {"row_registers": 8, "late_trigger": True, **_SHORT_PATH})
+                {**_SGLANG_LIKE, **_SHORT_PATH})
 _SHORT_LAUNCH_ROWS = 256
 
 
 def _default_knobs(bucket: tuple) -> dict:
     """rmsnorm.cuh's DefaultTuning."""
-    hidden, dtype, _ = bucket
+    hidden, dtype = bucket[:2]
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
             "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
-            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False}
+            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False,
+            "fill_sm": False}
 
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
@@ -122,7 +128,7 @@ def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
 
 
 def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
-    hidden, dtype, _ = bucket
+    hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
         return _kernels(hidden, dtype)
     return _tuned_kernels(hidden, dtype, tuple(knobs[name] for name in _KNOBS))
@@ -140,33 +146,39 @@ def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
 
 # Argument types are checked by the operator layer (jitk.op) before the bodies below run;
 # the values the kernel cannot take are refused here, before any module is built. This is
-# every eager call's path: one Python call, the eps check, one dict lookup by exact shape
-# (the tuning space's call cache) and the call log's flag; the shape bucket is worked out only
-# for a new shape or a logged call.
-def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float) -> Callable:
+# every eager call's path: one Python call, the eps check, one dict lookup by exact shape and
+# placement (the tuning space's call cache) and the call log's flag; the shape bucket is
+# worked out only for a new shape or a logged call.
+def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float,
+                in_place: bool = False) -> Callable:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
                          f"{_FLOAT32_MAX:.7g}), got {eps!r}")
-    kernel = space.calls.get((input.shape, input.dtype))
+    kernel = space.calls.get((input.shape, input.dtype, in_place))
     if kernel is None:
-        kernel = space.calls[input.shape, input.dtype] = space.lookup(_bucket(function, input))
+        kernel = space.calls[input.shape, input.dtype, in_place] = space.lookup(
+            _bucket(function, input, in_place))
     if api_log.noting:  # every logged call, not only a shape's first
-        _note_choice(function, _bucket(function, input))
+        _note_choice(function, _bucket(function, input, in_place))
     return kernel
 
 
-def _bucket(function: str, input: torch.Tensor) -> tuple:
+def _bucket(function: str, input: torch.Tensor, in_place: bool = False) -> tuple:
+    """(hidden, dtype, rows rounded up to a power of two), then "in place" for rmsnorm
+    writing its input: writing the lines it reads favours other choices (H100: 1024x12288
+    runs in 11.9 us in place, 18.0 out of place)."""
     try:
         hidden = input.shape[-1]
     except IndexError:
         raise ValueError(f"{function}: 'input' is a 0-d tensor; it needs a last dimension "
                          "(the hidden size)") from None
-    return hidden, input.dtype, _rows_bucket(input, hidden)
+    bucket = hidden, input.dtype, _rows_bucket(input, hidden)
+    return (*bucket, "in place") if in_place else bucket
 
 
 def _note_choice(function: str, bucket: tuple) -> None:
     """The call log's note (JITK_LOGLEVEL=3): the instantiation and the knobs it runs with."""
-    hidden, dtype, rows = bucket
+    hidden, dtype, rows = bucket[:3]
     space = _RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE
     knobs = space.config(bucket)
     api_log.note(kernel=f"jitk::norm::RMSNorm<{make_cpp_args(hidden, dtype)}>",
@@ -201,7 +213,7 @@ _TOLERANCE = {torch.bfloat16: Tolerance(2**-6, 2**-6), torch.float16: Tolerance(
 @op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
     tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"))
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps)(input, weight, out, eps)
+    _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps, out is input)(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -225,14 +237,17 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
 
 def _space(entry: str) -> TuningSpace:
     def bucket(input: torch.Tensor, *args: object, **kwargs: object) -> tuple:
-        return _bucket(entry, input)
+        if entry == "fused_add_rmsnorm":
+            return _bucket(entry, input)
+        out = kwargs["out"] if "out" in kwargs else args[1]  # (weight, out, eps)
+        return _bucket(entry, input, out is input)
 
-    def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+    def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> list[tuple]:
         x = torch.randn(*shape, device=device).to(dtype)
         weight = torch.randn(shape[-1], device=device).to(dtype)
-        if entry == "rmsnorm":  # out of place, as a model's pre-attention norm
-            return (x, weight, torch.empty_like(x), 1e-6), {}
-        return (x, torch.randn_like(x), weight, 1e-6), {}  # eps too: the kernel has no default
+        if entry == "rmsnorm":  # both buckets: out of place, and in place
+            return [((x, weight, torch.empty_like(x), 1e-6), {}), ((x, weight, x, 1e-6), {})]
+        return [((x, torch.randn_like(x), weight, 1e-6), {})]  # eps: the kernel has no default
 
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
@@ -300,8 +315,8 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
                  functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
     tuned = {}
     for space in (_RMSNORM_SPACE, _FUSED_SPACE):
-        for (hidden, dtype, rows), knobs in space.recorded():
-            bucket = (hidden, getattr(torch, dtype), rows)
+        for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
+            bucket = (hidden, getattr(torch, dtype), *rest)
             label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
             tuned[label] = functools.partial(_kernels_with, bucket, knobs)
     return [*defaults, *tuned.items()]

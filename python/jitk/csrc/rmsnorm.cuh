@@ -18,6 +18,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -42,10 +43,13 @@ inline constexpr int kMaxRowRegisters = 16;
 // launch's critical path, each off by default: how a block adds its warps' sums (row_sum); the
 // row's offsets worked out before pdl_wait (Row); the row loaded before the weight
 // (normalize_in_registers); partial sums of squares (sum_of_squares); and the next kernel let
-// launch only once this one's work is done rather than at its start (rmsnorm_kernel).
+// launch only once this one's work is done rather than at its start (rmsnorm_kernel). Last, a
+// register cap that lets an SM hold its full 2048 threads (kFillSm, in place of kRegisterCap's),
+// for long launches of large blocks.
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
           bool kRegisterCap_ = true, bool kBroadcastSum_ = false, bool kPinOffsets_ = false,
-          bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false>
+          bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false,
+          bool kFillSm_ = false>
 struct Tuning {
   static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
   static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
@@ -60,6 +64,7 @@ struct Tuning {
   static constexpr bool kRowFirst = kRowFirst_;
   static constexpr int kSumChains = kSumChains_;
   static constexpr bool kLateTrigger = kLateTrigger_;
+  static constexpr bool kFillSm = kFillSm_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -113,16 +118,25 @@ struct Tiling {
 
 // ---------------------------------------------------------------------------------------
 // Device side.
+// A launch's parameters sit in constant bank 0 from byte 0x210 (sm_90 SASS), so the first 48
+// bytes share a 64-byte line with what the driver puts there, and each further line a kernel
+// reads is another constant-cache miss on the path of a launch nothing overlaps. Calls on
+// plain rows (each tensor one run at one stride, fewer than 2^32 rows) read only those 48
+// bytes, as SGLang's whole block is (an H100 run's single calls at or below SGLang's went from
+// 3-10 to 14-21 of 30 shapes, with the in-place buckets); rows in two runs read the rest.
 struct Params {
-  const void* input;
-  void* residual;  // fused add only
-  void* output;
+  void* x;  // the input; the fused form writes its result here too
+  void* y;  // the output; the fused form's residual
   const void* weight;
-  RowSplit split;  // how rows are numbered, shared by the three tensors below
-  RowStrides input_rows, residual_rows, output_rows;
-  int64_t rows;
+  int64_t x_stride, y_stride;  // between rows, for plain rows
+  uint32_t plain_rows;         // the row count for plain rows, else 0
   float eps;
+  // Rows in two runs.
+  RowSplit split;  // how rows are numbered, shared by x and y
+  RowStrides x_rows, y_rows;
+  int64_t rows;
 };
+static_assert(offsetof(Params, split) == 48, "a plain call's parameters fill one line");
 
 // Slot k of a thread is vector lane + k * kThreadsPerRow of its row. A slot is live when
 // its row exists and reaches that far; dead slots are neither read nor written.
@@ -237,19 +251,30 @@ struct Row {
   // kPinOffsets: the offsets are worked out here, where the row is made; left alone, the
   // compiler may move their 64-bit multiplies into the loop, after pdl_wait, onto the critical
   // path of a short launch. (Pinning the pointers instead would hide that they are global.)
-  __device__ __forceinline__ Row(const Params& p, int64_t row) : valid(row < p.rows) {
-    const RowIndex at = p.split.index(valid ? row : 0);
-    int64_t input_at = p.input_rows.offset(at), output_at = p.output_rows.offset(at);
-    int64_t residual_at = kFusedAdd ? p.residual_rows.offset(at) : 0;
+  template <bool kPlain>
+  __device__ __forceinline__ Row(const Params& p, int64_t row, int64_t rows,
+                                 std::bool_constant<kPlain>)
+      : valid(row < rows) {
+    if (!valid) row = 0;
+    int64_t x_at, y_at;
+    if constexpr (kPlain) {
+      x_at = row * p.x_stride;
+      y_at = row * p.y_stride;
+    } else {
+      const RowIndex at = p.split.index(row);
+      x_at = p.x_rows.offset(at);
+      y_at = p.y_rows.offset(at);
+    }
     if constexpr (kPinOffsets) {
-      device::compute_now(input_at);
-      device::compute_now(output_at);
-      if constexpr (kFusedAdd) device::compute_now(residual_at);
+      device::compute_now(x_at);
+      device::compute_now(y_at);
     }
     using T = typename Tiling::T;
-    input = reinterpret_cast<const Pack*>(static_cast<const T*>(p.input) + input_at);
-    output = reinterpret_cast<Pack*>(static_cast<T*>(p.output) + output_at);
-    if (kFusedAdd) residual = reinterpret_cast<Pack*>(static_cast<T*>(p.residual) + residual_at);
+    const auto x = reinterpret_cast<Pack*>(static_cast<T*>(p.x) + x_at);
+    const auto y = reinterpret_cast<Pack*>(static_cast<T*>(p.y) + y_at);
+    input = x;
+    output = kFusedAdd ? x : y;
+    if constexpr (kFusedAdd) residual = y;
   }
 };
 
@@ -317,11 +342,15 @@ __device__ __forceinline__ void normalize_in_two_passes(
 // wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90 uncapped.
 template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
 inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
-
+// With kFillSm, as many blocks as an SM's 2048 threads hold: SGLang's block of hidden / 16
+// threads at 12288 holds two blocks an SM where an uncapped one of jitk held one.
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-__global__ void __launch_bounds__(Tiling::kBlockThreads,
-                                  (Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd> : 1))
-    rmsnorm_kernel(const Params p) {
+inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? max_of(1, 2048 / Tiling::kBlockThreads)
+                                    : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
+                                                           : 1;
+
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
+__device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   // Turns alternate; row_sum reads the broadcast sums 16 bytes at a time.
   __shared__ alignas(Tuning::kBroadcastSum ? 16 : 4) float scratch[2][Tiling::kRowWarps];
   const int lane = threadIdx.x % Tiling::kThreadsPerRow;
@@ -331,7 +360,8 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
   int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
-  Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group);
+  Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, rows,
+                                                  std::bool_constant<kPlain>{});
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
@@ -358,10 +388,19 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads,
     } else {
       normalize_in_two_passes<Tiling, Tuning>(row, weight, lane, p.eps, scratch[turn]);
     }
-    if ((first += step) >= p.rows) break;
-    row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group);
+    if ((first += step) >= rows) break;
+    row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group, rows,
+                                                      std::bool_constant<kPlain>{});
   }
   if constexpr (Tuning::kLateTrigger) device::pdl_launch_dependents();
+}
+
+template <typename Tiling, typename Tuning, bool kFusedAdd>
+__global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, Tuning, kFusedAdd>))
+    rmsnorm_kernel(const __grid_constant__ Params p) {
+  // A copy of the work for plain rows, which reads no parameter past the first line.
+  if (p.plain_rows != 0) return normalize_rows<Tiling, Tuning, kFusedAdd, true>(p, p.plain_rows);
+  normalize_rows<Tiling, Tuning, kFusedAdd, false>(p, p.rows);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -420,11 +459,7 @@ struct RMSNorm {
     const RowView x = check_rows<T>(input, "input", false, rows, hidden, device);
     const RowView y = check_rows<T>(out, "out", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
-    const RowSplit split = shared_split({&x, &y});
-    const RowStrides x_rows = x.strides_in(split), y_rows = y.strides_in(split);
-    const Params params{x.data(), nullptr,       y.data(),      w, split, x_rows, RowStrides(),
-                        y_rows,   rows.unwrap(), check_eps(eps)};
-    launch<false>(params, device.unwrap());
+    launch<false>(params(x, y, w, rows.unwrap(), eps), device.unwrap());
   }
 
   // residual += input; input = rmsnorm(residual) * weight, normalising the sum as stored.
@@ -434,22 +469,28 @@ struct RMSNorm {
     const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
     const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
-    const RowSplit split = shared_split({&x, &r});
-    const RowStrides x_rows = x.strides_in(split), r_rows = r.strides_in(split);
-    const Params params{x.data(), r.data(),      x.data(),      w, split, x_rows, r_rows,
-                        x_rows,   rows.unwrap(), check_eps(eps)};
-    launch<true>(params, device.unwrap());
+    launch<true>(params(x, r, w, rows.unwrap(), eps), device.unwrap());
   }
 
  private:
+  static Params params(const RowView& x, const RowView& y, const void* weight, int64_t rows,
+                       double eps) {
+    const RowSplit split = shared_split({&x, &y});
+    const RowStrides x_rows = x.strides_in(split), y_rows = y.strides_in(split);
+    const bool plain = split.inner_rows() == 0 && rows <= int64_t{UINT32_MAX};
+    return Params{x.data(),       y.data(),     weight,
+                  x_rows.inner,   y_rows.inner, plain ? static_cast<uint32_t>(rows) : 0u,
+                  check_eps(eps), split,        x_rows,
+                  y_rows,         rows};
+  }
+
   // Whether every access of the vectorised kernel lands on a whole vector.
   static bool vectors_aligned(const Params& p) {
     const auto aligned = [](const void* ptr) {
       return reinterpret_cast<uintptr_t>(ptr) % (kVecSize * sizeof(T)) == 0;
     };
-    return aligned(p.input) && aligned(p.output) && aligned(p.weight) && aligned(p.residual) &&
-           p.input_rows.steps_by(kVecSize) && p.output_rows.steps_by(kVecSize) &&
-           p.residual_rows.steps_by(kVecSize);
+    return aligned(p.x) && aligned(p.y) && aligned(p.weight) && p.x_rows.steps_by(kVecSize) &&
+           p.y_rows.steps_by(kVecSize);
   }
 
   template <bool kFusedAdd>
