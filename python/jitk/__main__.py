@@ -331,9 +331,14 @@ def run_tune(args: argparse.Namespace) -> int:
     ops = [info for info in selected_ops(args.op) if info.tuning is not None]
     if not ops:
         raise UsageError("none of the selected ops declares a tuning space")
-    calls = [(info, call, shape, name) for info in ops for name, dtype in dtypes.items()
-             for shape in (args.shapes or info.tuning.shapes)
-             for call in info.tuning.sample_calls(shape, dtype, torch.device("cuda"))]
+    calls = {}  # one call a bucket: a transfer's bucket, say, is the same in every dtype
+    for info in ops:
+        for name, dtype in dtypes.items():
+            for shape in args.shapes or info.tuning.shapes:
+                for call in info.tuning.sample_calls(shape, dtype, torch.device("cuda")):
+                    bucket = info.tuning.bucket(*call[0], **call[1])
+                    calls.setdefault((info.name, repr(bucket)), (info, call, shape, name))
+    calls = list(calls.values())
     started = time.perf_counter()
     jobs = {info.tuning.job_key(bucket, config): (info.name, bucket, config)
             for info, (call_args, kwargs), _, _ in calls
