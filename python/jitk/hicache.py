@@ -286,12 +286,12 @@ def _stream(*tensors: torch.Tensor) -> int:
     return current_stream(devices[0] if devices else None)[1]
 
 
-def _instantiation(method: str, element_size: int, unroll: int, quota: int | None) -> dict:
+def _instantiation(method: str, element_size: int, unroll: int, quota: int) -> dict:
     """What a call's log notes about the code it runs (JITK_LOGLEVEL=3)."""
     if method != "kernel":
         return {"module": "hicache_copy"}
     return {"kernel": f"jitk::hicache::HiCache<{element_size}, {unroll}>",
-            "block_quota": "default" if quota is None else quota}
+            "block_quota": "default" if quota == _NOT_GIVEN else quota}
 
 
 # ---------------------------------------------------------------------------- one layer
@@ -359,10 +359,12 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     if chosen == KERNEL_ON_COPIED_INDICES:
         tensors, chosen = _on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
     if chosen == "kernel" and not launch_named:  # the tuned launch, or today's default
-        bucket = _launch_bucket(dst, src, indices_dst, element_size, pages)
-        return _LAUNCH_SPACES[caches].lookup(bucket)(
-            *tensors, element_dim=element_dim, page_size=page_size,
-            index_granularity=index_granularity)
+        launch = _LAUNCH_SPACES[caches].lookup(
+            _launch_bucket(dst, src, indices_dst, element_size, pages))
+        if not isinstance(launch, _Launch):  # JITK_AUTOTUNE=1: tunes this bucket, then runs
+            return launch(*tensors, element_dim=element_dim, page_size=page_size,
+                          index_granularity=index_granularity)
+        unroll, quota = launch.unroll, _optional(launch.block_quota, "block_quota", 1)
     if api_log.noting:
         api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
     if chosen == "kernel":
@@ -504,10 +506,26 @@ _TUNING_SHAPES = ((4096, 1024, 1), (4096, 1024, 2))
 def _launch_bucket(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor,
                    element_size: int, pages: int) -> tuple:
     """(row bytes, direction, rows moved rounded up to a power of two)."""
-    where = {True: "gpu", False: "host"}
     rows = indices.numel() * pages
-    return (element_size, f"{where[src.is_cuda]}->{where[dst.is_cuda]}",
+    return (element_size, f"{'gpu' if src.is_cuda else 'host'}->{'gpu' if dst.is_cuda else 'host'}",
             1 << max(rows - 1, 0).bit_length())
+
+
+class _Launch:
+    """One choice of the one-layer kernel's launch. A call that names neither knob reads them
+    from here after its own checks; called with the op's arguments (as the tuner checks and
+    times a choice), it runs the kernel with them."""
+
+    def __init__(self, caches: int, knobs: dict) -> None:
+        self.caches, self.unroll = caches, knobs["unroll"]
+        quota = knobs["block_quota"]
+        self.block_quota = None if quota == _DEFAULT_QUOTA else quota
+
+    def __call__(self, *tensors: torch.Tensor, element_dim: int | None = None,
+                 page_size: int | None = None, index_granularity: str = "token",
+                 **_: object) -> None:
+        _one_layer(self.caches, tensors, element_dim, self.unroll, self.block_quota, page_size,
+                   "kernel", index_granularity)
 
 
 def _launch_space(caches: int) -> TuningSpace:
@@ -519,16 +537,6 @@ def _launch_space(caches: int) -> TuningSpace:
         size = _element_dim(dst, element_dim) * dst.element_size()
         return _launch_bucket(dst, src, indices, size,
                               _slots_per_index(page_size, index_granularity))
-
-    def build(bucket: tuple, knobs: dict) -> Callable:
-        quota = None if knobs["block_quota"] == _DEFAULT_QUOTA else knobs["block_quota"]
-
-        def run(*tensors: torch.Tensor, element_dim: int | None = None,
-                page_size: int | None = None, index_granularity: str = "token",
-                **_: object) -> None:
-            _one_layer(caches, tensors, element_dim, knobs["unroll"], quota, page_size,
-                       "kernel", index_granularity)
-        return run
 
     def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
         if len(shape) != 3 or shape[2] not in _DIRECTIONS or shape[1] % dtype.itemsize:
@@ -547,8 +555,9 @@ def _launch_space(caches: int) -> TuningSpace:
 
     return TuningSpace(_LAUNCH_KNOBS, bucket,
                        lambda bucket: {"unroll": DEFAULT_UNROLL, "block_quota": _DEFAULT_QUOTA},
-                       build, outputs=("k_cache_dst", "v_cache_dst") if caches == 2
-                       else ("cache_dst",), sample=sample,
+                       lambda bucket, knobs: _Launch(caches, knobs),
+                       outputs=("k_cache_dst", "v_cache_dst") if caches == 2 else ("cache_dst",),
+                       sample=sample,
                        shapes=_TUNING_SHAPES if caches == 2 else ())  # MLA: --shapes
 
 
