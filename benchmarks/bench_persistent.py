@@ -88,15 +88,16 @@ def empty_item_us(steps: int) -> float:
 
 
 def placements(can_carve: bool):
-    """(label, idle_poll_us, worker on a green context of its own, SMs cuBLAS is told to leave
-    free, 0 for none) for each way of running the worker beside the GEMM."""
-    rows = [(f"idle_poll_us={us}", us, False, 0) for us in IDLE_POLLS_US]
-    rows += [(f"{n} block{'s' * (n > 1)}", IDLE_POLLS_US[0], False, 0) for n in (1, 2)]
-    rows.append(("green context", IDLE_POLLS_US[-1], True, False))
+    """(label, worker blocks, idle_poll_us, worker on a green context of its own, SMs cuBLAS
+    is told to leave free, 0 for none) for each way of running the worker beside the GEMM."""
+    rows = [(f"idle_poll_us={us}", BLOCKS, us, False, 0) for us in IDLE_POLLS_US]
+    rows += [(f"{n} block{'s' * (n > 1)}", n, IDLE_POLLS_US[0], False, 0) for n in (1, 2)]
+    rows.append(("green context", BLOCKS, IDLE_POLLS_US[-1], True, 0))
     if can_carve:
         for carve in (BLOCKS, 2 * BLOCKS):
-            rows.append((f"sm_carveout={carve}", IDLE_POLLS_US[-1], False, carve))
-            rows.append((f"green context, sm_carveout={carve}", IDLE_POLLS_US[-1], True, carve))
+            rows.append((f"sm_carveout={carve}", BLOCKS, IDLE_POLLS_US[-1], False, carve))
+            rows.append((f"green context, sm_carveout={carve}", BLOCKS, IDLE_POLLS_US[-1], True,
+                         carve))
     return rows
 
 
@@ -129,10 +130,12 @@ def gated_us(fn, repeats: int = 20) -> float:
     for k in range(1, repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         jitk.stream_wait_value(gate, k, op="geq")
-        start.record()
-        fn()
-        end.record()
-        gate.fill_(k)
+        try:
+            start.record()
+            fn()
+            end.record()
+        finally:
+            gate.fill_(k)  # opened whatever happened: the stream waits on it
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
     return statistics.median(samples)
@@ -263,11 +266,10 @@ def main() -> None:
     gemm_rows.append({"gemm": "beside a 1-thread spin kernel (no worker)", "ms": spun / 1e3,
                       "slowdown": spun / gemm_alone - 1})
     first_rows = []
-    for label, idle_poll, green, carved in placements(carveout is not None):
+    for label, blocks, idle_poll, green, carved in placements(carveout is not None):
         stream = green_stream(BLOCKS) if green else None
         if green and stream is None:
             continue
-        blocks = int(label.split()[0]) if label.endswith(("block", "blocks")) else BLOCKS
         worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=stream)
         try:
             if carved:
