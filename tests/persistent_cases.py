@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import torch
+from errors import expect_error
 
 from jitk.persistent import CHAIN_OPS, IntArg, Op, TensorArg, Worker, WorkerError
 
@@ -39,15 +40,6 @@ def test_worker(**kwargs) -> Worker:
 
 def chain_worker(**kwargs) -> Worker:
     return Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, **kwargs)
-
-
-def expect_worker_error(fn, fragment: str) -> None:
-    try:
-        fn()
-    except WorkerError as error:
-        assert fragment in str(error), error
-        return
-    raise AssertionError(f"no WorkerError mentioning {fragment!r}")
 
 
 def counters(n: int):
@@ -214,12 +206,13 @@ def case_errors(small: bool) -> None:
     """An op's failure and a dependency timeout surface as WorkerError; stop still returns."""
     worker = test_worker().start(blocks=2)
     t = worker.push("fail", code=42)
-    expect_worker_error(lambda: worker.wait(t, timeout=10), "failed with code 42")
-    expect_worker_error(lambda: worker.stop(timeout=10), "failed with code 42")
+    expect_error(lambda: worker.wait(t, timeout=10), "failed with code 42", kind=WorkerError)
+    expect_error(lambda: worker.stop(timeout=10), "failed with code 42", kind=WorkerError)
     hits, order, count = counters(1)
     worker = test_worker().start(blocks=2, dependency_timeout=0.05)
     worker.push("orphan", hits=hits, order=order, count=count)
-    expect_worker_error(lambda: worker.stop(timeout=10), "longer than dependency_timeout")
+    expect_error(lambda: worker.stop(timeout=10), "longer than dependency_timeout",
+                 kind=WorkerError)
     assert count.item() == 0
     print("errors: op failure and dependency timeout raised WorkerError")
 
@@ -231,12 +224,7 @@ def case_stop_timeout(small: bool) -> None:
     worker = test_worker().start(blocks=1)
     worker.push("busy", ns=3_000_000_000)
     start = time.monotonic()
-    try:
-        worker.stop(timeout=0.2)
-    except TimeoutError as error:
-        assert "did not exit" in str(error), error
-    else:
-        raise AssertionError("stop() returned while the worker was busy")
+    expect_error(lambda: worker.stop(timeout=0.2), "did not exit", kind=TimeoutError)
     assert time.monotonic() - start < 5
     worker.stop(timeout=10)
     print("stop timeout: raised after the bound, then stopped")
@@ -246,23 +234,14 @@ def case_fault(small: bool) -> None:
     """An op that faults: wait() raises instead of hanging."""
     worker = test_worker().start(blocks=2)
     t = worker.push("poke", address=16)
-    try:
-        worker.wait(t, timeout=20)
-    except WorkerError as error:
-        print(f"fault: raised WorkerError ({str(error)[:80]})")
-        return
-    raise AssertionError("a faulting op did not raise")
+    message = expect_error(lambda: worker.wait(t, timeout=20), kind=WorkerError)
+    print(f"fault: raised WorkerError ({message[:80]})")
 
 
 def case_refusals(small: bool) -> None:
     """More blocks than fit, and a start inside graph capture, are refused with reasons."""
     worker = test_worker()
-    try:
-        worker.start(blocks=100_000)
-    except ValueError as error:
-        assert "cannot all be resident" in str(error), error
-    else:
-        raise AssertionError("100000 blocks were not refused")
+    expect_error(lambda: worker.start(blocks=100_000), "cannot all be resident", kind=ValueError)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     refused = None
