@@ -22,16 +22,18 @@
 //   acquire with those reads), then reads the words. sys, because the writer is a CPU thread. No
 //   volatile or __ldg: the read-only path may keep a stale line forever, and volatile alone orders
 //   nothing.
-// - worker -> worker (dependencies, device ring): st.release.gpu / ld.acquire.gpu on GPU memory.
+// - worker -> worker (dependencies, device ring): st.release.gpu, and a relaxed read then a
+//   fence.acq_rel.gpu (an acquire), on GPU memory.
 // - worker -> other blocks, later work on this GPU, and the host (completion): the block's
 //   threads meet at __syncthreads() after the last item of a run, then threads run
 //   fence.acq_rel.gpu and store the run's tickets (releases at GPU scope; see complete_run()).
 //   PTX release is cumulative: the writes the barrier ordered before those threads (every
-//   thread's part of every op's output) are published with them. Other blocks read the counter with
-//   ld.acquire.gpu, the host with an acquire load; what the host then does through CUDA (a copy, a
-//   kernel, a stream waiting on the counter) reads the GPU's memory after it.
+//   thread's part of every op's output) are published with them. Other blocks read the counter
+//   relaxed and fence once it shows the ticket (an acquire), the host with an acquire load; what
+//   the host then does through CUDA (a copy, a kernel, a stream waiting on the counter) reads the
+//   GPU's memory after it.
 // - claims (ticket counters in GPU memory) are relaxed atomics: they order nothing; the slot's
-//   ticket word, read with acquire, says whether the item is there.
+//   ticket word, acquired as above, says whether the item is there.
 //
 // Nothing waits without bound: a dependency or a full device ring is waited for at most
 // Queue::budget_ns (then the item fails with an error code the host reads), and an idle block
@@ -106,18 +108,18 @@ struct Queue {
 // Device side: loads and stores with explicit order and scope.
 
 // Polls are relaxed loads, acquired with a fence only once a poll sees what it waits for (a
-// relaxed read, then fence.acq_rel, is an acquire pattern in PTX): an idle worker polls all
-// the time, and a GEMM beside one that polled with ld.acquire.sys ran up to 3x slower on an H100
-// (benchmarks/bench_persistent.py).
+// relaxed read, then fence.acq_rel, is an acquire pattern in PTX; a fence before a strong
+// store is a release): an idle worker polls all the time, and needs the ordering only when it
+// finds something.
 __device__ __forceinline__ int64_t load_relaxed_sys(const int64_t* p) {
   int64_t v;
   asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void fence_acquire_sys() {
+__device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
-__device__ __forceinline__ void fence_acquire_gpu() {
+__device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 __device__ __forceinline__ int64_t load_relaxed_gpu(const int64_t* p) {
@@ -178,7 +180,7 @@ __device__ __forceinline__ void record_error(const Queue& q, int64_t code, int64
 // pushed before it).
 __device__ __forceinline__ int64_t stop_word(const Queue& q) {
   const int64_t stop = load_relaxed_sys(&q.host_words[kStop]);
-  if (stop != kRun) fence_acquire_sys();
+  if (stop != kRun) fence_acq_rel_sys();
   return stop;
 }
 
@@ -195,7 +197,7 @@ __device__ inline bool wait_for(const Queue& q, int64_t ticket) {
     if (now_ns() > deadline || (polls % 16 == 15 && stop_word(q) == kAbort)) return false;
     backoff.sleep();
   }
-  fence_acquire_gpu();  // an acquire, with the read that saw the ticket done
+  fence_acq_rel_gpu();  // an acquire, with the read that saw the ticket done
   return true;
 }
 
@@ -247,7 +249,7 @@ class TableContext : public BlockContext {
       }
       backoff.sleep();
     }
-    fence_acquire_gpu();  // the slot's last reader is done before it is rewritten
+    fence_acq_rel_gpu();  // the slot's last reader is done before it is rewritten
     Item* slot = &q_.device_items[t & q_.mask];
     slot->op = kIndexOf<Op, Ops...>;
     slot->after = after;
@@ -273,7 +275,7 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
   const Item* slot = &q.device_items[h & q.mask];
   if (load_relaxed_gpu(&slot->ticket) != h) return false;
   if (!atomic_cas_gpu(&q.state[kDeviceHead], h, h + 1)) return false;
-  fence_acquire_gpu();  // an acquire, with the read of the ticket
+  fence_acq_rel_gpu();  // an acquire, with the read of the ticket
   out = *slot;          // the slot is not reused until out completes
   out.ticket = h | kDeviceTicket;
   return true;
@@ -301,7 +303,7 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
     const int64_t t = h + k * kWarpThreads + lane;
     ready[k] = load_relaxed_sys(&q.host_items[t & q.mask].ticket) == t;
   }
-  fence_acquire_sys();  // with the relaxed reads above: the published items' words come after
+  fence_acq_rel_sys();  // with the relaxed reads above: the published items' words come after
   int run = kMaxRun;
 #pragma unroll
   for (int k = 0; k < kSlotsPerLane; ++k) {
@@ -326,11 +328,11 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
 // acquire and giving it back a release, so the next holder reads the head its claims left.
 __device__ inline bool try_to_poll(const Queue& q) {
   if (!atomic_cas_gpu(&q.state[kHostPoller], 0, 1)) return false;
-  fence_acquire_gpu();
+  fence_acq_rel_gpu();
   return true;
 }
 __device__ inline void stop_polling(const Queue& q) {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  fence_acq_rel_gpu();
   store_relaxed(&q.state[kHostPoller], 0);
 }
 
@@ -401,7 +403,7 @@ __device__ inline void complete_run(const Queue& q, int64_t first, int count) {
   if (warp > 1 || (warp == 1 && device)) return;
   int64_t* done = warp == 1 ? q.host_done : (device ? q.device_done : q.host_done_gpu);
   const int64_t t0 = first & ~kDeviceTicket;
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  fence_acq_rel_gpu();
   for (int i = lane; i < count; i += kWarpThreads)
     store_relaxed(done + ((t0 + i) & q.mask), t0 + i);
 }
