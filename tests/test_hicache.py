@@ -574,12 +574,15 @@ def test_precompile_configs_are_a_few_labelled_thunks():
 def tuning_file(tmp_path, monkeypatch):
     from jitk import autotune
 
+    def forget():
+        autotune._STORE.clear()
+        for space in hicache._LAUNCH_SPACES.values():
+            space.forget()
+
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    autotune._STORE.clear()
+    forget()
     yield autotune
-    autotune._STORE.clear()
-    for space in hicache._LAUNCH_SPACES.values():
-        space.forget()
+    forget()
 
 
 @pytest.mark.parametrize("caches", [2, 1])
@@ -608,6 +611,22 @@ def test_a_tuned_launch_runs_the_kernel_with_its_knobs(tuning_file, monkeypatch)
     assert calls == [(2, ("k", "v", "i", "ks", "vs", "is"), None, 1, 16, 2, "kernel", "token")]
     labels = [label for label, _ in hicache.precompile_configs()]
     assert "element_size=1024 unroll=1" in labels  # a serving image builds what was tuned
+
+
+def test_a_call_naming_no_knob_runs_the_tuned_launch(tuning_file, monkeypatch):
+    recorder = Recorder(monkeypatch)
+    modules = []
+    monkeypatch.setattr(hicache, "_kernel_module",
+                        lambda *args: modules.append(args) or recorder.entries(*args))
+    monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
+    space = hicache._LAUNCH_SPACES[2]
+    tuning_file.record([{"op": space.op, "bucket": [ROW_BYTES, "host->host", 4], "config": {
+        "unroll": 1, "block_quota": 16}, "environment": tuning_file.environment()}])
+    hicache.transfer_hicache_one_layer(**one_layer_args(method="kernel"))
+    assert modules == [(ROW_BYTES, 1)] and recorder.calls[-1][1][-1] == 16  # the quota
+    hicache.transfer_hicache_one_layer(**one_layer_args(method="kernel", unroll=4))
+    assert modules[-1] == (ROW_BYTES, 4)  # a call that names a knob runs what it names
+    assert recorder.calls[-1][1][-1] == hicache._NOT_GIVEN
 
 
 def test_every_kernel_source_is_hashed_into_the_module_key():
