@@ -8,9 +8,13 @@ rmsnorm, scale, add in turn. It runs as
       batched push of a prepared chain per step, and one push per item.
 Every step time runs from the host's issue to the host seeing the last result (a synchronize,
 or the worker's completion counter), median over many steps; (a) and (b) also by CUDA events.
+The graph and the worker run in alternating rounds (the worker started and stopped in each),
+so that a drift of the GPU's clocks reaches both; the ratio is the median of the rounds'.
 Per item: the slope between chains of 18 and 180 items (the op's own time included). First
-item: one scale item, push to host-visible completion. Beside a bf16 GEMM (8192^3 on the rest
-of the GPU): the GEMM's time alone, beside an idle worker, and beside one running chains.
+item: one scale item, push to host-visible completion. Beside a bf16 GEMM (8192^3): in
+alternating rounds, the GEMM alone and beside a spinning thread, an idle worker and one running
+chains, on the whole GPU or with the GPU split (jitk.split_sms) into the worker's 8 SMs and the
+GEMM's rest; each round's time against that round's GEMM alone.
 
 Everything torch launches is run once before the worker starts: a kernel's first launch
 under CUDA's lazy loading would wait for the resident worker (jitk.persistent's docstring).
@@ -45,6 +49,7 @@ GOAL_ITEM_US = 1.0
 GOAL_GEMM_SLOWDOWN = 0.08
 # An idle block's longest sleep between looks for work: the default, and longer ones.
 IDLE_POLLS_US = (0.256, 8.0, 1000.0)
+GEMM_REPEATS = 10
 
 
 def eager_chain(x, w, bufs, n_ops):
@@ -87,30 +92,17 @@ def empty_item_us(steps: int) -> float:
     return (times[OPS] - times[SHORT_OPS]) / (OPS - SHORT_OPS)
 
 
-def placements(can_carve: bool):
-    """(label, worker blocks, idle_poll_us, worker on a green context of its own, SMs cuBLAS
-    is told to leave free, 0 for none) for each way of running the worker beside the GEMM."""
+def placements(sms: int):
+    """(label, worker blocks, idle_poll_us, split: worker and GEMM on disjoint partitions
+    (jitk.split_sms), SMs cuBLAS is told to leave free, 0 for none) for each way of running
+    the worker beside the GEMM."""
     rows = [(f"idle_poll_us={us}", BLOCKS, us, False, 0) for us in IDLE_POLLS_US]
     rows += [(f"{n} block{'s' * (n > 1)}", n, IDLE_POLLS_US[0], False, 0) for n in (1, 2)]
-    rows.append(("green context", BLOCKS, IDLE_POLLS_US[-1], True, 0))
-    if can_carve:
-        for carve in (BLOCKS, 2 * BLOCKS):
-            rows.append((f"sm_carveout={carve}", BLOCKS, IDLE_POLLS_US[-1], False, carve))
-            rows.append((f"green context, sm_carveout={carve}", BLOCKS, IDLE_POLLS_US[-1], True,
-                         carve))
+    rows.append((f"split: worker on {BLOCKS} SMs, GEMM on the other {sms - BLOCKS}", BLOCKS,
+                 IDLE_POLLS_US[0], True, 0))
+    rows.append((f"split, and cuBLAS told sm_carveout={BLOCKS}", BLOCKS, IDLE_POLLS_US[0], True,
+                 BLOCKS))
     return rows
-
-
-def green_stream(sms: int):
-    """A stream of a CUDA green context of `sms` SMs (torch's), or None where torch has none."""
-    green = getattr(getattr(torch.cuda, "green_contexts", None), "GreenContext", None)
-    if green is None or not hasattr(green, "Stream"):
-        print("no torch.cuda.green_contexts.GreenContext.Stream: green-context rows skipped")
-        return None
-    context = green.create(num_sms=sms, device_id=torch.cuda.current_device())
-    stream = context.Stream()
-    stream._jitk_green_context = context  # the context lives as long as its stream
-    return stream
 
 
 def on_stream(fn, stream):
@@ -168,18 +160,32 @@ def synced(fn):
     return run
 
 
+def in_rounds(rounds: int, measure: dict) -> dict[str, list[float]]:
+    """{name: [one value a round]}: every round calls each measure in turn, so a drift of the
+    GPU's clocks over the run reaches all of them alike."""
+    values = {name: [] for name in measure}
+    for _ in range(rounds):
+        for name, fn in measure.items():
+            values[name].append(fn())
+    return values
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    steps = 50 if args.quick else 300
+    steps, rounds = (30, 7) if args.quick else (100, 15)
     torch.manual_seed(0)
     x = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     bufs = [torch.empty_like(x) for _ in range(2)]
     a = torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16)
-    gemm = lambda: torch.mm(a, b)
+    gemm = lambda: torch.mm(a, b)  # noqa: E731
 
-    # (a), (b), and the GEMM alone, before the worker exists.
+    # Everything torch launches runs once before any worker starts.
     eager = eager_chain(x, w, bufs, OPS)
     for _ in range(3):
         eager()
@@ -194,14 +200,7 @@ def main() -> None:
         eager()
     graph.replay()
     torch.cuda.synchronize()
-    rows = [
-        {"how": "(a) 180 eager launches", "step_us": host_us(synced(eager), steps),
-         "events_us": median_us(eager, repeats=steps, warmup=0)},
-        {"how": "(b) CUDA graph replay", "step_us": host_us(synced(graph.replay), steps),
-         "events_us": median_us(graph.replay, repeats=steps, warmup=0)},
-    ]
-    gated_us(gemm, repeats=3)  # loads the gate's and the GEMM's kernels before any worker
-    gemm_alone = gated_us(gemm)
+    gated_us(gemm, repeats=3)  # the gate's and the GEMM's kernels
 
     worker = chain_worker(capacity=1024)
     items, _ = chain_items(x, w, bufs, OPS)
@@ -211,6 +210,39 @@ def main() -> None:
     def pushed(prepared):
         return lambda: worker.wait(worker.push_many(prepared)[-1])
 
+    def worker_steps() -> tuple[float, float]:
+        """A round of the worker: started, warmed, its full and short chains timed, stopped
+        (so that the graph's rounds run with no worker resident)."""
+        worker.start(blocks=BLOCKS)
+        try:
+            for _ in range(5):
+                pushed(batch)()
+            return host_us(pushed(batch), steps), host_us(pushed(short), steps)
+        finally:
+            worker.stop(timeout=30)
+
+    def graph_steps() -> float:
+        for _ in range(5):
+            synced(graph.replay)()
+        return host_us(synced(graph.replay), steps)
+
+    # Steps: the graph and the worker in alternating rounds, each warmed first.
+    timed = in_rounds(rounds, {"graph": graph_steps, "worker": worker_steps})
+    graph_steps = timed["graph"]
+    full = [t[0] for t in timed["worker"]]
+    ratios = [f / g for f, g in zip(full, graph_steps)]
+    slopes = [(f - s) / (OPS - SHORT_OPS) for f, s in timed["worker"]]
+    graph_us, batched_us = statistics.median(graph_steps), statistics.median(full)
+    per_item = statistics.median(slopes)
+    rows = [
+        {"how": "(a) 180 eager launches", "step_us": host_us(synced(eager), steps),
+         "events_us": median_us(eager, repeats=steps, warmup=0)},
+        {"how": "(b) CUDA graph replay", "step_us": graph_us,
+         "events_us": median_us(graph.replay, repeats=steps, warmup=0),
+         "rounds": spread(graph_steps)},
+        {"how": "(c) worker, one batched push", "step_us": batched_us, "rounds": spread(full)},
+    ]
+
     worker.start(blocks=BLOCKS)
     try:
         def one_by_one():
@@ -219,11 +251,6 @@ def main() -> None:
                 last = worker.push(op, after=last, **kwargs)
             worker.wait(last)
 
-        for _ in range(10):
-            pushed(batch)()
-        batched_us = host_us(pushed(batch), steps)
-        short_us = host_us(pushed(short), steps)
-        rows.append({"how": "(c) worker, one batched push", "step_us": batched_us})
         rows.append({"how": "(c) worker, one push per item",
                      "step_us": host_us(one_by_one, max(10, steps // 5))})
         push_only = []
@@ -233,7 +260,6 @@ def main() -> None:
             push_only.append((time.perf_counter() - start) * 1e6)
             worker.wait(t)
         push_us = statistics.median(push_only)
-        per_item = (batched_us - short_us) / (OPS - SHORT_OPS)
         # The host's share of a step: the batched push alone, and a wait that finds its item
         # already done.
         host_push, host_wait = [], []
@@ -249,96 +275,102 @@ def main() -> None:
         worker.stop(timeout=30)
     empty_item = empty_item_us(steps)
 
-    carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    gemm_rows = [{"gemm": f"bf16 {GEMM}^3 alone", "ms": gemm_alone / 1e3, "slowdown": 0.0}]
-    if carveout is not None:  # cuBLAS told to leave the worker's SMs alone, no worker
-        carveout(BLOCKS)
-        carved = gated_us(gemm)
-        carveout(None)
-        gemm_rows.append({"gemm": f"alone, sm_carveout={BLOCKS} (no worker)",
-                          "ms": carved / 1e3, "slowdown": carved / gemm_alone - 1})
-    # Control: no worker, one thread spinning in a kernel on another stream for the GEMMs.
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(int(2e9))  # about a second at the H100's clocks
-    spun = gated_us(gemm)
-    side.synchronize()
-    gemm_rows.append({"gemm": "beside a 1-thread spin kernel (no worker)", "ms": spun / 1e3,
-                      "slowdown": spun / gemm_alone - 1})
-    first_rows = []
-    for label, blocks, idle_poll, green, carved in placements(carveout is not None):
-        stream = green_stream(BLOCKS) if green else None
-        if green and stream is None:
-            continue
-        worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=stream)
+    # The GEMM: alone and beside each thing in alternating rounds, each round's ratio against
+    # its own "alone"; the median ratio is the slowdown.
+    gemm_rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split = jitk.split_sms(BLOCKS)
+    carveout = torch._C._set_sm_carveout_experimental
+    whole = lambda: gated_us(gemm, repeats=GEMM_REPEATS)  # noqa: E731
+    on_rest = on_stream(whole, split.rest)
+    on_rest()  # cuBLAS's set-up for that stream
+
+    def spun():
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(2e8))  # longer than the GEMMs below at the H100's clocks
+        t = whole()
+        side.synchronize()
+        return t
+
+    def beside_worker(blocks, idle_poll, on_split, busy):
+        measure = on_rest if on_split else whole
+
+        def run():
+            worker.start(blocks=blocks, idle_poll_us=idle_poll,
+                         stream=split.own if on_split else None)
+            try:
+                time.sleep(0.002)
+                return gemm_beside_busy(measure, pushed(batch))[0] if busy else measure()
+            finally:
+                worker.stop(timeout=30)
+        return run
+
+    def add_rows(label, alone_fn, beside: dict, carved=0):
+        if carved:
+            carveout(carved)
         try:
-            if carved:
-                carveout(carved)
-            time.sleep(0.01)
-            first = host_us(lambda: worker.wait(worker.push("scale", x=x, y=bufs[0],
-                                                              factor=1.0)), steps)
-            first_rows.append({"worker": label, "first_item_us": first})
-            idle = gated_us(gemm)
-            busy, chains = gemm_beside_busy(lambda: gated_us(gemm), pushed(batch))
+            timed = in_rounds(rounds, {"alone": alone_fn, **beside})
         finally:
             if carved:
                 carveout(None)
-            worker.stop(timeout=30)
-        gemm_rows.append({"gemm": f"beside an idle worker, {label}", "ms": idle / 1e3,
-                          "slowdown": idle / gemm_alone - 1})
-        gemm_rows.append({"gemm": f"beside a busy worker ({chains} chains), {label}",
-                          "ms": busy / 1e3, "slowdown": busy / gemm_alone - 1})
+        alone = timed.pop("alone")
+        gemm_rows.append({"gemm": f"alone, {label}", "ms": statistics.median(alone) / 1e3})
+        for state, times in timed.items():
+            ratios_here = [t / a - 1 for t, a in zip(times, alone)]
+            gemm_rows.append({"gemm": f"beside {state}, {label}",
+                              "ms": statistics.median(times) / 1e3,
+                              "slowdown": statistics.median(ratios_here),
+                              "rounds": f"{min(ratios_here):+.1%} to {max(ratios_here):+.1%}"})
 
-    # The issue's placement: the worker on a green context of BLOCKS SMs, the GEMM on one of
-    # the other SMs; slowdowns against that GEMM alone there (and its cost against the whole).
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rest, mine = green_stream(sms - BLOCKS), green_stream(BLOCKS)
-    if rest is not None:
-        rest_gemm = on_stream(lambda: gated_us(gemm), rest)
-        on_stream(lambda: gated_us(gemm, repeats=3), rest)()  # cuBLAS's set-up on that stream
-        rest_alone = rest_gemm()
-        worker.start(blocks=BLOCKS, stream=mine)
+    first_rows = []
+    add_rows("whole GPU", whole, {"a 1-thread spin kernel": spun})
+    for label, blocks, idle_poll, on_split, carved in placements(sms):
+        worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=split.own if on_split else None)
         try:
-            idle = rest_gemm()
-            busy, chains = gemm_beside_busy(rest_gemm, pushed(batch))
+            time.sleep(0.01)
+            first_rows.append({"worker": label, "first_item_us": host_us(
+                lambda: worker.wait(worker.push("scale", x=x, y=bufs[0], factor=1.0)), steps)})
         finally:
             worker.stop(timeout=30)
-        label = f"GEMM on a green context of the other {sms - BLOCKS} SMs"
-        gemm_rows.append({"gemm": f"{label}, alone (vs the whole GPU)", "ms": rest_alone / 1e3,
-                          "slowdown": rest_alone / gemm_alone - 1})
-        gemm_rows.append({"gemm": f"{label}, beside an idle worker (vs alone there)",
-                          "ms": idle / 1e3, "slowdown": idle / rest_alone - 1})
-        gemm_rows.append({"gemm": f"{label}, beside a busy worker ({chains} chains; vs alone "
-                                  "there)", "ms": busy / 1e3, "slowdown": busy / rest_alone - 1})
+        add_rows(label, on_rest if on_split else whole,
+                 {f"an idle worker of {blocks}": beside_worker(blocks, idle_poll, on_split, False),
+                  f"a busy worker of {blocks}": beside_worker(blocks, idle_poll, on_split, True)},
+                 carved)
+    split.close()
+    whole_alone = next(r["ms"] for r in gemm_rows if r["gemm"] == "alone, whole GPU")
+    for row in gemm_rows:
+        row["vs_whole_gpu"] = row["ms"] / whole_alone - 1
 
-    graph_us = rows[1]["step_us"]
     for row in rows:
         row["per_op_us"] = row["step_us"] / OPS
         row["vs_graph"] = row["step_us"] / graph_us
-    print(f"{device_name()}; chain of {OPS} ops on 1x{N} bf16; worker on {BLOCKS} blocks")
-    print_table("Step time (host issue to host-visible end), median", rows,
-                ["how", "step_us", "events_us", "per_op_us", "vs_graph"])
-    print_table("GEMM beside the worker (CUDA events behind a host-opened gate, median of 20)",
-                gemm_rows,
-                ["gemm", "ms", "slowdown"])
+    print(f"{device_name()}; chain of {OPS} ops on 1x{N} bf16; worker on {BLOCKS} blocks; "
+          f"{rounds} rounds")
+    print_table("Step time (host issue to host-visible end), median of the rounds' medians",
+                rows, ["how", "step_us", "events_us", "per_op_us", "vs_graph", "rounds"])
+    print_table(f"GEMM (bf16 {GEMM}^3; CUDA events behind a host-opened gate, median of "
+                f"{GEMM_REPEATS} a round); slowdown: median over rounds against the GEMM alone "
+                "in the same round", gemm_rows, ["gemm", "ms", "slowdown", "rounds",
+                                                 "vs_whole_gpu"])
     print_table("First item: push() to wait() returning, median", first_rows,
                 ["worker", "first_item_us"])
-    print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us "
-          f"(goal <= {GOAL_ITEM_US}), of which the worker's own (an empty op): "
-          f"{empty_item:.2f} us; push() of one item on the host {push_us:.1f} us")
+    print(f"\nper item (slope {SHORT_OPS}->{OPS} items): {per_item:.2f} us, rounds "
+          f"{spread(slopes)} (goal <= {GOAL_ITEM_US}), of which the worker's own (an empty "
+          f"op): {empty_item:.2f} us; push() of one item on the host {push_us:.1f} us")
     print(f"host share of a step: push_many() of the prepared chain "
           f"{statistics.median(host_push):.1f} us, wait() for a done item "
           f"{statistics.median(host_wait):.1f} us")
-    print(f"batched step / graph replay: {batched_us / graph_us:.2f} (goal <= "
-          f"{GOAL_STEP_VS_GRAPH})")
+    print(f"batched step / graph replay: {statistics.median(ratios):.2f}, rounds "
+          f"{spread(ratios)} (goal <= {GOAL_STEP_VS_GRAPH})")
     for state in ("idle", "busy"):
-        best = min((r for r in gemm_rows if f"{state} worker" in r["gemm"]),
+        best = min((r for r in gemm_rows if f"{state} worker of {BLOCKS}" in r["gemm"]),
                    key=lambda r: r["slowdown"])
-        print(f"GEMM slowdown beside a {state} worker, best placement: {best['slowdown']:+.1%} "
-              f"({best['gemm']}; goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
-    write_json(args.json, {"device": device_name(), "steps": rows, "gemm": gemm_rows,
-                           "per_item_us": per_item, "empty_item_us": empty_item,
-                           "first_item": first_rows, "push_us": push_us})
+        print(f"GEMM slowdown beside a {state} worker of {BLOCKS} blocks, best placement: "
+              f"{best['slowdown']:+.1%} ({best['gemm']}; goal <= {GOAL_GEMM_SLOWDOWN:.0%})")
+    write_json(args.json, {"device": device_name(), "steps": rows, "step_ratios": ratios,
+                           "gemm": gemm_rows, "per_item_us": per_item, "slopes": slopes,
+                           "empty_item_us": empty_item, "first_item": first_rows,
+                           "push_us": push_us})
 
 
 if __name__ == "__main__":

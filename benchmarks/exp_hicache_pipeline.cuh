@@ -200,12 +200,8 @@ inline void launch_device_pages(bool to_staging, char* staging, char* pool0, cha
 // Holds `blocks` SMs' worth of blocks for `ns` nanoseconds: a stand-in for a resident
 // transfer kernel. `heavy` takes 200 KB of shared memory (one block per SM, alone on it).
 __global__ void resident(int64_t ns) {
-  uint64_t start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    __nanosleep(1000);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < static_cast<uint64_t>(ns));
+  const int64_t until = jitk::device::now_ns() + ns;
+  while (jitk::device::now_ns() < until) jitk::device::pause_ns(1000);
 }
 
 // Waits for an event by polling, at most kWaitLimit.

@@ -76,6 +76,51 @@ def test_packed_item_words(host_chain):
     assert batch.count == 2 and batch.tensors == [x, w, y, y, x]
 
 
+def aligned_ring(capacity: int) -> torch.Tensor:
+    """A CPU ring of `capacity` empty slots at a 128-byte boundary, as pinned memory has."""
+    raw = torch.full((capacity * ITEM_WORDS + 16,), -1, dtype=torch.int64)
+    skip = (-raw.data_ptr()) % 128 // 8
+    return raw[skip:skip + capacity * ITEM_WORDS].view(capacity, ITEM_WORDS)
+
+
+def test_publish_copies_items_behind_tickets(host_chain):
+    """The host half of the queue on CPU memory: items land in their slots with absolute
+    dependencies and tickets; a slot whose previous item is not done refuses the batch."""
+    x = rows()
+    batch = host_chain.prepare([("scale", dict(x=x, y=x, factor=2.0))] * 3, chain=True)
+    ring, done = aligned_ring(16), torch.full((16,), -1, dtype=torch.int64)
+    done[0] = 0  # item 0 ran: ticket 16 may take its slot
+    publish = host_chain._kernels.publish
+    assert publish(ring.data_ptr(), done.data_ptr(), 16, batch.address, 3, 14, 9) == 1
+    slots = ring.tolist()
+    assert [slots[s][:3] for s in (14, 15, 0)] == [[14, 1, 9], [15, 1, 14], [16, 1, 15]]
+    assert slots[14][3:5] == [x.data_ptr(), x.data_ptr()] and slots[1][0] == -1
+    # Tickets 30..32 reuse slots 14, 15, 0, whose items 14..16 are done only up to 15.
+    done[14], done[15] = 14, 15
+    assert publish(ring.data_ptr(), done.data_ptr(), 16, batch.address, 3, 30, -1) == 0
+    assert ring[14, 0].item() == 14  # nothing written
+    done[0] = 16
+    assert publish(ring.data_ptr(), done.data_ptr(), 16, batch.address, 3, 30, -1) == 1
+    assert ring[14, :3].tolist() == [30, 1, -1] and ring[0, :3].tolist() == [32, 1, 31]
+    expect_error(lambda: publish(ring.data_ptr() + 8, done.data_ptr(), 16, batch.address, 3,
+                                 0, -1), "'ring' must be a non-null, aligned host address")
+    expect_error(lambda: publish(ring.data_ptr(), done.data_ptr(), 16, batch.address, 17, 0,
+                                 -1), "a batch of 17 items does not fit a ring of 16")
+
+
+def test_poll_done_on_host_words(chain):
+    """wait()'s spin: done once the counter reaches the ticket, an error as soon as the error
+    word is set, neither within the spin's bound otherwise."""
+    counter, error = torch.tensor([4], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    poll = chain._kernels.poll_done
+    assert poll(counter.data_ptr(), 5, error.data_ptr(), 10_000) == 0
+    assert poll(counter.data_ptr(), 4, error.data_ptr(), 0) == 1
+    error[0] = 2
+    assert poll(counter.data_ptr(), 4, error.data_ptr(), 0) == -1
+    expect_error(lambda: poll(counter.data_ptr(), 4, error.data_ptr(), -1),
+                 "spin_ns must be 0 to 1e9, got -1")
+
+
 def test_args_too_large_refused_at_compile_time():
     too_big = Op("too_big", "TooBig", tuple(IntArg(f"a{i}") for i in range(12)))
     expect_error(lambda: Worker("too_big", [str(HERE / "csrc" / "persistent_too_big.cuh")],

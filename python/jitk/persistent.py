@@ -55,8 +55,9 @@ import functools
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,6 +84,7 @@ _ERRORS = {
 _INT64 = (-(2**63), 2**63 - 1)
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
+_SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin 50 slices of 20 us, then sleep
 
 
 class WorkerError(RuntimeError):
@@ -142,7 +144,7 @@ CHAIN_OPS = (
 
 _EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::arg_bytes",
             "layout": "jitk::persistent::layout", "publish": "jitk::persistent::publish",
-            "load_word": "jitk::persistent::load_word",
+            "load_word": "jitk::persistent::load_word", "poll_done": "jitk::persistent::poll_done",
             "store_word": "jitk::persistent::store_word"}
 
 
@@ -158,6 +160,10 @@ class Batch:
     words: torch.Tensor  # int64 [n * ITEM_WORDS]; dependencies relative to the batch
     tensors: list[torch.Tensor]  # kept alive while the items may run
     count: int
+    address: int = field(init=False)  # of words: what publish() takes, fetched once
+
+    def __post_init__(self) -> None:
+        self.address = self.words.data_ptr()
 
 
 class Worker:
@@ -296,12 +302,14 @@ class Worker:
         self._ring = torch.full((cap * ITEM_WORDS,), -1, dtype=torch.int64, pin_memory=True)
         self._done = torch.full((cap,), -1, dtype=torch.int64, pin_memory=True)
         self._done_address = self._done.data_ptr()
+        self._ring_address = self._ring.data_ptr()
         self._host_words = torch.zeros(_HOST_WORDS, dtype=torch.int64, pin_memory=True)
+        self._host_words_address = self._host_words.data_ptr()
         state = torch.full((_STATE_HEADER_WORDS + (2 + ITEM_WORDS) * cap,), -1,
                            dtype=torch.int64, device=self.device)
         state[:_STATE_HEADER_WORDS] = 0
         self._state = state
-        self._keep: list[object] = [None] * cap
+        self._keep: deque[tuple[int, Batch]] = deque()
         self._next = 0
         self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
@@ -333,7 +341,8 @@ class Worker:
 
     def _publish(self, batch: Batch, after: int | None, timeout: float) -> range:
         deadline = time.monotonic() + timeout
-        if not self._lock.acquire(timeout=timeout):
+        # An untimed try first: a timed acquire costs more, and the lock is free almost always.
+        if not (self._lock.acquire(blocking=False) or self._lock.acquire(timeout=timeout)):
             raise QueueFullError(f"another thread held the queue for {timeout} s")
         try:
             if self._stopping:
@@ -342,8 +351,8 @@ class Worker:
             if after is not None and not (isinstance(after, int) and 0 <= after < first):
                 raise ValueError(f"after must be the ticket of an item already pushed (0 to "
                                  f"{first - 1}), got {after!r}")
-            while not self._kernels.publish(self._ring.data_ptr(), self._done_address,
-                                            self.capacity, batch.words, first,
+            while not self._kernels.publish(self._ring_address, self._done_address,
+                                            self.capacity, batch.address, batch.count, first,
                                             -1 if after is None else after):
                 self.raise_if_failed()
                 if time.monotonic() > deadline:
@@ -357,12 +366,13 @@ class Worker:
         return range(first, first + batch.count)
 
     def _keep_until_reused(self, first: int, batch: Batch) -> None:
-        """Holds the batch's tensors alive while any of its slots may still run: slice stores,
-        not a loop (a Python store an item was 9 µs of a 180-item step)."""
-        start = first % self.capacity
-        head = min(batch.count, self.capacity - start)
-        self._keep[start:start + head] = [batch] * head
-        self._keep[:batch.count - head] = [batch] * (batch.count - head)
+        """Holds the batch (its tensors) alive while any of its items may still run. publish()
+        found every ticket before first + count - capacity done (it checks each slot it
+        reuses; earlier pushes checked the rest), so batches that end before it are let go."""
+        self._keep.append((first + batch.count - 1, batch))
+        done_before = first + batch.count - self.capacity
+        while self._keep[0][0] < done_before:
+            self._keep.popleft()
 
     def done_flag(self, ticket: int) -> torch.Tensor:
         """Item `ticket`'s completion counter (pinned int64, 1 element): it is >= ticket once
@@ -375,23 +385,24 @@ class Worker:
         error or stopped first, TimeoutError after `timeout` seconds."""
         slot = self._slot_of(ticket)
         deadline = time.monotonic() + timeout
-        polls = 0
-        counter = self._done_address + 8 * slot
-        while self._kernels.load_word(counter) < ticket:
-            polls += 1
-            if polls % 64 == 0:
-                self.raise_if_failed()
-                if self._has_ended():
-                    raise WorkerError(f"the worker stopped before item {ticket} ran")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"item {ticket} was not done within {timeout} s")
-            if polls > 1000:
+        counter, error = self._done_address + 8 * slot, self._host_words_address + 8 * _ERROR
+        spins = 0
+        # Spins in C++ (which sees the counter change within about 0.1 us; a Python loop of
+        # loads took about 1 us a look) in bounded slices, then sleeps between looks.
+        while (state := self._kernels.poll_done(counter, ticket, error, _SPIN_NS)) == 0:
+            spins += 1
+            if self._has_ended():
+                raise WorkerError(f"the worker stopped before item {ticket} ran")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"item {ticket} was not done within {timeout} s")
+            if spins > _SPINS_BEFORE_SLEEP:
                 time.sleep(_POLL_S)
-        self.raise_if_failed()
+        if state < 0:
+            self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
         """Raises WorkerError if the worker has recorded an error."""
-        code = self._kernels.load_word(self._host_words.data_ptr() + 8 * _ERROR)
+        code = self._kernels.load_word(self._host_words_address + 8 * _ERROR)
         if code:
             ticket = self._host_words[_ERROR_TICKET].item()
             detail = self._host_words[_ERROR_DETAIL].item()

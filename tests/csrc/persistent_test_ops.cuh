@@ -95,7 +95,7 @@ struct Busy {
   };
   static __device__ void run(const Args& a, BlockContext&) {
     const int64_t end = jitk::persistent::now_ns() + a.ns;
-    while (jitk::persistent::now_ns() < end) __nanosleep(1000);
+    while (jitk::persistent::now_ns() < end) jitk::device::pause_ns(1000);
   }
 };
 

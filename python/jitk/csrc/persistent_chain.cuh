@@ -81,8 +81,18 @@ struct RMSNorm {
     }
   }
 
+  // The row's sum: each warp's by shuffles, then every thread adds the warps' sums from shared
+  // memory (broadcast reads, no second round of shuffles); one barrier. The worker's barrier
+  // after each item frees the scratch for the next item's sum. A chain's item time is mostly
+  // such dependent steps.
   static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
-    const float total = device::block_sum<kThreads>(sum, scratch);
+    constexpr int kWarps = kThreads / kWarpThreads;
+    sum = device::warp_sum(sum);
+    if (threadIdx.x % kWarpThreads == 0) scratch[threadIdx.x / kWarpThreads] = sum;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += scratch[w];
     return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
   }
 

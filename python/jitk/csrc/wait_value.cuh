@@ -6,10 +6,11 @@
 // Where the driver or GPU lacks an operation, a one-thread spin kernel does it (the fallback).
 #pragma once
 
+#include <jitk/device.cuh>
+#include <jitk/driver.cuh>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
-#include <cuda.h>  // types and enums only; see driver()
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -81,7 +82,7 @@ template <typename T>
 __global__ void wait_kernel(const T* flag, T value, int compare) {
   unsigned sleep_ns = kFirstSleepNs;
   while (!passes(load_acquire_system(flag), value, compare)) {
-    __nanosleep(sleep_ns);
+    device::pause_ns(sleep_ns);
     sleep_ns = min(2 * sleep_ns, kMaxSleepNs);
   }
 }
@@ -154,56 +155,26 @@ struct Driver {
   CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-  CUresult (*error_name)(CUresult, const char**) = nullptr;
   CUresult (*loading_mode)(CUmoduleLoadingMode*) = nullptr;  // optional: see settle_once
   bool complete = false;
 };
-
-// The symbol as CUDA 12.0 defined it (the _v2 stream memory operations), or null where the
-// driver is older or absent.
-template <typename Function>
-void find_driver_symbol(const char* name, Function*& function) {
-  void* found = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-  const cudaError_t error =
-      cudaGetDriverEntryPointByVersion(name, &found, 12000, cudaEnableDefault, &status);
-#else
-  const cudaError_t error = cudaGetDriverEntryPoint(name, &found, cudaEnableDefault, &status);
-#endif
-  if (error != cudaSuccess || status != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    found = nullptr;
-  }
-  function = reinterpret_cast<Function*>(found);
-}
 
 inline const Driver& driver() {
   static const Driver found = [] {
     const RelaxedCaptureMode relaxed;
     Driver d;
-    find_driver_symbol("cuStreamWaitValue32", d.wait32);
-    find_driver_symbol("cuStreamWaitValue64", d.wait64);
-    find_driver_symbol("cuStreamWriteValue32", d.write32);
-    find_driver_symbol("cuStreamWriteValue64", d.write64);
-    find_driver_symbol("cuDeviceGet", d.device_get);
-    find_driver_symbol("cuDeviceGetAttribute", d.device_attribute);
-    find_driver_symbol("cuGetErrorName", d.error_name);
-    find_driver_symbol("cuModuleGetLoadingMode", d.loading_mode);
-    d.complete = d.wait32 && d.wait64 && d.write32 && d.write64 && d.device_get &&
-                 d.device_attribute && d.error_name;
+    driver::find_symbol("cuStreamWaitValue32", d.wait32, 12000);
+    driver::find_symbol("cuStreamWaitValue64", d.wait64, 12000);
+    driver::find_symbol("cuStreamWriteValue32", d.write32, 12000);
+    driver::find_symbol("cuStreamWriteValue64", d.write64, 12000);
+    driver::find_symbol("cuDeviceGet", d.device_get, 12000);
+    driver::find_symbol("cuDeviceGetAttribute", d.device_attribute, 12000);
+    driver::find_symbol("cuModuleGetLoadingMode", d.loading_mode, 12000);
+    d.complete =
+        d.wait32 && d.wait64 && d.write32 && d.write64 && d.device_get && d.device_attribute;
     return d;
   }();
   return found;
-}
-
-inline void driver_check(CUresult result, const char* call, DebugInfo where = {}) {
-  if (result == CUDA_SUCCESS) [[likely]]
-    return;
-  const char* name = nullptr;
-  driver().error_name(result, &name);
-  Panic(where, call, " failed: ", name != nullptr ? name : "unknown CUresult", " (",
-        static_cast<int>(result), ")");
 }
 
 // What a device's front end can do, queried once per device. Host atomics are the compiler's
@@ -224,10 +195,10 @@ inline uint32_t query_capabilities(int device) {
   if (!d.complete) return kQueried;
   const RelaxedCaptureMode relaxed;
   CUdevice handle = 0;
-  driver_check(d.device_get(&handle, device), "cuDeviceGet");
+  driver::check(d.device_get(&handle, device), "cuDeviceGet");
   const auto has = [&](CUdevice_attribute attribute, uint32_t capability) -> uint32_t {
     int value = 0;
-    driver_check(d.device_attribute(&value, attribute, handle), "cuDeviceGetAttribute");
+    driver::check(d.device_attribute(&value, attribute, handle), "cuDeviceGetAttribute");
     return value != 0 ? capability : 0;
   };
   return kQueried | kMemoryOperations |
@@ -347,7 +318,7 @@ int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare,
     const CUresult result =
         enqueue_memory_operation(stream, flag, target, compare, capabilities(device));
     if (result != CUDA_ERROR_NOT_SUPPORTED) {
-      driver_check(result, compare >= 0 ? "cuStreamWaitValue" : "cuStreamWriteValue");
+      driver::check(result, compare >= 0 ? "cuStreamWaitValue" : "cuStreamWriteValue");
       return path;
     }
     note_refusal(device);

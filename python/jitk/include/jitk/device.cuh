@@ -1,5 +1,6 @@
 // Device-side helpers shared by jitk kernels: 16-byte vectors, streaming memory access and
-// L2 prefetch, warp and block reductions, and programmatic-dependent-launch hooks.
+// L2 prefetch, a timed pause, warp and block reductions, and programmatic-dependent-launch
+// hooks.
 #pragma once
 
 #include <jitk/utils.cuh>
@@ -41,6 +42,24 @@ template <typename T>
 __device__ __forceinline__ void compute_now(T& value) {
   static_assert(sizeof(T) == 8);
   asm volatile("" : "+l"(value));
+}
+
+// The global timer in nanoseconds (it advances in steps of 32 ns on an H100).
+__device__ __forceinline__ int64_t now_ns() {
+  int64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits about `ns` by reading the global timer: how jitk's polls back off. Not __nanosleep:
+// on an H100, right after a kernel had run __nanosleep, CUDA graph replays of small kernels
+// took 17% longer from then on (180 kernels: 224 to 262 us, at the __nanosleep in each of five
+// processes; benchmarks/exp_persistent_costs.py), and later the GPU stayed so for new
+// processes too. A timer read, a spinning kernel, a fence or a PCIe load did not do that.
+__device__ __forceinline__ void pause_ns(unsigned ns) {
+  const int64_t until = now_ns() + ns;
+  while (now_ns() < until) {
+  }
 }
 
 // Asks L2 for the 128-byte line holding `ptr`. A hint: no value any load returns changes,

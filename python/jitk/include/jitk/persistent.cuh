@@ -40,11 +40,13 @@
 // waits for work only until the host's stop word says drain or abort.
 #pragma once
 
+#include <jitk/device.cuh>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -145,11 +147,23 @@ __device__ __forceinline__ bool atomic_cas_gpu(int64_t* p, int64_t expected, int
              reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(expected),
              static_cast<unsigned long long>(desired)) == static_cast<unsigned long long>(expected);
 }
-__device__ __forceinline__ int64_t now_ns() {
-  int64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+// An item's words from the host ring into shared memory, as 16-byte cp.async copies that stay
+// in flight together (L2 only: no L1 line from an earlier lap of the ring). Copies of many
+// slots thus take one PCIe round trip, where loads into registers then stores to shared
+// memory took one a slot: the compiler keeps such loads behind the previous slot's stores.
+__device__ __forceinline__ void copy_item_async(Item* to, const Item* from) {
+  const auto shared = static_cast<uint32_t>(__cvta_generic_to_shared(to));
+#pragma unroll
+  for (int chunk = 0; chunk < static_cast<int>(sizeof(Item)) / 16; ++chunk) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared + 16 * chunk),
+                 "l"(reinterpret_cast<const char*>(from) + 16 * chunk)
+                 : "memory");
+  }
 }
+__device__ __forceinline__ void wait_item_copies() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+using device::now_ns;
 
 // Polls back off from kFirstSleepNs, doubling to a bound: an item already there costs one
 // read, a new one is seen at most about the bound (plus a PCIe read) late. Dependency and
@@ -161,7 +175,7 @@ struct Backoff {
   unsigned ns = kFirstSleepNs;
   unsigned bound = kMaxSleepNs;
   __device__ void sleep() {
-    __nanosleep(ns);
+    device::pause_ns(ns);
     ns = min(2 * ns, bound);
   }
 };
@@ -284,9 +298,9 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
 // Warp 0 claims the published host items from the head on that form a chain (item k + 1 waits
 // for item k), at most kMaxRun, into items[]. Returns how many, 0 when the head item is not
 // published, -1 when another block claimed first. Only lane 0 polls (one PCIe read). Then two
-// more round trips for a whole run: every lane reads its slots' tickets, fences, then reads the
-// words of those that are published, straight into items[] (which nothing else reads while
-// warp 0 searches); the words decide where the chain ends.
+// more round trips for a whole run: every lane reads its slots' tickets, fences, then copies
+// the words of those that are published into items[] (which nothing else reads while warp 0
+// searches), all at once; the words decide where the chain ends.
 __device__ inline int claim_host_run(const Queue& q, Item* items) {
   const int lane = threadIdx.x;
   int64_t h = 0;
@@ -304,12 +318,17 @@ __device__ inline int claim_host_run(const Queue& q, Item* items) {
     ready[k] = load_relaxed_sys(&q.host_items[t & q.mask].ticket) == t;
   }
   fence_acq_rel_sys();  // with the relaxed reads above: the published items' words come after
+#pragma unroll
+  for (int k = 0; k < kSlotsPerLane; ++k) {
+    const int64_t t = h + k * kWarpThreads + lane;
+    if (ready[k]) copy_item_async(&items[k * kWarpThreads + lane], &q.host_items[t & q.mask]);
+  }
+  wait_item_copies();  // a lane reads only the slots it copied
   int run = kMaxRun;
 #pragma unroll
   for (int k = 0; k < kSlotsPerLane; ++k) {
     const int index = k * kWarpThreads + lane;
     const int64_t t = h + index;
-    if (ready[k]) items[index] = q.host_items[t & q.mask];  // ordered after its acquire
     const bool joins = index == 0 || (ready[k] && items[index].after == t - 1);
     const unsigned left_out = __ballot_sync(kAllLanes, !joins);
     if (left_out != 0) run = min(run, k * kWarpThreads + __ffs(left_out) - 1);
@@ -481,9 +500,9 @@ inline int64_t layout(int64_t field) {
   return values[field];
 }
 
-// The host ring and its counters are persistent.py's own pinned tensors; the calls on every
-// push and poll take their addresses (ints) rather than the tensors, which cost a DLPack
-// conversion each (about a microsecond on an H100's host).
+// The host ring, its counters and a batch's words are persistent.py's own tensors; the calls
+// on every push and poll take their addresses (ints) rather than the tensors, which cost a
+// DLPack conversion each (about a microsecond on an H100's host).
 template <typename T>
 T* host_address(int64_t address, const char* name) {
   RuntimeCheck(address != 0 && address % alignof(T) == 0, "'", name,
@@ -491,29 +510,30 @@ T* host_address(int64_t address, const char* name) {
   return reinterpret_cast<T*>(address);
 }
 
-// Copies `items` (int64 [n * kItemWords], relative dependencies: after >= 0 is an index into
-// the batch, -1 none) into the host ring (capacity slots at `ring`, completion counters at
-// `done`) as tickets first.. first+n-1, item 0 after `first_after`. Returns 0 and writes
-// nothing while any of the n slots still holds an unfinished item; 1 once published. One
-// release fence covers every item's words; the tickets are then stored in order.
-inline int64_t publish(int64_t ring, int64_t done, int64_t capacity, TensorView items,
+// Copies n items (int64 [n * kItemWords] at host address `items`, relative dependencies:
+// after >= 0 is an index into the batch, -1 none) into the host ring (capacity slots at `ring`,
+// completion counters at `done`) as tickets first.. first+n-1, item 0 after `first_after`.
+// Returns 0 and writes nothing while any of the n slots still holds an unfinished item; 1 once
+// published. One release fence covers every item's words; the tickets are then stored in order.
+// Addresses, not tensors: a tensor argument costs a DLPack conversion on every push.
+inline int64_t publish(int64_t ring, int64_t done, int64_t capacity, int64_t items, int64_t n,
                        int64_t first, int64_t first_after) {
   auto* slots = host_address<Item>(ring, "ring");
   const int64_t* completed = host_address<const int64_t>(done, "done");
-  const int64_t* words = host_words_of(items, kItemWords, "items");
-  const int64_t n = items.numel() / kItemWords;
-  RuntimeCheck(capacity >= 1 && n <= capacity, "a batch of ", n, " items does not fit a ring of ",
-               capacity);
+  const auto* words = host_address<const int64_t>(items, "items");
+  RuntimeCheck(capacity >= 1 && n >= 1 && n <= capacity, "a batch of ", n,
+               " items does not fit a ring of ", capacity);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = first + i;
     if (__atomic_load_n(&completed[t % capacity], __ATOMIC_ACQUIRE) < t - capacity) return 0;
   }
   for (int64_t i = 0; i < n; ++i) {
     Item& slot = slots[(first + i) % capacity];
-    const Item& src = reinterpret_cast<const Item*>(words)[i];
-    slot.op = src.op;
-    slot.after = src.after >= 0 ? first + src.after : (i == 0 ? first_after : kNoDependency);
-    std::memcpy(slot.args, src.args, sizeof(slot.args));
+    const int64_t* src = words + i * kItemWords;  // 8-byte aligned only: read as words
+    const int64_t after = src[offsetof(Item, after) / 8];
+    slot.op = src[offsetof(Item, op) / 8];
+    slot.after = after >= 0 ? first + after : (i == 0 ? first_after : kNoDependency);
+    std::memcpy(slot.args, src + offsetof(Item, args) / 8, sizeof(slot.args));
   }
   __atomic_thread_fence(__ATOMIC_RELEASE);
   for (int64_t i = 0; i < n; ++i) {
@@ -525,6 +545,22 @@ inline int64_t publish(int64_t ring, int64_t done, int64_t capacity, TensorView 
 // An acquire load of the int64 at a host address (a completion counter, the error word).
 inline int64_t load_word(int64_t address) {
   return __atomic_load_n(host_address<const int64_t>(address, "address"), __ATOMIC_ACQUIRE);
+}
+
+// Spins at most spin_ns on item `ticket`'s completion counter (host address `counter`):
+// 1 once the counter reaches the ticket and the error word (host address `error`) is clear, -1
+// once the error word is set, 0 when spin_ns passed first. Acquire loads, so what the item
+// wrote is visible once it returns 1.
+inline int64_t poll_done(int64_t counter, int64_t ticket, int64_t error, int64_t spin_ns) {
+  const int64_t* done = host_address<const int64_t>(counter, "counter");
+  const int64_t* failed = host_address<const int64_t>(error, "error");
+  RuntimeCheck(spin_ns >= 0 && spin_ns <= 1'000'000'000, "spin_ns must be 0 to 1e9, got ", spin_ns);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  for (unsigned looks = 0;; ++looks) {
+    if (__atomic_load_n(failed, __ATOMIC_ACQUIRE) != 0) return -1;
+    if (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= ticket) return 1;
+    if (looks % 16 == 15 && std::chrono::steady_clock::now() > deadline) return 0;
+  }
 }
 
 inline void store_word(TensorView words, int64_t index, int64_t value) {

@@ -1,0 +1,59 @@
+"""jitk.split_sms: disjoint SM partitions (CUDA green contexts made from one split).
+
+CPU part: the module builds for sm_90 and bad arguments are refused before any CUDA call. GPU
+part: blocks launched on the two streams run on disjoint sets of SMs, each no larger than its
+partition, while torch's contexts made one at a time overlap (why this module exists)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from errors import expect_error
+
+import jitk
+from jitk.green import _module, sm_ids
+
+
+def test_module_builds():
+    kernels = _module()
+    assert all(hasattr(kernels, name) for name in ("split", "destroy", "record_sm_ids"))
+
+
+@pytest.mark.parametrize("sms, device, fragments", [
+    (0, None, ["sms must be an int >= 1", "got 0"]),
+    (True, None, ["sms must be an int >= 1", "True"]),
+    ("8", None, ["sms must be an int >= 1", "'8'"]),
+    (8, "cpu", ["device must be a CUDA device", "cpu"]),
+])
+def test_arguments_refused(sms, device, fragments):
+    expect_error(lambda: jitk.split_sms(sms, device), *fragments, kind=ValueError)
+
+
+def test_bad_handles_refused():
+    expect_error(lambda: _module().destroy(torch.zeros(5, dtype=torch.int64)),
+                 "'handles' must be a contiguous CPU int64 tensor of 6")
+
+
+@pytest.mark.gpu
+def test_partitions_are_disjoint():
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with jitk.split_sms(8) as split:
+        assert split.own_sms >= 8 and split.own_sms + split.rest_sms == total
+        own = set(sm_ids(4 * total, split.own))
+        rest = set(sm_ids(4 * total, split.rest))
+        assert own.isdisjoint(rest), sorted(own & rest)
+        assert len(own) <= split.own_sms and len(rest) <= split.rest_sms
+        assert len(own) == split.own_sms  # 4 blocks an SM, each spinning: every SM got one
+        x = torch.randn(256, 256, device="cuda")
+        with torch.cuda.stream(split.rest):
+            y = x @ x
+        split.rest.synchronize()
+        torch.testing.assert_close(y, x @ x)
+    split.close()  # a second close does nothing
+
+
+@pytest.mark.gpu
+def test_split_leaves_some_sms():
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    expect_error(lambda: jitk.split_sms(total), "sms must leave some of the device's",
+                 f"{total} SMs")
