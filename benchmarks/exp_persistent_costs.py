@@ -1,14 +1,21 @@
-"""Where a persistent step's time goes, and what a resident kernel costs a GEMM (issue 21).
+"""Where a persistent step's time goes, and what changes the time of other work (issue 21).
 
-1. Per item, by op: the slope between chains of 18 and 180 items of one op kind (nothing,
-   scale, add, rmsnorm) and of the benchmark's mixed chain.
-2. The GEMM beside resident kernels, interleaved: rounds of (alone, beside a 1-thread spin
-   kernel, alone, beside an idle 8-block worker, alone, beside a 1-block worker), so that a
-   drift of the GPU's clocks over the run shows as a drift of the "alone" rows, not as a cost
-   of what runs beside it. nvidia-smi samples the SM clock, power and temperature meanwhile.
-3. The GEMM's kernel: name, grid, block and shared memory, from the profiler.
+1. Per item on the GPU itself: chains with a stamp item (thread 0 reads clock64 and the global
+   timer) before each item of one kind (none, an empty op, scale, add, rmsnorm); the SM clock
+   from the stamps.
+2. Rounds of the graph's and the worker's steps, and of things a worker does, in the order
+   EXP_PLAN spells (one letter a round): g graph steps (host), e graph replay (CUDA events),
+   w worker steps, s worker start+stop, t a 1-block test worker start+stop, S start+stop on
+   the capture's stream, j a plain jitk kernel, k a sleep kernel on a side stream, p a pinned
+   allocation, m the worker's module load, G the GEMM alone (events), z the host sleeps 3 s,
+   0-6 probe kernels (0 global timer reads, 1 __nanosleep, 2 PCIe loads, 3 fence.sys,
+   4 fence.gpu, 5 __nanosleep(32), 6 ten __nanosleep(1000)). Which of them leave the graph
+   slower afterwards found the __nanosleep effect noted at jitk::device::pause_ns.
+3. Unless EXP_STAMPS_ONLY is set: the GEMM's kernels (name, grid, block, shared memory) from
+   the profiler, per-item slopes by op, and the GEMM beside resident kernels in rounds, with
+   nvidia-smi's SM clock, power and temperature.
 
-    python benchmarks/exp_persistent_costs.py [--quick] [--json PATH]
+    EXP_PLAN=ee6ee python benchmarks/exp_persistent_costs.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations

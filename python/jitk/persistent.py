@@ -38,16 +38,18 @@ Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exi
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
 
 What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
-threads each, mostly sleeping) for as long as it runs, so a kernel that fills the GPU gets
-that many fewer SMs, and any resident kernel slows a GPU-filling kernel beside it (a bf16 GEMM
-on an H100 measured 8% slower beside a worker of 1 block, as beside one spinning thread, and
-12-16% beside a worker of 8: docs/developer_guide/persistent_kernels.md); a worker started
-while the GPU is full waits for SMs like any kernel. And CUDA's lazy module loading (the
-default) loads a kernel at its first launch, and CUDA warns that this loading may wait for the
-GPU's running work, which a resident worker never finishes (jitk.wait_value's docstring
-measured such hangs behind stream waits): run every kernel you will use beside the worker once
-before `start()`, as the tests and the benchmark do. `start()` itself loads the worker's
-kernel first. """
+threads each, mostly waiting) for as long as it runs, so a kernel that fills the GPU gets
+that many fewer SMs, and on the whole GPU any resident kernel slows a GPU-filling kernel
+beside it (a bf16 8192^3 GEMM on an H100: 7% beside one spinning thread, 8-10% beside a worker
+of 1 block, 13-17% beside a worker of 8). Started on `jitk.split_sms(8).own`, with the other
+kernels on `.rest`, the worker costs that GEMM nothing measurable (+0.3%); the GEMM then pays
+only for the SMs it lost (15% for this shape: docs/developer_guide/persistent_kernels.md). A
+worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy module
+loading (the default) loads a kernel at its first launch, and CUDA warns that this loading may
+wait for the GPU's running work, which a resident worker never finishes (jitk.wait_value's
+docstring measured such hangs behind stream waits): run every kernel you will use beside the
+worker once before `start()`, as the tests and the benchmark do. `start()` itself loads the
+worker's kernel first. """
 
 from __future__ import annotations
 
