@@ -42,3 +42,9 @@ timeout 220 python3 benchmarks/exp_hicache_pipeline.py --json "$out/point4.json"
 echo "exit $?"
 grep -E "CHECK|checked|GEMM alone|Error|error" "$out/point4.log" | head -n 5
 sed -n '/^host ceilings$/,$p' "$out/point4.log" | grep -v "^$" || tail -n 30 "$out/point4.log"
+
+echo "== point 4 on a split GPU: the kernel on 8 SMs of its own, the GEMMs on the rest =="
+timeout 200 python3 benchmarks/exp_hicache_split.py --json "$out/point4_split.json" \
+  > "$out/point4_split.log" 2>&1
+echo "exit $?"
+sed -n '/^HiCache kernel beside/,$p' "$out/point4_split.log" || tail -n 25 "$out/point4_split.log"
