@@ -48,8 +48,9 @@ class SmSplit:
     _handles: torch.Tensor = field(repr=False)
 
     def close(self) -> None:
-        """Destroys both streams and contexts; call it once nothing runs on either. A second
-        call does nothing."""
+        """Destroys both streams and contexts; call it once nothing runs on either (a worker
+        started on `own` stopped first): the streams are invalid afterwards. A second call
+        does nothing. Without it they live until the process ends."""
         _module().destroy(self._handles)
 
     def __enter__(self) -> SmSplit:

@@ -352,6 +352,9 @@ __device__ inline int claim_host_run(const Queue& q, Item* items, BulkArrival& a
     const unsigned missing = __ballot_sync(kAllLanes, !ready[k]);
     if (missing != 0) count = min(count, k * kWarpThreads + __ffs(missing) - 1);
   }
+  // The head slot was published at the first look; if its ticket is gone now, another block
+  // claimed it (and the host reused the slot) meanwhile.
+  if (count == 0) return -1;
   fence_acq_rel_sys();  // with the relaxed reads above: the published items' words come after
   if (lane == 0) {
     // The words are read by the async proxy: ordered after this thread's acquire, and
