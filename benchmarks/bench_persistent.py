@@ -92,16 +92,17 @@ def empty_item_us(steps: int) -> float:
     return (times[OPS] - times[SHORT_OPS]) / (OPS - SHORT_OPS)
 
 
-def placements(sms: int):
+def placements(sms: int, can_carve: bool):
     """(label, worker blocks, idle_poll_us, split: worker and GEMM on disjoint partitions
     (jitk.split_sms), SMs cuBLAS is told to leave free, 0 for none) for each way of running
-    the worker beside the GEMM."""
+    the worker beside the GEMM; the carve-out only where this torch has it."""
     rows = [(f"idle_poll_us={us}", BLOCKS, us, False, 0) for us in IDLE_POLLS_US]
     rows += [(f"{n} block{'s' * (n > 1)}", n, IDLE_POLLS_US[0], False, 0) for n in (1, 2)]
     rows.append((f"split: worker on {BLOCKS} SMs, GEMM on the other {sms - BLOCKS}", BLOCKS,
                  IDLE_POLLS_US[0], True, 0))
-    rows.append((f"split, and cuBLAS told sm_carveout={BLOCKS}", BLOCKS, IDLE_POLLS_US[0], True,
-                 BLOCKS))
+    if can_carve:
+        rows.append((f"split, and cuBLAS told sm_carveout={BLOCKS}", BLOCKS, IDLE_POLLS_US[0],
+                     True, BLOCKS))
     return rows
 
 
@@ -280,7 +281,7 @@ def main() -> None:
     gemm_rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     split = jitk.split_sms(BLOCKS)
-    carveout = torch._C._set_sm_carveout_experimental
+    carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
     whole = lambda: gated_us(gemm, repeats=GEMM_REPEATS)  # noqa: E731
     on_rest = on_stream(whole, split.rest)
     on_rest()  # cuBLAS's set-up for that stream
@@ -324,7 +325,7 @@ def main() -> None:
 
     first_rows = []
     add_rows("whole GPU", whole, {"a 1-thread spin kernel": spun})
-    for label, blocks, idle_poll, on_split, carved in placements(sms):
+    for label, blocks, idle_poll, on_split, carved in placements(sms, carveout is not None):
         worker.start(blocks=blocks, idle_poll_us=idle_poll, stream=split.own if on_split else None)
         try:
             time.sleep(0.01)
