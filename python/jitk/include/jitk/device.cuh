@@ -53,10 +53,10 @@ __device__ __forceinline__ int64_t now_ns() {
 
 // Waits about `ns` by reading the global timer: how jitk's polls back off. Not __nanosleep:
 // on one H100, CUDA graph replays of small kernels ran 17% slower (180 kernels: 224 to 262 us)
-// from the first __nanosleep of a process on, in each of five processes, and after none of
-// the other things a persistent worker does (benchmarks/exp_persistent_costs.py). Later that
-// GPU stayed slow without it, so the cause is not settled; a timer loop costs a waiting warp
-// nothing it needs, so jitk takes no risk.
+// from right after a kernel ran __nanosleep, in each of five processes, and after none of the
+// other things a persistent worker does (benchmarks/exp_persistent_costs.py). Later runs saw
+// the same step without it, so the cause is not settled; a timer loop costs a waiting warp
+// nothing it needs, so jitk avoids __nanosleep.
 __device__ __forceinline__ void pause_ns(unsigned ns) {
   const int64_t until = now_ns() + ns;
   while (now_ns() < until) {
