@@ -514,12 +514,15 @@ def _launch_bucket(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor,
 class _Launch:
     """One choice of the one-layer kernel's launch. A call that names neither knob reads them
     from here after its own checks; called with the op's arguments (as the tuner checks and
-    times a choice), it runs the kernel with them."""
+    times a choice), it runs the kernel with them. Made, it loads the kernel for its rows'
+    bytes (the bucket's first value), so that `python -m jitk tune` builds every candidate's
+    module in its parallel prebuild rather than one by one while it times them."""
 
-    def __init__(self, caches: int, knobs: dict) -> None:
+    def __init__(self, caches: int, knobs: dict, element_size: int) -> None:
         self.caches, self.unroll = caches, knobs["unroll"]
         quota = knobs["block_quota"]
         self.block_quota = None if quota == _DEFAULT_QUOTA else quota
+        _kernel_module(element_size, self.unroll)
 
     def __call__(self, *tensors: torch.Tensor, element_dim: int | None = None,
                  page_size: int | None = None, index_granularity: str = "token",
@@ -555,10 +558,12 @@ def _launch_space(caches: int) -> TuningSpace:
 
     return TuningSpace(_LAUNCH_KNOBS, bucket,
                        lambda bucket: {"unroll": DEFAULT_UNROLL, "block_quota": _DEFAULT_QUOTA},
-                       lambda bucket, knobs: _Launch(caches, knobs),
+                       lambda bucket, knobs: _Launch(caches, knobs, bucket[0]),
                        outputs=("k_cache_dst", "v_cache_dst") if caches == 2 else ("cache_dst",),
                        sample=sample,
-                       shapes=_TUNING_SHAPES if caches == 2 else ())  # MLA: --shapes
+                       shapes=_TUNING_SHAPES if caches == 2 else (),  # MLA: --shapes
+                       # The quota is a launch argument: one module a row size and unroll.
+                       module_key=lambda bucket, knobs: ("hicache", bucket[0], knobs["unroll"]))
 
 
 _LAUNCH_SPACES = {2: _launch_space(2).attach(transfer_hicache_one_layer),
