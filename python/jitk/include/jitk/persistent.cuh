@@ -19,7 +19,8 @@
 // with an acquire load of the same word, at the narrowest scope that holds both sides:
 // - host producer -> worker: the host writes an item's words, then its ticket word with release
 //   (publish()); the worker's warp 0 reads tickets (relaxed), fences (fence.acq_rel.sys: an
-//   acquire with those reads), then reads the words. sys, because the writer is a CPU thread. No
+//   acquire with those reads), then has the TMA unit copy the words (the async proxy, ordered
+//   after the acquire by fence.proxy.async). sys, because the writer is a CPU thread. No
 //   volatile or __ldg: the read-only path may keep a stale line forever, and volatile alone orders
 //   nothing.
 // - worker -> worker (dependencies, device ring): st.release.gpu, and a relaxed read then a
