@@ -48,7 +48,7 @@ from persistent_cases import chain_items, chain_worker, test_worker  # noqa: E40
 
 from jitk.jit import load_jit  # noqa: E402
 from jitk.persistent import CHAIN_OPS, IntArg, Op, TensorArg, Worker  # noqa: E402
-from jitk.timing import median_us  # noqa: E402
+from jitk.timing import captured_graph, median_us  # noqa: E402
 
 SPIN_CYCLES = int(4e8)  # about 0.2 s at the H100's clocks: longer than 10 gated GEMMs
 
@@ -270,17 +270,8 @@ def graph_vs_worker_clocks(steps: int, rounds: int) -> list[dict]:
     x = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     bufs = [torch.empty_like(x) for _ in range(2)]
-    eager = eager_chain(x, w, bufs, OPS)
-    eager()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        eager()
-    torch.cuda.synchronize()
+    graph = captured_graph(eager_chain(x, w, bufs, OPS), calls_per_graph=1)
+    side = torch.cuda.Stream()  # for the side-stream probes
     worker = chain_worker(capacity=1024)
     batch = worker.prepare(chain_items(x, w, bufs, OPS)[0], chain=True)
 
