@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 
 import torch
 from errors import expect_error
 
-from jitk.persistent import CHAIN_OPS, IntArg, Op, TensorArg, Worker, WorkerError
+from jitk.persistent import (
+    CHAIN_OPS,
+    ITEM_WORDS,
+    IntArg,
+    Op,
+    QueueFullError,
+    TensorArg,
+    Worker,
+    WorkerError,
+)
 
 TEST_OPS_FILE = str(Path(__file__).resolve().parent / "csrc" / "persistent_test_ops.cuh")
 _I64 = torch.int64
@@ -40,6 +50,35 @@ def test_worker(**kwargs) -> Worker:
 
 def chain_worker(**kwargs) -> Worker:
     return Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, **kwargs)
+
+
+def aligned_ring(capacity: int) -> torch.Tensor:
+    """A CPU ring of `capacity` empty slots at a 128-byte boundary, as pinned memory has."""
+    raw = torch.full((capacity * ITEM_WORDS + 16,), -1, dtype=torch.int64)
+    skip = (-raw.data_ptr()) % 128 // 8
+    return raw[skip:skip + capacity * ITEM_WORDS].view(capacity, ITEM_WORDS)
+
+
+class _NeverEnds:
+    """Stands in for the worker kernel's end event where no kernel runs."""
+
+    @staticmethod
+    def query() -> bool:
+        return False
+
+
+def running_on_host(worker: Worker) -> Worker:
+    """`worker` as start() leaves it, its ring and counters in CPU memory and no kernel: the
+    host half of the queue (publish, wait) without a GPU. Nothing ever completes."""
+    worker.device = torch.device("cpu")
+    worker._ring = aligned_ring(worker.capacity).flatten()
+    worker._done = torch.full((worker.capacity,), -1, dtype=_I64)
+    worker._host_words = torch.zeros(8, dtype=_I64)
+    worker._ring_address, worker._done_address, worker._host_words_address = (
+        t.data_ptr() for t in (worker._ring, worker._done, worker._host_words))
+    worker._keep, worker._next, worker._ended = deque(), 0, _NeverEnds()
+    worker._running, worker._stopping = True, False
+    return worker
 
 
 def counters(n: int):
@@ -230,6 +269,23 @@ def case_stop_timeout(small: bool) -> None:
     print("stop timeout: raised after the bound, then stopped")
 
 
+def case_host_bounds(small: bool) -> None:
+    """The host's waits end with errors that say what they waited for: the queue's lock held
+    by another pusher, a full ring, an item never done (CPU memory; no GPU)."""
+    worker = running_on_host(chain_worker(capacity=16))
+    x = torch.randn(64).bfloat16()
+    batch = worker.prepare([("scale", dict(x=x, y=x, factor=1.0))] * 16)
+    with worker._lock:  # another pusher holds the queue
+        expect_error(lambda: worker.push_many(batch, timeout=0.1),
+                     "another thread held the queue for 0.1 s", kind=QueueFullError)
+    worker.push_many(batch)  # fills the ring; nothing ever runs
+    expect_error(lambda: worker.push_many(batch, timeout=0.1),
+                 "the ring of 16 items had no room for 16 more within 0.1 s",
+                 kind=QueueFullError)
+    expect_error(lambda: worker.wait(15, timeout=0.1), "item 15 was not done within 0.1 s",
+                 kind=TimeoutError)
+
+
 def case_fault(small: bool) -> None:
     """An op that faults: wait() raises instead of hanging."""
     worker = test_worker().start(blocks=2)
@@ -259,6 +315,7 @@ CASES = {name.removeprefix("case_"): fn for name, fn in globals().items()
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]("--small" in sys.argv[2:])
-    if sys.argv[1] != "fault":  # a faulted context fails every later call
+    # A faulted context fails every later call; a host-only case never made one.
+    if sys.argv[1] != "fault" and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     print(f"ok {sys.argv[1]}")

@@ -76,19 +76,12 @@ def test_packed_item_words(host_chain):
     assert batch.count == 2 and batch.tensors == [x, w, y, y, x]
 
 
-def aligned_ring(capacity: int) -> torch.Tensor:
-    """A CPU ring of `capacity` empty slots at a 128-byte boundary, as pinned memory has."""
-    raw = torch.full((capacity * ITEM_WORDS + 16,), -1, dtype=torch.int64)
-    skip = (-raw.data_ptr()) % 128 // 8
-    return raw[skip:skip + capacity * ITEM_WORDS].view(capacity, ITEM_WORDS)
-
-
 def test_publish_copies_items_behind_tickets(host_chain):
     """The host half of the queue on CPU memory: items land in their slots with absolute
     dependencies and tickets; a slot whose previous item is not done refuses the batch."""
     x = rows()
     batch = host_chain.prepare([("scale", dict(x=x, y=x, factor=2.0))] * 3, chain=True)
-    ring, done = aligned_ring(16), torch.full((16,), -1, dtype=torch.int64)
+    ring, done = persistent_cases.aligned_ring(16), torch.full((16,), -1, dtype=torch.int64)
     done[0] = 0  # item 0 ran: ticket 16 may take its slot
     publish = host_chain._kernels.publish
     assert publish(ring.data_ptr(), done.data_ptr(), 16, batch.address, 3, 14, 9) == 1
@@ -215,6 +208,12 @@ def run_case(name: str, timeout_s: float = 90) -> str:
     assert done.returncode == 0, f"case {name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert f"ok {name}" in done.stdout
     return done.stdout
+
+
+def test_host_waits_end_with_their_errors():
+    """A held queue lock, a full ring and an item never done: each wait of the host's raises
+    after its timeout (CPU memory, no GPU), in a subprocess in case one never ends."""
+    run_case("host_bounds", timeout_s=120)
 
 
 @pytest.mark.gpu
