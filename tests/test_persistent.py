@@ -2,9 +2,10 @@
 
 CPU part: the worker builds for sm_90, its item layout agrees between C++ and Python, an op
 whose Args does not fit is refused at compile time and one whose declaration disagrees with its
-Args at load time, every argument is checked on the host with a message naming it, and a
-worker that is not running refuses pushes. GPU part (marked): each case of persistent_cases.py
-runs in a fresh process under a timeout, since a worker that never exits holds the GPU."""
+Args at load time, every argument is checked on the host with a message naming it, a worker
+that is not running refuses pushes, and each of the worker's error codes raises its own
+message. GPU part (marked): each case of persistent_cases.py runs in a fresh process under a
+timeout, since a worker that never exits holds the GPU."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from jitk.persistent import (
     QueueFullError,
     TensorArg,
     Worker,
+    WorkerError,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -198,6 +200,26 @@ def test_not_running_refusals(chain):
         expect_error(lambda v=idle_poll_us: chain.start(idle_poll_us=v),
                      "idle_poll_us must be in [0.032, 1000]", kind=ValueError)
     assert issubclass(QueueFullError, TimeoutError)
+
+
+@pytest.mark.parametrize("code, ticket, detail, message", [
+    (1, 3, 9, "item 3 names op 9, which the worker's table does not have"),
+    (2, 3, 1, "item 3 waited for item 1 longer than dependency_timeout; it did not run"),
+    (3, 3, 7, "an op of item 3 found the device ring full for longer than dependency_timeout; "
+              "its follow-up (device ticket 7) was not pushed"),
+    (4, 3, 42, "the op of item 3 failed with code 42 (BlockContext::fail)"),
+    (5, 16, 180, "the TMA copy of 180 item(s) from item 16 on, from the host ring into a worker "
+                 "block's shared memory, did not complete within dependency_timeout; that block "
+                 "stopped (the others may still run those items)"),
+    (99, 3, 7, "unknown error code 99 (item 3, detail 7)"),
+])
+def test_error_codes_raise_their_messages(code, ticket, detail, message):
+    """The worker's error words (persistent.cuh's Error, its ticket and detail) as the host
+    raises them: each code of the latch with its own message."""
+    worker = persistent_cases.running_on_host(persistent_cases.chain_worker(capacity=16))
+    worker._host_words[1:4] = torch.tensor([code, ticket, detail])  # kError, ticket, detail
+    got = expect_error(worker.raise_if_failed, kind=WorkerError)
+    assert got == "persistent worker: " + message
 
 
 # ------------------------------------------------------------------------------ GPU

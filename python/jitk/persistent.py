@@ -30,9 +30,10 @@ scope: what the op wrote to GPU memory is visible to the work that follows on th
 items, a stream waiting on the counter, a copy the host starts after wait()); an op whose
 results the host reads in host memory fences at system scope itself (persistent.cuh).
 
-An op that fails (BlockContext::fail), a dependency that times out or an unknown op set the
-worker's error, which `wait` and `stop` raise as WorkerError; an op that faults kills the CUDA
-context, which they raise too (the process then needs a restart, as after any fault).
+An op that fails (BlockContext::fail), a dependency that times out, an unknown op or a copy of
+items from the host ring that times out (its block then exits) set the worker's error, which
+`wait` and `stop` raise as WorkerError; an op that faults kills the CUDA context, which they
+raise too (the process then needs a restart, as after any fault).
 
 Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exit, then to
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
@@ -82,6 +83,9 @@ _ERRORS = {
     3: "an op of item {ticket} found the device ring full for longer than dependency_timeout; "
        "its follow-up (device ticket {detail}) was not pushed",
     4: "the op of item {ticket} failed with code {detail} (BlockContext::fail)",
+    5: "the TMA copy of {detail} item(s) from item {ticket} on, from the host ring into a "
+       "worker block's shared memory, did not complete within dependency_timeout; that block "
+       "stopped (the others may still run those items)",
 }
 _INT64 = (-(2**63), 2**63 - 1)
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
@@ -408,8 +412,9 @@ class Worker:
         if code:
             ticket = self._host_words[_ERROR_TICKET].item()
             detail = self._host_words[_ERROR_DETAIL].item()
-            message = _ERRORS.get(code, "unknown error code {detail}")
-            raise WorkerError("persistent worker: " + message.format(ticket=ticket,
+            message = _ERRORS.get(code, "unknown error code {code} (item {ticket}, detail "
+                                        "{detail})")
+            raise WorkerError("persistent worker: " + message.format(code=code, ticket=ticket,
                                                                      detail=detail))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -433,6 +438,7 @@ class Worker:
                                        "still running?); call stop() again later: its blocks "
                                        "hold their SMs until it exits")
                 self._running = False
+                self.raise_if_failed()  # an error recorded on the way explains the wait better
                 raise TimeoutError(f"the worker did not finish its items within {timeout} s "
                                    "and was aborted; items pushed may not have run")
         except WorkerError:

@@ -37,8 +37,9 @@
 //   ticket word, acquired as above, says whether the item is there.
 //
 // Nothing waits without bound: a dependency or a full device ring is waited for at most
-// Queue::budget_ns (then the item fails with an error code the host reads), and an idle block
-// waits for work only until the host's stop word says drain or abort.
+// Queue::budget_ns (then the item fails with an error code the host reads), so is the TMA copy
+// of a run's items from the host ring (then the block stops: claim_host_run()), and an idle
+// block waits for work only until the host's stop word says drain or abort.
 #pragma once
 
 #include <jitk/device.cuh>
@@ -82,6 +83,7 @@ enum Error : int64_t {
   kDependencyTimeout = 2,  // detail: the ticket waited for
   kDeviceRingFull = 3,     // detail: the device ticket that found no room
   kOpFailed = 4,           // detail: the op's own code (BlockContext::fail)
+  kHostCopyTimeout = 5,    // ticket: the run's first; detail: its items (claim_host_run)
 };
 // Words of the GPU state block, before its arrays: claim counters and the error latch.
 enum StateWord : int {
@@ -178,18 +180,30 @@ struct BulkArrival {
         "l"(from), "r"(bytes), "r"(barrier)
         : "memory");
   }
-  // Every lane: returns once the current phase has completed (its copies are visible).
-  __device__ void wait() {
-    uint32_t done = 0;
-    do {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-          "selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(barrier), "r"(phase)
-          : "memory");
-    } while (!done);
+  // One look: whether the current phase has completed. try_wait may hold the thread for a
+  // while (a limit the hardware sets) before it answers no.
+  __device__ bool try_wait() const {
+    uint32_t done;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(barrier), "r"(phase)
+        : "memory");
+    return done != 0;
+  }
+  // Every lane: true once the current phase has completed (its copies are visible), false if
+  // it has not within budget_ns; the phase is then still pending, and a copy may yet land. The
+  // clock is read only once the first look finds the phase incomplete.
+  __device__ bool wait(int64_t budget_ns) {
+    if (!try_wait()) {
+      const int64_t deadline = device::now_ns() + budget_ns;
+      while (!try_wait()) {
+        if (device::now_ns() > deadline) return false;
+      }
+    }
     phase ^= 1;
+    return true;
   }
 };
 
@@ -312,6 +326,8 @@ class TableContext : public BlockContext {
 inline constexpr int kSlotsPerLane = 8;
 inline constexpr int kMaxRun = kSlotsPerLane * kWarpThreads;
 inline constexpr unsigned kAllLanes = 0xffffffffu;
+// claim_host_run(): the copy of the run's items did not complete in time; the block stops.
+inline constexpr int kCopyTimedOut = -2;
 
 // A device-ring item (lane 0 of warp 0), claimed only once published.
 __device__ inline bool try_device_item(const Queue& q, Item& out) {
@@ -331,6 +347,10 @@ __device__ inline bool try_device_item(const Queue& q, Item& out) {
 // more round trips for a whole run: every lane reads its slots' tickets, fences; then the TMA
 // unit copies the words of the published slots from the head on into items[] (which nothing
 // else reads while warp 0 searches); the words decide where the chain ends.
+// The copy is waited for at most Queue::budget_ns (it takes a PCIe round trip). Past that, it
+// records kHostCopyTimeout and returns kCopyTimedOut, having claimed nothing: the block must
+// stop, since a copy that lands late would still write items[] and complete the mbarrier's
+// phase (a copy cannot be cancelled). Other blocks may take the items up again.
 __device__ inline int claim_host_run(const Queue& q, Item* items, BulkArrival& arrival) {
   const int lane = threadIdx.x;
   int64_t h = 0;
@@ -371,7 +391,11 @@ __device__ inline int claim_host_run(const Queue& q, Item* items, BulkArrival& a
                    (count - head) * static_cast<uint32_t>(sizeof(Item)));
     }
   }
-  arrival.wait();
+  // One answer for the warp: a lane whose look came after the deadline may see the copy done.
+  if (!__all_sync(kAllLanes, arrival.wait(q.budget_ns))) {
+    if (lane == 0) record_error(q, kHostCopyTimeout, h, count);
+    return kCopyTimedOut;
+  }
   int run = count;
 #pragma unroll
   for (int k = 0; k < kSlotsPerLane; ++k) {
@@ -404,7 +428,8 @@ __device__ inline void stop_polling(const Queue& q) {
 
 // Warp 0's search for work: follow-up items first (usually on the critical path), then the
 // host ring, while this block holds it. Returns the number of items in items[], or 0 when the
-// block should exit.
+// block should exit (a drain or abort order, or a copy from the host ring that timed out: the
+// block lets go of the ring, so that the others still drain).
 __device__ inline int next_run(const Queue& q, Item* items, BulkArrival& arrival) {
   const int lane = threadIdx.x;
   Backoff backoff{kFirstSleepNs, static_cast<unsigned>(q.idle_sleep_ns)};
@@ -414,7 +439,8 @@ __device__ inline int next_run(const Queue& q, Item* items, BulkArrival& arrival
     if (found == 0 && !polling) polling = __shfl_sync(kAllLanes, lane == 0 && try_to_poll(q), 0);
     if (found == 0 && polling) {
       found = claim_host_run(q, items, arrival);
-      if (found < 0) continue;  // another claim moved the head first: look again at once
+      if (found == -1) continue;  // another claim moved the head first: look again at once
+      if (found == kCopyTimedOut) found = -1;  // the error is recorded: this block exits
       // After a drain order, the items pushed before it are visible (the host released them
       // first): a block leaves once a look of its own, made after the order, finds nothing.
       if (found == 0 && draining) found = -1;
