@@ -65,9 +65,11 @@ class Staging:
 
 def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
                    chunk_bytes: int, one_launch: bool, staging: Staging, share: float = 0.0,
-                   blocks: int = BLOCKS):
+                   blocks: int = BLOCKS, non_temporal: bool = True):
     """One call per index set: a layer's K+V by the pipeline; with `share` > 0 that share
-    of the pages goes by jitk's SM kernel on a second stream at the same time."""
+    of the pages goes by jitk's SM kernel on a second stream at the same time.
+    `non_temporal`: the CPU's stores (the load-back's gather into staging, the write-back's
+    scatter into the host pool) bypass the caches."""
     piece = page * ROW
     entry = module().load_back if direction == "h2d" else module().write_back
     side = torch.cuda.Stream()
@@ -86,7 +88,7 @@ def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
             entry, flat(pools.host[0]), flat(pools.host[1]), host_tokens[split:][::page].clone(),
             flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[split:][::page].cuda(),
             staging.host, staging.dev, 2, ROW, page, max(1, chunk_bytes // piece), SLOTS,
-            threads, blocks, True, one_launch)
+            threads, blocks, non_temporal, one_launch)
         calls.append(functools.partial(split_call, kernel if split else None,
                                        pipeline if split < tokens else None, side))
     return calls
@@ -105,7 +107,8 @@ def split_call(kernel, pipeline, side: torch.cuda.Stream) -> None:
         main.wait_stream(side)
 
 
-def check(pools, direction: str, page: int, staging: Staging, one_launch: bool) -> None:
+def check(pools, direction: str, page: int, staging: Staging, one_launch: bool,
+          non_temporal: bool) -> None:
     """One pipeline call on fresh indices against torch, destination poisoned."""
     tokens = 2048
     host_tokens = bench.page_indices(tokens, bench.HOST_POOL, page)
@@ -118,14 +121,14 @@ def check(pools, direction: str, page: int, staging: Staging, one_launch: bool) 
     entry = module().load_back if direction == "h2d" else module().write_back
     entry(flat(pools.host[0]), flat(pools.host[1]), host_tokens[::page].contiguous(),
           flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[::page].contiguous(), staging.host,
-          staging.dev, 2, ROW, page, max(1, 256 * 1024 // (page * ROW)), SLOTS, 3, BLOCKS, True,
-          one_launch)
+          staging.dev, 2, ROW, page, max(1, 256 * 1024 // (page * ROW)), SLOTS, 3, BLOCKS,
+          non_temporal, one_launch)
     torch.cuda.synchronize()
     for d, s in zip(dst, src):
         got, want = d[i_dst.to(d.device)], s[i_src.to(s.device)]
         if not torch.equal(got.cpu(), want.cpu()):
-            raise AssertionError(f"pipeline {direction} page {page} (one launch: {one_launch}): "
-                                 "rows differ")
+            raise AssertionError(f"pipeline {direction} page {page} (one launch: {one_launch}, "
+                                 f"non-temporal: {non_temporal}): rows differ")
 
 
 @functools.cache
@@ -239,6 +242,26 @@ def latency_ms(calls) -> float:
     return statistics.median(samples)
 
 
+def in_cache_rows(pools, staging: Staging, direction: str) -> list:
+    """The one-launch pipeline with its staging kept in the CPU's caches: chunks small enough
+    (SLOTS x K+V of them in flight) that the DMA reads what the gather just stored, or the
+    scatter reads what the DMA just wrote, from the last-level cache; the load-back's gather
+    stores through the caches, the write-back's scatter into the pool still bypasses them.
+    Against the 4 MiB non-temporal rows of todo_rows, a byte would cross DRAM once, not twice."""
+    todo = []
+    for tokens, page in ((65536, 1), (65536, 16)):
+        todo.append((tokens, page, "pipeline 1 launch, 4 MiB chunks",
+                     pipeline_calls(pools, direction, tokens, page, 15, 4 * MIB, True,
+                                    staging), 15))
+        for chunk in (MIB // 2, MIB, 2 * MIB):
+            for threads in (8, 15):
+                todo.append((tokens, page, f"in cache: {chunk // 1024} KiB chunks",
+                             pipeline_calls(pools, direction, tokens, page, threads, chunk,
+                                            True, staging, non_temporal=direction == "d2h"),
+                             threads))
+    return todo
+
+
 def todo_rows(pools, staging: Staging, direction: str) -> list:
     """(tokens, page, label, calls, CPU threads) of every measured path for a direction."""
     todo = []
@@ -277,6 +300,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--in-cache", action="store_true",
+                        help="only the pipeline with its staging in the CPU's caches, against "
+                        "the 4 MiB non-temporal one (no ceilings, no resident blocks)")
     args = parser.parse_args()
     module()
     if args.build_only:
@@ -284,25 +310,29 @@ def main():
     print("device:", common.device_name(), "| CPUs:", os.cpu_count(), flush=True)
     result = {"ceilings": [], "resident": [], "overlap": []}
     pools = bench.pools_for(ROW)
-    print("host ceilings (pinned memory):", flush=True)
-    host_ceilings(result["ceilings"], pools)
+    if not args.in_cache:
+        print("host ceilings (pinned memory):", flush=True)
+        host_ceilings(result["ceilings"], pools)
     staging = Staging(65536 * ROW, 8 * MIB)
     for direction in ("h2d", "d2h"):
         for page in (1, 16):
-            for one_launch in (False, True):
+            for one_launch, non_temporal in ((False, True), (True, True), (True, False)):
                 try:
-                    check(pools, direction, page, staging, one_launch)
+                    check(pools, direction, page, staging, one_launch, non_temporal)
                 except AssertionError as error:  # reported; the timings still mean something
                     print("CHECK FAILED:", error, flush=True)
-    print("pipelines checked (h2d, d2h; pages 1, 16; per chunk and one launch)", flush=True)
+    print("pipelines checked (h2d, d2h; pages 1, 16; per chunk and one launch; cached and "
+          "non-temporal stores)", flush=True)
     streams = [torch.cuda.Stream()]
     with torch.cuda.stream(torch.cuda.Stream()):
         gemm = bench.make_gemm()
         gemm_ms = bench.gemm_alone_ms(gemm)
         print(f"GEMM alone {gemm_ms:.2f} ms", flush=True)
-        resident_slowdown(result["resident"], gemm, gemm_ms)
+        if not args.in_cache:
+            resident_slowdown(result["resident"], gemm, gemm_ms)
+        rows_of = in_cache_rows if args.in_cache else todo_rows
         for direction in ("h2d", "d2h"):
-            for tokens, page, label, calls, threads in todo_rows(pools, staging, direction):
+            for tokens, page, label, calls, threads in rows_of(pools, staging, direction):
                 shape = {"direction": direction, "tokens": tokens, "page": page}
                 try:
                     row = bench.overlap_row(label, calls, 2 * tokens * ROW, streams, gemm,
@@ -313,9 +343,10 @@ def main():
                     row = {"method": label, "error": str(error)[:200]}
                 result["overlap"].append({**shape, **row})
                 print("  ", bench._short(result["overlap"][-1]), flush=True)
-    common.print_table("host ceilings", result["ceilings"], list(result["ceilings"][0]))
-    common.print_table("GEMM time with resident blocks", result["resident"],
-                       list(result["resident"][0]))
+    if not args.in_cache:
+        common.print_table("host ceilings", result["ceilings"], list(result["ceilings"][0]))
+        common.print_table("GEMM time with resident blocks", result["resident"],
+                           list(result["resident"][0]))
     common.print_table("beside the GEMM (GB/s of K+V data; call ms: one call alone)",
                        result["overlap"], ["direction", "tokens", "page", "method", "threads",
                                            "alone GB/s", "beside GB/s", "GEMM slowdown",

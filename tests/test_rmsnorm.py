@@ -647,10 +647,11 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
            if name != "row_first"}
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
-    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 10
+    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 11
     assert all({k: c[k] for k in off} == off for c in long_candidates)
     sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
-    for changes in ({}, {"fill_sm": True}, {"fill_sm": True, "row_first": True}):
+    for changes in ({"one_turn": True}, {"fill_sm": True}, {"fill_sm": True, "one_turn": True},
+                    {"fill_sm": True, "row_first": True, "one_turn": True}):
         assert {**sglang_like, **changes} in short_candidates
         assert {**sglang_like, **changes} in long_candidates
 
@@ -664,7 +665,7 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 10
+    assert len(keys) == len(configs) == 11
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

@@ -86,24 +86,29 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
-          "fill_sm": (False, True)}
+          "fill_sm": (False, True), "one_turn": (False, True)}
 
-# What the tuner tries, as changes to the defaults (the full product is 384 modules a width):
-# the threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
-# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end:
-# 4-18% faster at 256 rows, 7% slower at 1024 x 7168 on an H100), also with registers capped
-# so that an SM holds 2048 threads (fill_sm: uncapped, its 768-thread blocks at 12288 took 47
-# registers a thread, one block an SM), and then loading the row before the weight, as SGLang
-# does. In buckets of up to _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of
-# latency, also the short critical path (offsets before the wait, the row before the weight,
-# four partial sums, the block sum read from shared memory), alone and with the late launch.
+# What the tuner tries, as changes to the defaults (the full product is 768 modules a width).
+# The threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
+# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end),
+# also with registers capped so that an SM holds 2048 threads (fill_sm: uncapped, its
+# 768-thread blocks at 12288 took 47 registers a thread, one block an SM) and with the row
+# loaded before the weight, as SGLang does. In buckets of up to _SHORT_LAUNCH_ROWS rows, where
+# a launch is a few microseconds of latency, also the short critical path (offsets before the
+# wait, the row before the weight, four partial sums, the block sum read from shared memory).
+# one_turn (no row loop) is 2-3% faster up to 256 rows and up to 10% slower at 1024 (ptxas then
+# issues the weight's loads after the sum of squares), so both forms are tried. The set is what
+# kept every bucket within 2.1% of the best of twice as many candidates (20 a bucket, both forms
+# of each) in one H100 run, for half the build time (tuning them all took 92 s, the goal 60).
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
 _SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
-_TRIED = ({"row_registers": 4}, {"row_registers": 8}, {"row_registers": 16},
-          {"row_registers": 16, "register_cap": False}, _SGLANG_LIKE,
-          {**_SGLANG_LIKE, "fill_sm": True}, {**_SGLANG_LIKE, "fill_sm": True, "row_first": True})
-_TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH}, {"row_registers": 16, **_SHORT_PATH},
-                {**_SGLANG_LIKE, **_SHORT_PATH})
+_ONE_TURN = {"one_turn": True}
+_TRIED = ({"row_registers": 4}, {"row_registers": 4, **_ONE_TURN}, {"register_cap": False},
+          {**_SGLANG_LIKE, **_ONE_TURN}, {**_SGLANG_LIKE, "fill_sm": True},
+          {**_SGLANG_LIKE, "fill_sm": True, **_ONE_TURN},
+          {**_SGLANG_LIKE, "fill_sm": True, "row_first": True, **_ONE_TURN})
+_TRIED_SHORT = ({**_SHORT_PATH, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PATH, **_ONE_TURN},
+                {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN})
 _SHORT_LAUNCH_ROWS = 256
 
 
@@ -113,7 +118,7 @@ def _default_knobs(bucket: tuple) -> dict:
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
             "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
             "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False,
-            "fill_sm": False}
+            "fill_sm": False, "one_turn": False}
 
 
 def _tried(bucket: tuple, knobs: dict) -> bool:

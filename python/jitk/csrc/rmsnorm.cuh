@@ -45,11 +45,12 @@ inline constexpr int kMaxRowRegisters = 16;
 // (normalize_in_registers); partial sums of squares (sum_of_squares); and the next kernel let
 // launch only once this one's work is done rather than at its start (rmsnorm_kernel). Last, a
 // register cap that lets an SM hold its full 2048 threads (kFillSm, in place of kRegisterCap's),
-// for long launches of large blocks.
+// for long launches of large blocks. And kOneTurn: a plain call's block takes its one turn
+// without the loop (normalize_rows).
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
           bool kRegisterCap_ = true, bool kBroadcastSum_ = false, bool kPinOffsets_ = false,
           bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false,
-          bool kFillSm_ = false>
+          bool kFillSm_ = false, bool kOneTurn_ = false>
 struct Tuning {
   static_assert(kRowRegisters_ >= 1 && kRowRegisters_ <= kMaxRowRegisters);
   static_assert(kMaxVecBytes_ == 4 || kMaxVecBytes_ == 8 || kMaxVecBytes_ == 16);
@@ -65,6 +66,7 @@ struct Tuning {
   static constexpr int kSumChains = kSumChains_;
   static constexpr bool kLateTrigger = kLateTrigger_;
   static constexpr bool kFillSm = kFillSm_;
+  static constexpr bool kOneTurn = kOneTurn_;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -121,9 +123,10 @@ struct Tiling {
 // A launch's parameters sit in constant bank 0 from byte 0x210 (sm_90 SASS), so the first 48
 // bytes share a 64-byte line with what the driver puts there, and each further line a kernel
 // reads is another constant-cache miss on the path of a launch nothing overlaps. Calls on
-// plain rows (each tensor one run at one stride, fewer than 2^32 rows) read only those 48
+// plain rows (each tensor one run at one stride, fewer than 2^31 rows) read only those 48
 // bytes, as SGLang's whole block is (an H100 run's single calls at or below SGLang's went from
 // 3-10 to 14-21 of 30 shapes, with the in-place buckets); rows in two runs read the rest.
+// A plain call's grid covers its rows: each block takes one turn (normalize_rows).
 struct Params {
   void* x;  // the input; the fused form writes its result here too
   void* y;  // the output; the fused form's residual
@@ -252,9 +255,9 @@ struct Row {
   // compiler may move their 64-bit multiplies into the loop, after pdl_wait, onto the critical
   // path of a short launch. (Pinning the pointers instead would hide that they are global.)
   template <bool kPlain>
-  __device__ __forceinline__ Row(const Params& p, int64_t row, int64_t rows,
+  __device__ __forceinline__ Row(const Params& p, int64_t row, bool row_valid,
                                  std::bool_constant<kPlain>)
-      : valid(row < rows) {
+      : valid(row_valid) {
     if (!valid) row = 0;
     int64_t x_at, y_at;
     if constexpr (kPlain) {
@@ -349,18 +352,26 @@ inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? max_of(1, 2048 / Ti
                                     : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
                                                            : 1;
 
+// A plain call's grid has a block per kRowsPerBlock rows (fewer than 2^31 rows), so a block
+// takes one turn. With kOneTurn the kernel knows it: no loop, and a block of one row knows its
+// row is there, so the row's offset comes from blockIdx.x alone (uniform registers), as in
+// SGLang's. (Straight-line code lets ptxas issue the weight's loads after the sum of squares.)
 template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
 __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
+  constexpr bool kOneTurn = kPlain && Tuning::kOneTurn;
+  constexpr bool kRowPerBlock = Tiling::kRowsPerBlock == 1;
   // Turns alternate; row_sum reads the broadcast sums 16 bytes at a time.
   __shared__ alignas(Tuning::kBroadcastSum ? 16 : 4) float scratch[2][Tiling::kRowWarps];
-  const int lane = threadIdx.x % Tiling::kThreadsPerRow;
+  const int lane = kRowPerBlock ? static_cast<int>(threadIdx.x)
+                                : static_cast<int>(threadIdx.x % Tiling::kThreadsPerRow);
   const int64_t step = int64_t{gridDim.x} * Tiling::kRowsPerBlock;
   const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
-  const int64_t group = threadIdx.x / Tiling::kThreadsPerRow;
+  const int64_t group = kRowPerBlock ? 0 : threadIdx.x / Tiling::kThreadsPerRow;
   int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
+  const auto exists = [&](int64_t r) { return (kOneTurn && kRowPerBlock) || r < rows; };
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
-  Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, rows,
+  Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, exists(first + group),
                                                   std::bool_constant<kPlain>{});
   if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
 #pragma unroll
@@ -388,8 +399,8 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
     } else {
       normalize_in_two_passes<Tiling, Tuning>(row, weight, lane, p.eps, scratch[turn]);
     }
-    if ((first += step) >= rows) break;
-    row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group, rows,
+    if (kOneTurn || (first += step) >= rows) break;
+    row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group, exists(first + group),
                                                       std::bool_constant<kPlain>{});
   }
   if constexpr (Tuning::kLateTrigger) device::pdl_launch_dependents();
@@ -477,7 +488,8 @@ struct RMSNorm {
                        double eps) {
     const RowSplit split = shared_split({&x, &y});
     const RowStrides x_rows = x.strides_in(split), y_rows = y.strides_in(split);
-    const bool plain = split.inner_rows() == 0 && rows <= int64_t{UINT32_MAX};
+    // Fewer than 2^31 rows: launch_with's grid then covers them, one turn a block.
+    const bool plain = split.inner_rows() == 0 && rows <= int64_t{INT32_MAX};
     return Params{x.data(),       y.data(),     weight,
                   x_rows.inner,   y_rows.inner, plain ? static_cast<uint32_t>(rows) : 0u,
                   check_eps(eps), split,        x_rows,
