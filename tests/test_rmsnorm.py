@@ -642,16 +642,13 @@ def test_defaults_leave_every_decode_size_knob_off():
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
-    # Loading the row first is SGLang's order too, which long launches try with fill_sm.
-    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH
-           if name != "row_first"}
+    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
-    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 11
+    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 8
     assert all({k: c[k] for k in off} == off for c in long_candidates)
     sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
-    for changes in ({"one_turn": True}, {"fill_sm": True}, {"fill_sm": True, "one_turn": True},
-                    {"fill_sm": True, "row_first": True, "one_turn": True}):
+    for changes in ({"one_turn": True}, {"fill_sm": True}, {"fill_sm": True, "one_turn": True}):
         assert {**sglang_like, **changes} in short_candidates
         assert {**sglang_like, **changes} in long_candidates
 
@@ -665,7 +662,7 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 11
+    assert len(keys) == len(configs) == 8
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

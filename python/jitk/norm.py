@@ -89,24 +89,22 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
           "fill_sm": (False, True), "one_turn": (False, True)}
 
 # What the tuner tries, as changes to the defaults (the full product is 768 modules a width).
-# The threads a row (row_registers), the register cap, and SGLang's strategy (a row per block
-# of hidden/16 threads, two 16-byte vectors each; the next kernel let launch only at the end),
-# also with registers capped so that an SM holds 2048 threads (fill_sm: uncapped, its
-# 768-thread blocks at 12288 took 47 registers a thread, one block an SM) and with the row
-# loaded before the weight, as SGLang does. In buckets of up to _SHORT_LAUNCH_ROWS rows, where
-# a launch is a few microseconds of latency, also the short critical path (offsets before the
-# wait, the row before the weight, four partial sums, the block sum read from shared memory).
+# The threads a row (row_registers), and SGLang's strategy (a row per block of hidden/16
+# threads, two 16-byte vectors each; the next kernel let launch only at the end), also with
+# registers capped so that an SM holds 2048 threads (fill_sm: uncapped, its 768-thread blocks
+# at 12288 took 47 registers a thread, one block an SM). In buckets of up to
+# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
+# critical path (offsets before the wait, the row before the weight, four partial sums, the
+# block sum read from shared memory).
 # one_turn (no row loop) is 2-3% faster up to 256 rows and up to 10% slower at 1024 (ptxas then
-# issues the weight's loads after the sum of squares), so both forms are tried. The set is what
-# kept every bucket within 2.1% of the best of twice as many candidates (20 a bucket, both forms
-# of each) in one H100 run, for half the build time (tuning them all took 92 s, the goal 60).
+# issues the weight's loads after the sum of squares), so both forms are tried. These 8 kept
+# each bucket within 4.6% (0.2% on average) of the best of 20 (both forms of each earlier
+# candidate) in one H100 run; tuning all 20 took 92 s, 11 of them 73 s (the goal is 60).
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
 _SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
 _ONE_TURN = {"one_turn": True}
-_TRIED = ({"row_registers": 4}, {"row_registers": 4, **_ONE_TURN}, {"register_cap": False},
-          {**_SGLANG_LIKE, **_ONE_TURN}, {**_SGLANG_LIKE, "fill_sm": True},
-          {**_SGLANG_LIKE, "fill_sm": True, **_ONE_TURN},
-          {**_SGLANG_LIKE, "fill_sm": True, "row_first": True, **_ONE_TURN})
+_TRIED = ({"row_registers": 4, **_ONE_TURN}, {**_SGLANG_LIKE, **_ONE_TURN},
+          {**_SGLANG_LIKE, "fill_sm": True}, {**_SGLANG_LIKE, "fill_sm": True, **_ONE_TURN})
 _TRIED_SHORT = ({**_SHORT_PATH, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PATH, **_ONE_TURN},
                 {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN})
 _SHORT_LAUNCH_ROWS = 256
