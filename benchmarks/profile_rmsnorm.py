@@ -1,0 +1,70 @@
+"""Why one RMSNorm launch is slower than another: runs SGLang 0.5.23's kernel and jitk's at
+each candidate of its tuning space on one shape, each once inside a profiler range, for
+Nsight Compute to measure side by side (time, registers, occupancy, instructions, stalls):
+
+    ncu --profile-from-start off --cache-control none --clock-control none \\
+        --metrics "$(python benchmarks/profile_rmsnorm.py --metrics)" --csv \\
+        python benchmarks/profile_rmsnorm.py 1024 5120 float16 [--in-place]
+
+The L2 stays warm between launches (--cache-control none), as in the 10-call graphs of
+bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
+knobs, not their tuning-file spelling). Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
+
+import argparse
+import sys
+
+import torch
+
+METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
+           "launch__occupancy_limit_registers", "launch__occupancy_limit_warps",
+           "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
+           "lts__t_bytes.sum.per_second",
+           "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_membar_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio")
+EPS = 1e-6
+
+
+def main() -> None:
+    if "--metrics" in sys.argv:
+        print(",".join(METRICS))
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("rows", type=int)
+    parser.add_argument("hidden", type=int)
+    parser.add_argument("dtype", choices=("bfloat16", "float16"))
+    parser.add_argument("--in-place", action="store_true")
+    args = parser.parse_args()
+
+    import sgl523
+
+    from jitk import norm
+
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.rows, args.hidden, device="cuda").to(dtype)
+    weight = (0.9 + 0.2 * torch.rand(args.hidden, device="cuda")).to(dtype)
+    out = x if args.in_place else torch.empty_like(x)
+    bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
+    space = norm._RMSNORM_SPACE
+    calls = {"sglang": lambda: sgl523.rmsnorm(x, weight, out, EPS)}
+    for knobs in space.candidates(bucket):
+        changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
+        kernel = norm._kernels_with(bucket, knobs).rmsnorm
+        calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
+            lambda kernel=kernel: kernel(x, weight, out, EPS))
+    for call in calls.values():  # build, load, warm
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    print("launch order:", *calls, sep="\n  ", flush=True)
+    torch.cuda.profiler.start()
+    for call in calls.values():
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
