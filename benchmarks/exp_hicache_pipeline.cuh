@@ -6,8 +6,10 @@
 //   write-back: GPU gather (pool -> device staging) -> D2H copy -> CPU scatter (-> host pool)
 // chunk by chunk, so that the CPU works on one chunk while the copy engines move another.
 // The GPU half runs per chunk or as one launch a call (beside a GEMM every launch waits for
-// SMs). Also what these pipelines live under: multi-threaded copies and gathers between
-// pinned buffers (host memory bandwidth), and blocks held resident (the GEMM's time).
+// SMs). Per-thread streams: one hand-off to the CPU threads a call (not one a chunk), each
+// thread moving its own chunks through its own slots on its own stream. Also what these
+// pipelines live under: multi-threaded copies and gathers between pinned buffers (host
+// memory bandwidth), and blocks held resident (the GEMM's time).
 //
 // Benchmark only: buffers are flat uint8 tensors, page indices int64 (first slot of each
 // page), checked for size; the indices themselves are trusted.
@@ -25,6 +27,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -204,14 +207,17 @@ __global__ void resident(int64_t ns) {
   while (jitk::device::now_ns() < until) jitk::device::pause_ns(1000);
 }
 
-// Waits for an event by polling, at most kWaitLimit.
-inline void wait_event(cudaEvent_t event, const char* what) {
+// Waits for an event by polling, at most kWaitLimit; gives up (throws) once `stop` is set.
+inline void wait_event(cudaEvent_t event, const char* what,
+                       const std::atomic<bool>* stop = nullptr) {
   const auto deadline = Clock::now() + kWaitLimit;
   for (;;) {
     const cudaError_t state = cudaEventQuery(event);
     if (state == cudaSuccess) return;
     RuntimeCheck(state == cudaErrorNotReady, what, ": ", cudaGetErrorString(state));
     RuntimeCheck(Clock::now() < deadline, what, ": not done within 10 s");
+    RuntimeCheck(stop == nullptr || !stop->load(std::memory_order_relaxed), what,
+                 ": given up, another worker failed");
     _mm_pause();
   }
 }
@@ -306,6 +312,128 @@ inline void run_chunk(Pool& workers, int64_t caches, int64_t count, const Move& 
       if (lo < hi) move(k, lo, hi);
     }
   });
+}
+
+// ------------------------------------------------------------------------- per-thread streams
+// The pipelines without a fork-join per chunk: one pool run a call, in which worker w of T
+// moves chunks w, w + T, w + 2T, ... alone, through a ring of `slots` pinned slots of its own
+// (stage_host + (w x slots + s) x slot bytes; a slot holds the chunk's K pieces, then its V
+// pieces, as the shared slots do) and a CUDA stream of its own.
+
+// A worker's stream (non-blocking) and events: slot[s], the last copy into or out of its slot
+// s; done, the end of its copies of a load-back call. Made by the calling thread before the
+// run (never by a worker), once, and kept.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> slot;
+  cudaEvent_t done = nullptr;
+};
+
+class Lanes {
+ public:
+  // Lanes of `slots` slots for `workers` workers on `device` (current), whose rings start at
+  // `stage`, `slot_bytes` a slot. A call of another layout first waits for every copy earlier
+  // calls left in flight: its slots may overlap another worker's slot of the old layout.
+  static std::vector<Lane>& get(int workers, int64_t slots, int device, const char* stage,
+                                int64_t slot_bytes) {
+    static Lanes l;
+    RuntimeCheck(l.device_ < 0 || l.device_ == device, "per-thread streams: made on device ",
+                 l.device_, ", called on device ", device);
+    l.device_ = device;
+    while (static_cast<int>(l.lanes_.size()) < workers) {
+      Lane lane;
+      RuntimeDeviceCheck(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+      RuntimeDeviceCheck(cudaEventCreateWithFlags(&lane.done, cudaEventDisableTiming));
+      l.lanes_.push_back(lane);
+    }
+    for (Lane& lane : l.lanes_) {
+      while (static_cast<int64_t>(lane.slot.size()) < slots) {
+        cudaEvent_t e;
+        RuntimeDeviceCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        lane.slot.push_back(e);
+      }
+    }
+    if (stage != l.stage_ || slots != l.slots_ || slot_bytes != l.slot_bytes_) {
+      for (const Lane& lane : l.lanes_) {
+        for (cudaEvent_t e : lane.slot) {
+          wait_event(e, "per-thread streams: an earlier call's copy, before the layout changes");
+        }
+      }
+      l.stage_ = stage;
+      l.slots_ = slots;
+      l.slot_bytes_ = slot_bytes;
+    }
+    return l.lanes_;
+  }
+
+ private:
+  std::vector<Lane> lanes_;
+  int device_ = -1;
+  const char* stage_ = nullptr;
+  int64_t slots_ = 0, slot_bytes_ = 0;
+};
+
+// The first exception the workers of one pool run throw. The pool carries none (a throw on
+// a pool thread would end the process; one on the caller's would leave the others running
+// the job), so each job catches its own and the caller rethrows the first after the run;
+// `failed` makes the other workers give up at their next chunk or wait.
+struct FirstError {
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+
+  template <typename Job>
+  void guard(const Job& job) noexcept {
+    try {
+      job();
+    } catch (...) {
+      bool expected = false;
+      if (failed.compare_exchange_strong(expected, true)) error = std::current_exception();
+    }
+  }
+  // After the run (the pool's hand-back orders the workers' writes before this).
+  void rethrow() const {
+    if (failed.load()) std::rethrow_exception(error);
+  }
+};
+
+// The per-thread streams' checks and set-up shared by both directions.
+inline std::vector<Lane>& lanes_for(const Call& c, const TensorView& stage_host, Pool& workers,
+                                    int device, Resources& r) {
+  const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
+  const int64_t need = workers.workers() * c.slots * slot_bytes;
+  RuntimeCheck(stage_host.numel() >= need, "stage_host holds ", stage_host.numel(),
+               " bytes, per-thread streams need ", need, " (", workers.workers(), " rings of ",
+               c.slots, " slots of ", slot_bytes, " bytes)");
+  // The shared slots overlap the rings: copies the other pipelines left in flight end first.
+  for (cudaEvent_t e : r.events) wait_event(e, "per-thread streams: a shared slot's copy");
+  return Lanes::get(workers.workers(), c.slots, device, c.stage_host, slot_bytes);
+}
+
+// The copies of chunk [first, first + count) between a worker's slot `staged` (K's pieces,
+// then V's) and its place in stage_dev, on `stream`, then `event` recorded after them. Also
+// when a copy fails (the error is raised after the record): the next user of the slot waits
+// for the event alone, which must cover every copy that was issued.
+inline void copy_chunk(const Call& c, char* staged, int64_t first, int64_t count, bool to_device,
+                       cudaStream_t stream, cudaEvent_t event) {
+  cudaError_t error = cudaSuccess;
+  for (int64_t k = 0; k < c.caches; ++k) {
+    char* const host = staged + k * count * c.piece;
+    char* const dev = c.stage_dev + (k * c.pages + first) * c.piece;
+    const cudaError_t e = cudaMemcpyAsync(
+        to_device ? dev : host, to_device ? host : dev, static_cast<size_t>(count * c.piece),
+        to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
+    if (error == cudaSuccess) error = e;
+  }
+  RuntimeDeviceCheck(cudaEventRecord(event, stream));
+  RuntimeDeviceCheck(error);
+}
+
+// After a pool run: the side stream waits for the copies of the lanes that had chunks.
+inline void side_waits_for(Resources& r, const std::vector<Lane>& lanes, int64_t used) {
+  for (int64_t w = 0; w < used; ++w) {
+    RuntimeDeviceCheck(cudaEventRecord(lanes[w].done, lanes[w].stream));
+    RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, lanes[w].done, 0));
+  }
 }
 
 struct Pipeline {
@@ -423,6 +551,144 @@ struct Pipeline {
                 lo, hi, c.non_temporal);
       });
       if (chunk + c.slots < chunks) issue(chunk + c.slots);
+    }
+  }
+
+  // Load-back without a fork-join per chunk: one pool run, in which worker w gathers its
+  // chunks into its own ring and copies each on its own stream to the chunk's place in one
+  // half of stage_dev (alternately, as one_launch; each worker stream first waits for the
+  // previous scatter of that half); then the one scatter of every page on the side stream,
+  // after every worker stream's copies. The current stream waits for the scatter.
+  static void load_back_streams(TensorView host_k, TensorView host_v, TensorView host_idx,
+                                TensorView gpu_k, TensorView gpu_v, TensorView gpu_idx,
+                                TensorView stage_host, TensorView stage_dev, int64_t caches,
+                                int64_t row_bytes, int64_t page_size, int64_t chunk_pages,
+                                int64_t slots, int64_t threads, int64_t blocks, bool non_temporal) {
+    const int device = gpu_k.device().device_id;
+    const DeviceGuard on(device);
+    Call c =
+        make_call(host_k, host_v, host_idx, gpu_k, gpu_v, gpu_idx, stage_host, stage_dev, caches,
+                  row_bytes, page_size, chunk_pages, slots, blocks, non_temporal, true);
+    const cudaStream_t stream = current_stream(gpu_k.device());
+    Resources& r = Resources::get(static_cast<int>(slots));
+    Pool& workers = pool(static_cast<int>(threads));
+    const std::vector<Lane>& lanes = lanes_for(c, stage_host, workers, device, r);
+    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
+    const int64_t chunks = (c.pages + c.chunk_pages - 1) / c.chunk_pages;
+    const int64_t used = std::min<int64_t>(workers.workers(), chunks);  // lanes with a chunk
+    r.half ^= 1;
+    c.stage_dev += r.half * c.caches * c.pages * c.piece;
+    for (int64_t w = 0; w < used; ++w) {
+      RuntimeDeviceCheck(cudaStreamWaitEvent(lanes[w].stream, r.half_done[r.half], 0));
+    }
+    FirstError failure;
+    workers.run([&](int w, int n) {
+      failure.guard([&] {
+        if (w >= chunks) return;
+        RuntimeDeviceCheck(cudaSetDevice(device));
+        const Lane& lane = lanes[w];
+        char* const ring = c.stage_host + w * c.slots * slot_bytes;
+        for (int64_t chunk = w, mine = 0; chunk < chunks; chunk += n, ++mine) {
+          RuntimeCheck(!failure.failed.load(std::memory_order_relaxed),
+                       "load-back, per-thread streams: given up, another worker failed");
+          const int64_t first = chunk * c.chunk_pages;
+          const int64_t count = std::min(c.chunk_pages, c.pages - first);
+          const int64_t slot = mine % c.slots;
+          char* const staged = ring + slot * slot_bytes;
+          // Also a copy an earlier call left in flight from this slot (a fresh event is done).
+          wait_event(lane.slot[slot], "load-back, per-thread streams: a staging slot's copy",
+                     &failure.failed);
+          for (int64_t k = 0; k < c.caches; ++k) {
+            gather(staged + k * count * c.piece, c.host[k], c.host_idx + first, c.row_bytes,
+                   c.piece, 0, count, c.non_temporal);
+          }
+          copy_chunk(c, staged, first, count, true, lane.stream, lane.slot[slot]);
+        }
+      });
+    });
+    side_waits_for(r, lanes, used);
+    if (failure.failed.load()) {
+      // The copies issued still land in this half: a later call's copies into it wait.
+      RuntimeDeviceCheck(cudaEventRecord(r.half_done[r.half], r.side));
+      failure.rethrow();
+    }
+    launch_device_pages(false, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr, c.gpu_idx,
+                        c.row_bytes, c.piece, c.pages, c.blocks, r.side);
+    RuntimeDeviceCheck(cudaEventRecord(r.half_done[r.half], r.side));
+    RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
+    RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+  }
+
+  // Write-back without a fork-join per chunk: the gather of every page on the side stream
+  // (after the current stream's earlier work; its later work waits for the gather), then one
+  // pool run, in which worker w copies its chunks on its own stream into its own ring, up to
+  // `slots` ahead, and scatters each into the host pool when its copy is done. Returns when
+  // every page is in the host pool.
+  static void write_back_streams(TensorView host_k, TensorView host_v, TensorView host_idx,
+                                 TensorView gpu_k, TensorView gpu_v, TensorView gpu_idx,
+                                 TensorView stage_host, TensorView stage_dev, int64_t caches,
+                                 int64_t row_bytes, int64_t page_size, int64_t chunk_pages,
+                                 int64_t slots, int64_t threads, int64_t blocks,
+                                 bool non_temporal) {
+    const int device = gpu_k.device().device_id;
+    const DeviceGuard on(device);
+    const Call c =
+        make_call(host_k, host_v, host_idx, gpu_k, gpu_v, gpu_idx, stage_host, stage_dev, caches,
+                  row_bytes, page_size, chunk_pages, slots, blocks, non_temporal, false);
+    const cudaStream_t stream = current_stream(gpu_k.device());
+    Resources& r = Resources::get(static_cast<int>(slots));
+    Pool& workers = pool(static_cast<int>(threads));
+    const std::vector<Lane>& lanes = lanes_for(c, stage_host, workers, device, r);
+    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
+    const int64_t chunks = (c.pages + c.chunk_pages - 1) / c.chunk_pages;
+    const int64_t used = std::min<int64_t>(workers.workers(), chunks);
+    RuntimeDeviceCheck(cudaEventRecord(r.copied, stream));  // after the stream's earlier work
+    RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
+    launch_device_pages(true, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr, c.gpu_idx,
+                        c.row_bytes, c.piece, c.pages, c.blocks, r.side);
+    RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
+    RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+    for (int64_t w = 0; w < used; ++w) {
+      RuntimeDeviceCheck(cudaStreamWaitEvent(lanes[w].stream, r.side_done, 0));
+    }
+    FirstError failure;
+    workers.run([&](int w, int n) {
+      failure.guard([&] {
+        if (w >= chunks) return;
+        RuntimeDeviceCheck(cudaSetDevice(device));
+        const Lane& lane = lanes[w];
+        char* const ring = c.stage_host + w * c.slots * slot_bytes;
+        const int64_t mine = (chunks - w + n - 1) / n;  // chunks w, w + n, ...
+        auto place = [&](int64_t j, int64_t& first, int64_t& count) {
+          first = (w + j * n) * c.chunk_pages;
+          count = std::min(c.chunk_pages, c.pages - first);
+          return ring + (j % c.slots) * slot_bytes;
+        };
+        auto issue = [&](int64_t j) {  // the D2H copy of my j-th chunk into its slot
+          int64_t first, count;
+          char* const staged = place(j, first, count);
+          copy_chunk(c, staged, first, count, false, lane.stream, lane.slot[j % c.slots]);
+        };
+        for (int64_t j = 0; j < std::min(mine, c.slots); ++j) issue(j);
+        for (int64_t j = 0; j < mine; ++j) {
+          int64_t first, count;
+          const char* const staged = place(j, first, count);
+          wait_event(lane.slot[j % c.slots], "write-back, per-thread streams: a chunk's copy",
+                     &failure.failed);
+          for (int64_t k = 0; k < c.caches; ++k) {
+            scatter(c.host[k], staged + k * count * c.piece, c.host_idx + first, c.row_bytes,
+                    c.piece, 0, count, c.non_temporal);
+          }
+          if (j + c.slots < mine) issue(j + c.slots);
+        }
+      });
+    });
+    if (failure.failed.load()) {
+      // The gather and copies left running read and write stage_dev: a later load-back's
+      // copies into either half wait for them.
+      side_waits_for(r, lanes, used);
+      for (cudaEvent_t e : r.half_done) RuntimeDeviceCheck(cudaEventRecord(e, r.side));
+      failure.rethrow();
     }
   }
 

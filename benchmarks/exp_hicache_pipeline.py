@@ -11,7 +11,9 @@ engines move the chunks, a GPU kernel scatters/gathers device pages), and what c
 3. the device half alone (one d2d page gather/scatter launch of K and V) beside the GEMM,
    by call size: SM work beside the GEMM waits for SMs once per launch;
 4. the pipelines (per-chunk or one device launch, chunk size), alone and beside the GEMM,
-   and a split (a share of the pages by jitk's SM kernel on a second stream at once);
+   and a split (a share of the pages by jitk's SM kernel on a second stream at once); with
+   --in-cache also "per-thread streams" (one pool run a call: each CPU thread gathers or
+   scatters its own chunks through its own pinned slots and copies them on its own stream);
 5. the references: jitk's kernel by block quota, the copy engines on 1 / 2 / 4 streams at
    pages of 16, a contiguous copy_.
 Each pipeline is checked exact once against torch (poisoned destination). "call ms" is one
@@ -37,14 +39,16 @@ from jitk import hicache, load_jit  # noqa: E402
 
 ROW = 1024  # bytes per token per layer, K and V each
 MIB = 1 << 20
-SLOTS = 4  # pinned staging chunks in flight
+SLOTS = 4  # pinned staging chunks in flight (per CPU thread with per-thread streams)
 BLOCKS = 16  # blocks of the device half
+LANES = 15  # the most CPU threads of a per-thread-streams pipeline
+LANE_CHUNK = 2 * MIB  # its largest chunk
 
 
 @functools.cache
 def module():
-    names = ("load_back", "write_back", "device_half", "hold_sms", "host_copy_gbps",
-             "host_gather_gbps")
+    names = ("load_back", "write_back", "load_back_streams", "write_back_streams",
+             "device_half", "hold_sms", "host_copy_gbps", "host_gather_gbps")
     return load_jit("exp_hicache_pipeline",
                     cuda_files=[os.path.join(os.path.dirname(__file__),
                                              "exp_hicache_pipeline.cuh")],
@@ -56,22 +60,26 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class Staging:
-    """Pinned chunks and a device staging area, sized for the largest call."""
+    """Pinned chunks and a device staging area, sized for the largest call: SLOTS x K+V
+    chunks of `chunk_bytes` shared, or as many per thread for LANES threads of per-thread
+    streams at chunks of LANE_CHUNK (15 x 4 x 2 x 2 MiB = 240 MiB pinned), the same memory."""
 
     def __init__(self, max_bytes: int, chunk_bytes: int):
-        self.host = torch.empty(SLOTS * 2 * chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.host = torch.empty(SLOTS * 2 * max(chunk_bytes, LANES * LANE_CHUNK),
+                                dtype=torch.uint8, pin_memory=True)
         self.dev = torch.empty(4 * max_bytes, dtype=torch.uint8, device="cuda")  # 2 halves
 
 
 def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
                    chunk_bytes: int, one_launch: bool, staging: Staging, share: float = 0.0,
-                   blocks: int = BLOCKS, non_temporal: bool = True):
+                   blocks: int = BLOCKS, non_temporal: bool = True, streams: bool = False):
     """One call per index set: a layer's K+V by the pipeline; with `share` > 0 that share
     of the pages goes by jitk's SM kernel on a second stream at the same time.
     `non_temporal`: the CPU's stores (the load-back's gather into staging, the write-back's
-    scatter into the host pool) bypass the caches."""
+    scatter into the host pool) bypass the caches. `streams`: the per-thread-streams
+    pipeline (one device launch a call; `one_launch` is ignored)."""
     piece = page * ROW
-    entry = module().load_back if direction == "h2d" else module().write_back
+    entry = pipeline_entry(direction, streams, one_launch)
     side = torch.cuda.Stream()
     split = int(round(share * tokens / page)) * page  # whole pages
     calls = []
@@ -88,10 +96,18 @@ def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
             entry, flat(pools.host[0]), flat(pools.host[1]), host_tokens[split:][::page].clone(),
             flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[split:][::page].cuda(),
             staging.host, staging.dev, 2, ROW, page, max(1, chunk_bytes // piece), SLOTS,
-            threads, blocks, non_temporal, one_launch)
+            threads, blocks, non_temporal)
         calls.append(functools.partial(split_call, kernel if split else None,
                                        pipeline if split < tokens else None, side))
     return calls
+
+
+def pipeline_entry(direction: str, streams: bool, one_launch: bool):
+    """The module's entry for a direction, its last argument (one_launch) bound."""
+    if streams:
+        return module().load_back_streams if direction == "h2d" else module().write_back_streams
+    entry = module().load_back if direction == "h2d" else module().write_back
+    return lambda *args: entry(*args, one_launch)
 
 
 def split_call(kernel, pipeline, side: torch.cuda.Stream) -> None:
@@ -108,8 +124,10 @@ def split_call(kernel, pipeline, side: torch.cuda.Stream) -> None:
 
 
 def check(pools, direction: str, page: int, staging: Staging, one_launch: bool,
-          non_temporal: bool) -> None:
-    """One pipeline call on fresh indices against torch, destination poisoned."""
+          non_temporal: bool, streams: bool = False) -> None:
+    """One pipeline call on fresh indices against torch, destination poisoned. Per-thread
+    streams take chunks of 64 KiB, so that each of the 3 threads goes round its ring of
+    SLOTS slots more than once."""
     tokens = 2048
     host_tokens = bench.page_indices(tokens, bench.HOST_POOL, page)
     gpu_tokens = bench.page_indices(tokens, bench.GPU_POOL, page).cuda()
@@ -118,16 +136,18 @@ def check(pools, direction: str, page: int, staging: Staging, one_launch: bool,
     for d in dst:
         d.index_fill_(0, i_dst.to(d.device), float("nan"))
     torch.cuda.synchronize()  # the one-launch load-back's streams do not wait for this one
-    entry = module().load_back if direction == "h2d" else module().write_back
+    chunk = (64 if streams else 256) * 1024
+    entry = pipeline_entry(direction, streams, one_launch)
     entry(flat(pools.host[0]), flat(pools.host[1]), host_tokens[::page].contiguous(),
           flat(pools.gpu[0]), flat(pools.gpu[1]), gpu_tokens[::page].contiguous(), staging.host,
-          staging.dev, 2, ROW, page, max(1, 256 * 1024 // (page * ROW)), SLOTS, 3, BLOCKS,
-          non_temporal, one_launch)
+          staging.dev, 2, ROW, page, max(1, chunk // (page * ROW)), SLOTS, 3, BLOCKS,
+          non_temporal)
     torch.cuda.synchronize()
     for d, s in zip(dst, src):
         got, want = d[i_dst.to(d.device)], s[i_src.to(s.device)]
         if not torch.equal(got.cpu(), want.cpu()):
-            raise AssertionError(f"pipeline {direction} page {page} (one launch: {one_launch}, "
+            variant = ("per-thread streams" if streams else f"one launch: {one_launch}")
+            raise AssertionError(f"pipeline {direction} page {page} ({variant}, "
                                  f"non-temporal: {non_temporal}): rows differ")
 
 
@@ -259,6 +279,12 @@ def in_cache_rows(pools, staging: Staging, direction: str) -> list:
                              pipeline_calls(pools, direction, tokens, page, threads, chunk,
                                             True, staging, non_temporal=direction == "d2h"),
                              threads))
+        for chunk in (MIB // 2, MIB, 2 * MIB):  # no fork-join per chunk
+            for threads in (8, 15):
+                todo.append((tokens, page, f"per-thread streams, {chunk // 1024} KiB chunks",
+                             pipeline_calls(pools, direction, tokens, page, threads, chunk,
+                                            False, staging, non_temporal=direction == "d2h",
+                                            streams=True), threads))
     return todo
 
 
@@ -316,13 +342,15 @@ def main():
     staging = Staging(65536 * ROW, 8 * MIB)
     for direction in ("h2d", "d2h"):
         for page in (1, 16):
-            for one_launch, non_temporal in ((False, True), (True, True), (True, False)):
+            for one_launch, non_temporal, streams in (
+                    (False, True, False), (True, True, False), (True, False, False),
+                    (False, True, True), (False, False, True)):
                 try:
-                    check(pools, direction, page, staging, one_launch, non_temporal)
+                    check(pools, direction, page, staging, one_launch, non_temporal, streams)
                 except AssertionError as error:  # reported; the timings still mean something
                     print("CHECK FAILED:", error, flush=True)
-    print("pipelines checked (h2d, d2h; pages 1, 16; per chunk and one launch; cached and "
-          "non-temporal stores)", flush=True)
+    print("pipelines checked (h2d, d2h; pages 1, 16; per chunk, one launch and per-thread "
+          "streams; cached and non-temporal stores)", flush=True)
     streams = [torch.cuda.Stream()]
     with torch.cuda.stream(torch.cuda.Stream()):
         gemm = bench.make_gemm()
