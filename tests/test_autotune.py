@@ -190,6 +190,8 @@ def test_tuning_a_hicache_transfer_checks_every_candidate_and_the_call_runs_the_
     assert not result.failures and result.config in info.tuning.candidates(bucket)
     assert info.tuning.config(bucket) == result.config  # recorded, and what lookups find
     dst, indices_dst, src, indices_src = args[0], args[2].cpu(), args[3], args[5].cpu()
+    torch.cuda.synchronize()  # the tuner's last runs may still write dst
     dst.fill_(float("nan"))
     hicache.transfer_hicache_one_layer(*args, **kwargs)
+    torch.cuda.synchronize()  # a write-back's dst is host memory: .cpu() would not wait
     torch.testing.assert_close(dst.cpu()[indices_dst], src.cpu()[indices_src], rtol=0, atol=0)
