@@ -436,6 +436,16 @@ inline void side_waits_for(Resources& r, const std::vector<Lane>& lanes, int64_t
   }
 }
 
+// Every page of a call between the device staging area and the GPU pools, in one launch on
+// the side stream.
+inline void launch_all_pages(bool to_staging, const Call& c, cudaStream_t side) {
+  launch_device_pages(to_staging, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr,
+                      c.gpu_idx, c.row_bytes, c.piece, c.pages, c.blocks, side);
+}
+
+// The stream's later work waits for what the side stream has queued so far.
+inline void join_side(Resources& r, cudaStream_t stream) { join_side(r, stream); }
+
 struct Pipeline {
   // Host pool -> GPU pool. Returns when the last chunk is submitted. Per chunk (one_launch
   // false): the H2D copy on the current stream, the GPU scatter on a high-priority side
@@ -488,12 +498,10 @@ struct Pipeline {
     if (one_launch) {
       RuntimeDeviceCheck(cudaEventRecord(r.copied, r.copy));
       RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
-      launch_device_pages(false, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr,
-                          c.gpu_idx, c.row_bytes, c.piece, c.pages, c.blocks, r.side);
+      launch_all_pages(false, c, r.side);
       RuntimeDeviceCheck(cudaEventRecord(r.half_done[r.half], r.side));
     }
-    RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
-    RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+    join_side(r, stream);
   }
 
   // GPU pool -> host pool. Returns when every page is in the host pool; the GPU gather runs
@@ -515,8 +523,7 @@ struct Pipeline {
       RuntimeDeviceCheck(cudaEventRecord(r.copied, stream));  // after the stream's earlier work
       RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
       if (count == c.pages) {
-        launch_device_pages(true, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr,
-                            c.gpu_idx, c.row_bytes, c.piece, c.pages, c.blocks, r.side);
+        launch_all_pages(true, c, r.side);
       } else {
         for (int64_t k = 0; k < c.caches; ++k) {
           launch_device_pages(true, c.stage_dev + (k * c.pages + first) * c.piece, c.gpu[k],
@@ -524,8 +531,7 @@ struct Pipeline {
                               r.side);
         }
       }
-      RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
-      RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+      join_side(r, stream);
     };
     auto issue = [&](int64_t chunk) {  // (the gather and) the D2H copy of one chunk
       const int64_t first = chunk * c.chunk_pages;
@@ -612,11 +618,9 @@ struct Pipeline {
       RuntimeDeviceCheck(cudaEventRecord(r.half_done[r.half], r.side));
       failure.rethrow();
     }
-    launch_device_pages(false, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr, c.gpu_idx,
-                        c.row_bytes, c.piece, c.pages, c.blocks, r.side);
+    launch_all_pages(false, c, r.side);
     RuntimeDeviceCheck(cudaEventRecord(r.half_done[r.half], r.side));
-    RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
-    RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+    join_side(r, stream);
   }
 
   // Write-back without a fork-join per chunk: the gather of every page on the side stream
@@ -644,10 +648,8 @@ struct Pipeline {
     const int64_t used = std::min<int64_t>(workers.workers(), chunks);
     RuntimeDeviceCheck(cudaEventRecord(r.copied, stream));  // after the stream's earlier work
     RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
-    launch_device_pages(true, c.stage_dev, c.gpu[0], c.caches == 2 ? c.gpu[1] : nullptr, c.gpu_idx,
-                        c.row_bytes, c.piece, c.pages, c.blocks, r.side);
-    RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
-    RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+    launch_all_pages(true, c, r.side);
+    join_side(r, stream);
     for (int64_t w = 0; w < used; ++w) {
       RuntimeDeviceCheck(cudaStreamWaitEvent(lanes[w].stream, r.side_done, 0));
     }
