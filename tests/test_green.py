@@ -23,10 +23,16 @@ def test_module_builds():
     (0, None, ["sms must be an int >= 1", "got 0"]),
     (True, None, ["sms must be an int >= 1", "True"]),
     ("8", None, ["sms must be an int >= 1", "'8'"]),
-    (8, "cpu", ["device must be a CUDA device", "cpu"]),
+    (8, "cpu", ["split_sms(device=...) must be a CUDA device", "got 'cpu'"]),
 ])
 def test_arguments_refused(sms, device, fragments):
     expect_error(lambda: jitk.split_sms(sms, device), *fragments, kind=ValueError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less refusal")
+def test_no_gpu_refused():
+    expect_error(lambda: jitk.split_sms(8), "split_sms splits a GPU's SMs, and PyTorch sees no "
+                 "GPU", kind=RuntimeError)
 
 
 def test_bad_handles_refused():

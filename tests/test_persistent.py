@@ -177,7 +177,7 @@ def test_construction_refusals():
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=100),
                  "capacity must be a power of two >= 16, got 100", kind=ValueError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, device="cpu"),
-                 "a worker runs on a cuda device, got cpu", kind=ValueError)
+                 "Worker(device=...) must be a CUDA device", "got 'cpu'", kind=ValueError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], []),
                  "ops must be a non-empty sequence", kind=TypeError)
     expect_error(lambda: Op("x", "X", (IntArg("a"), IntArg("a"))), "argument names repeat",

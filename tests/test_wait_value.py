@@ -199,6 +199,19 @@ def test_event_needs_a_cuda_device(device):
                  f"got {device!r}", "Event(host=True)", kind=ValueError)
 
 
+def test_cuda_device_resolves_an_index():
+    """streams.cuda_device, which Event, Worker and split_sms read device= with."""
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for given in (None, "cuda", torch.device("cuda")):
+        assert streams.cuda_device(given, "x") == torch.device("cuda", current)
+    assert streams.cuda_device(1, "x") == streams.cuda_device("cuda:1", "x") == torch.device(
+        "cuda", 1)
+    for bad in (True, "cpu", 1.5):
+        expect_error(lambda b=bad: streams.cuda_device(b, "f(device=...)", "a hint"),
+                     f"f(device=...) must be a CUDA device (an index, 'cuda', 'cuda:1'), got "
+                     f"{bad!r}; a hint", kind=ValueError)
+
+
 def test_current_stream_raises_what_is_not_a_missing_gpu(monkeypatch):
     assert streams.current_stream() == (-1, 0) or torch.cuda.is_available()
 

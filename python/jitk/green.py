@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .jit import load_jit
+from .streams import cuda_device
 
 __all__ = ["SmSplit", "precompile_configs", "split_sms"]
 
@@ -64,15 +65,13 @@ def split_sms(sms: int, device: torch.device | str | int | None = None) -> SmSpl
     """Splits `device`'s SMs (default: the current CUDA device) into a partition of at least
     `sms` SMs and one of the rest, each with a stream. The driver rounds `sms` up to its
     granularity (8 on sm_90); `own_sms` says how many it gave. Raises RuntimeError where the
-    driver has no green-context streams (CUDA < 12.5) or the rest would be empty."""
+    driver has no green-context streams (CUDA < 12.5), no GPU is visible or the rest would be
+    empty."""
     if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
         raise ValueError(f"sms must be an int >= 1, got {sms!r}")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-        else torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = cuda_device(device, "split_sms(device=...)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("split_sms splits a GPU's SMs, and PyTorch sees no GPU")
     handles = torch.zeros(_HANDLES, dtype=torch.int64)
     _module().split(device.index, sms, handles)
     h = handles.tolist()

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .jit import load_jit
+from .streams import cuda_device
 
 __all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
            "WorkerError"]
@@ -182,7 +183,7 @@ class Worker:
         ops = tuple(ops)
         if not ops or not all(isinstance(op, Op) for op in ops):
             raise TypeError("ops must be a non-empty sequence of jitk.persistent.Op")
-        self.device = _cuda_device(device)
+        self.device = cuda_device(device, "Worker(device=...)")
         self.capacity = capacity
         self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
         self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
@@ -477,16 +478,6 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _cuda_device(device: torch.device | str | int) -> torch.device:
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"a worker runs on a cuda device, got {device}")
-    if device.index is None:  # the current device, as torch means "cuda"
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available()
-                            else 0)
-    return device
 
 
 def _int_word(op: str, name: str, value: object, bound: int | None) -> int:

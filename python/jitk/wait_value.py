@@ -103,7 +103,7 @@ import torch
 
 from .custom_op import op
 from .jit import load_jit
-from .streams import current_stream
+from .streams import cuda_device, current_stream
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
 
@@ -288,22 +288,6 @@ def _capabilities(device: int) -> int:
     return _kernels().stream_memory_operations(device)
 
 
-def _cuda_device(device: torch.device | str | int | None) -> torch.device:
-    """Event's device: a CUDA device (default the current one)."""
-    try:
-        if device is None or (isinstance(device, int) and not isinstance(device, bool)):
-            resolved = torch.device("cuda", device)
-        else:
-            resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        resolved = None
-    if resolved is None or resolved.type != "cuda":
-        raise ValueError(f"Event(device=...) must be a CUDA device (an index, 'cuda', "
-                         f"'cuda:1'), got {device!r}; for a flag in host memory use "
-                         "Event(host=True)")
-    return resolved
-
-
 class Event:
     """A flag of its own with record/wait, like torch.cuda.Event but value-based and able to
     be set by a host thread or captured in a CUDA graph on either side.
@@ -331,7 +315,8 @@ class Event:
                                  "on the current device, so no device is given")
             self.flag = torch.zeros(1, dtype=dtype, pin_memory=True)
         else:
-            self.flag = torch.zeros(1, dtype=dtype, device=_cuda_device(device))
+            self.flag = torch.zeros(1, dtype=dtype, device=cuda_device(
+                device, "Event(device=...)", "for a flag in host memory use Event(host=True)"))
         self.host = host
 
     def record(self, value: int = 1) -> None:
