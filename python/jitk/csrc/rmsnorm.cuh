@@ -353,9 +353,10 @@ inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? max_of(1, 2048 / Ti
                                                            : 1;
 
 // A plain call's grid has a block per kRowsPerBlock rows (fewer than 2^31 rows), so a block
-// takes one turn. With kOneTurn the kernel knows it: no loop, and a block of one row knows its
-// row is there, so the row's offset comes from blockIdx.x alone (uniform registers), as in
-// SGLang's. (Straight-line code lets ptxas issue the weight's loads after the sum of squares.)
+// takes one turn, and a block of one row knows its row is there; its offset comes from
+// blockIdx.x alone (uniform registers), as in SGLang's. With kOneTurn there is no loop either
+// (straight-line code, where ptxas issues the weight's loads after the sum of squares; the
+// loop keeps them before the row's).
 template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
 __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   constexpr bool kOneTurn = kPlain && Tuning::kOneTurn;
@@ -368,7 +369,7 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   const auto* weight = static_cast<const typename Tiling::Pack*>(p.weight);
   const int64_t group = kRowPerBlock ? 0 : threadIdx.x / Tiling::kThreadsPerRow;
   int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
-  const auto exists = [&](int64_t r) { return (kOneTurn && kRowPerBlock) || r < rows; };
+  const auto exists = [&](int64_t r) { return (kPlain && kRowPerBlock) || r < rows; };
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
   Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, exists(first + group),
