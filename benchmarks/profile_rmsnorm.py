@@ -8,12 +8,20 @@ Nsight Compute to measure side by side (time, registers, occupancy, instructions
 
 The L2 stays warm between launches (--cache-control none), as in the 10-call graphs of
 bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
-knobs, not their tuning-file spelling). Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
+knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
+bench_rmsnorm_peers.py times them (graph replay of 10-call chains and single calls, rounds
+interleaved, medians), with the default also without the weight prefetch and without PDL.
+Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
 import argparse
+import os
+import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_rmsnorm_peers as peers  # noqa: E402
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
            "launch__occupancy_limit_registers", "launch__occupancy_limit_warps",
@@ -36,6 +44,7 @@ def main() -> None:
     parser.add_argument("hidden", type=int)
     parser.add_argument("dtype", choices=("bfloat16", "float16"))
     parser.add_argument("--in-place", action="store_true")
+    parser.add_argument("--time", action="store_true")
     args = parser.parse_args()
 
     import sgl523
@@ -49,7 +58,9 @@ def main() -> None:
     bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
     space = norm._RMSNORM_SPACE
     calls = {"sglang": lambda: sgl523.rmsnorm(x, weight, out, EPS)}
-    for knobs in space.candidates(bucket):
+    default = norm._default_knobs(bucket)
+    extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
+    for knobs in space.candidates(bucket) + extra:
         changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
         kernel = norm._kernels_with(bucket, knobs).rmsnorm
         calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
@@ -58,6 +69,12 @@ def main() -> None:
         for _ in range(3):
             call()
     torch.cuda.synchronize()
+    if args.time:
+        for mode in peers.MODES:
+            samples = peers.rounds_us(calls, mode, peers.ROUNDS)
+            for name, us in samples.items():
+                print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
+        return
     print("launch order:", *calls, sep="\n  ", flush=True)
     torch.cuda.profiler.start()
     for call in calls.values():
