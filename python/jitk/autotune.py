@@ -9,7 +9,8 @@ these versions, today's default. Tuning happens only when asked: `python -m jitk
 tensors shaped like the call's).
 
 `tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
-in turn, candidate after candidate, ROUNDS times; each candidate's figure is its median. Before
+in turn, candidate after candidate, ROUNDS times, each round queued at once so that the host's
+launches stay off the clock; each candidate's figure is its median. Before
 a candidate may win, its results are checked against the op's reference (jitk.testing).
 
 The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
@@ -338,15 +339,20 @@ class Result:
 
 
 def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) -> list[float]:
-    """us per call of each graph: replays interleaved over `rounds`, the median of each."""
+    """us per call of each graph: replays interleaved over `rounds`, the median of each. A
+    round is queued at once, behind an untimed replay, so that the GPU is busy while the host
+    launches the timed ones: the events time the device's work, not the host's launch."""
     samples: list[list[float]] = [[] for _ in graphs]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in graphs]
     for _ in range(rounds):
-        for graph, sample in zip(graphs, samples):
+        graphs[-1].replay()
+        for graph, (start, end) in zip(graphs, marks):
             start.record()
             graph.replay()
             end.record()
-            end.synchronize()
+        marks[-1][1].synchronize()
+        for sample, (start, end) in zip(samples, marks):
             sample.append(start.elapsed_time(end) * 1e3 / calls)
     return [statistics.median(sample) for sample in samples]
 
