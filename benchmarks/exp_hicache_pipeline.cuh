@@ -444,7 +444,10 @@ inline void launch_all_pages(bool to_staging, const Call& c, cudaStream_t side) 
 }
 
 // The stream's later work waits for what the side stream has queued so far.
-inline void join_side(Resources& r, cudaStream_t stream) { join_side(r, stream); }
+inline void join_side(Resources& r, cudaStream_t stream) {
+  RuntimeDeviceCheck(cudaEventRecord(r.side_done, r.side));
+  RuntimeDeviceCheck(cudaStreamWaitEvent(stream, r.side_done, 0));
+}
 
 struct Pipeline {
   // Host pool -> GPU pool. Returns when the last chunk is submitted. Per chunk (one_launch

@@ -267,8 +267,9 @@ def in_cache_rows(pools, staging: Staging, direction: str) -> list:
     (SLOTS x K+V of them in flight) that the DMA reads what the gather just stored, or the
     scatter reads what the DMA just wrote, from the last-level cache; the load-back's gather
     stores through the caches, the write-back's scatter into the pool still bypasses them.
-    Against the 4 MiB non-temporal rows of todo_rows, a byte would cross DRAM once, not twice."""
-    todo = []
+    Against the 4 MiB non-temporal rows of todo_rows, a byte would cross DRAM once, not twice;
+    a contiguous copy_ of the same bytes is the ceiling, in the same run."""
+    todo = [(65536, 1, "copy_ contiguous", bench.contiguous_calls(pools, direction, 65536), 0)]
     for tokens, page in ((65536, 1), (65536, 16)):
         todo.append((tokens, page, "pipeline 1 launch, 4 MiB chunks",
                      pipeline_calls(pools, direction, tokens, page, 15, 4 * MIB, True,
