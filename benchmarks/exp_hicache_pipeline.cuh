@@ -264,6 +264,9 @@ struct Call {
   char* stage_dev;          // GPU: caches x pages x piece
   int64_t caches, pages, piece, row_bytes, chunk_pages, slots, blocks;
   bool non_temporal;
+
+  int64_t slot_bytes() const { return caches * chunk_pages * piece; }  // a chunk's K and V
+  int64_t chunks() const { return (pages + chunk_pages - 1) / chunk_pages; }
 };
 
 inline Call make_call(TensorView host_k, TensorView host_v, TensorView host_idx, TensorView gpu_k,
@@ -291,8 +294,8 @@ inline Call make_call(TensorView host_k, TensorView host_v, TensorView host_idx,
                c.pages);
   RuntimeCheck(c.piece % 64 == 0, "a page must be a multiple of 64 bytes, got ", c.piece);
   RuntimeCheck(chunk_pages >= 1 && slots >= 1, "chunk_pages and slots must be >= 1");
-  RuntimeCheck(stage_host.numel() >= slots * caches * chunk_pages * c.piece, "stage_host holds ",
-               stage_host.numel(), " bytes, needs ", slots * caches * chunk_pages * c.piece);
+  RuntimeCheck(stage_host.numel() >= slots * c.slot_bytes(), "stage_host holds ",
+               stage_host.numel(), " bytes, needs ", slots * c.slot_bytes());
   const int64_t dev_bytes = (two_halves ? 2 : 1) * caches * c.pages * c.piece;
   RuntimeCheck(stage_dev.numel() >= dev_bytes, "stage_dev holds ", stage_dev.numel(),
                " bytes, needs ", dev_bytes);
@@ -399,7 +402,7 @@ struct FirstError {
 // The per-thread streams' checks and set-up shared by both directions.
 inline std::vector<Lane>& lanes_for(const Call& c, const TensorView& stage_host, Pool& workers,
                                     int device, Resources& r) {
-  const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
+  const int64_t slot_bytes = c.slot_bytes();
   const int64_t need = workers.workers() * c.slots * slot_bytes;
   RuntimeCheck(stage_host.numel() >= need, "stage_host holds ", stage_host.numel(),
                " bytes, per-thread streams need ", need, " (", workers.workers(), " rings of ",
@@ -473,7 +476,7 @@ struct Pipeline {
       c.stage_dev += r.half * c.caches * c.pages * c.piece;
       RuntimeDeviceCheck(cudaStreamWaitEvent(r.copy, r.half_done[r.half], 0));
     }
-    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
+    const int64_t slot_bytes = c.slot_bytes();
     for (int64_t first = 0, chunk = 0; first < c.pages; first += c.chunk_pages, ++chunk) {
       const int64_t count = std::min(c.chunk_pages, c.pages - first);
       const int64_t slot = chunk % c.slots;
@@ -520,8 +523,8 @@ struct Pipeline {
     const cudaStream_t stream = current_stream(gpu_k.device());
     Resources& r = Resources::get(static_cast<int>(slots));
     Pool& workers = pool(static_cast<int>(threads));
-    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
-    const int64_t chunks = (c.pages + c.chunk_pages - 1) / c.chunk_pages;
+    const int64_t slot_bytes = c.slot_bytes();
+    const int64_t chunks = c.chunks();
     auto gather_on_gpu = [&](int64_t first, int64_t count) {
       RuntimeDeviceCheck(cudaEventRecord(r.copied, stream));  // after the stream's earlier work
       RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
@@ -582,8 +585,8 @@ struct Pipeline {
     Resources& r = Resources::get(static_cast<int>(slots));
     Pool& workers = pool(static_cast<int>(threads));
     const std::vector<Lane>& lanes = lanes_for(c, stage_host, workers, device, r);
-    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
-    const int64_t chunks = (c.pages + c.chunk_pages - 1) / c.chunk_pages;
+    const int64_t slot_bytes = c.slot_bytes();
+    const int64_t chunks = c.chunks();
     const int64_t used = std::min<int64_t>(workers.workers(), chunks);  // lanes with a chunk
     r.half ^= 1;
     c.stage_dev += r.half * c.caches * c.pages * c.piece;
@@ -646,8 +649,8 @@ struct Pipeline {
     Resources& r = Resources::get(static_cast<int>(slots));
     Pool& workers = pool(static_cast<int>(threads));
     const std::vector<Lane>& lanes = lanes_for(c, stage_host, workers, device, r);
-    const int64_t slot_bytes = c.caches * c.chunk_pages * c.piece;
-    const int64_t chunks = (c.pages + c.chunk_pages - 1) / c.chunk_pages;
+    const int64_t slot_bytes = c.slot_bytes();
+    const int64_t chunks = c.chunks();
     const int64_t used = std::min<int64_t>(workers.workers(), chunks);
     RuntimeDeviceCheck(cudaEventRecord(r.copied, stream));  // after the stream's earlier work
     RuntimeDeviceCheck(cudaStreamWaitEvent(r.side, r.copied, 0));
