@@ -452,7 +452,8 @@ def test_fused_add(dtype, hidden, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT], ids=str)
+@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG],
+                         ids=str)
 @pytest.mark.parametrize("hidden", [5120, 12288])
 def test_tried_knobs_match_reference(changes, hidden):
     """Every choice the tuner tries, both entry points, on 77 rows of 5 to 32 warps (12288 at 4
@@ -642,15 +643,18 @@ def test_defaults_leave_every_decode_size_knob_off():
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
-    off = {name: norm._default_knobs(short)[name] for name in norm._SHORT_PATH}
+    default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
-    assert short_candidates[0] == long_candidates[0] == norm._default_knobs(short)
-    assert len(short_candidates) == len(long_candidates) + len(norm._TRIED_SHORT) == 8
-    assert all({k: c[k] for k in off} == off for c in long_candidates)
-    sglang_like = {**norm._default_knobs(short), "row_registers": 8, "late_trigger": True}
-    for changes in ({"one_turn": True}, {"fill_sm": True}, {"fill_sm": True, "one_turn": True}):
-        assert {**sglang_like, **changes} in short_candidates
-        assert {**sglang_like, **changes} in long_candidates
+    assert short_candidates[0] == long_candidates[0] == default
+    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) == 7
+    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) == 8
+    shared = [{**default, **changes} for changes in norm._TRIED]
+    assert all(c in short_candidates and c in long_candidates for c in shared)
+    # Several partial sums, without the loop, only: in short launches with fewer threads too;
+    # in long ones with the loop, and with registers capped to fill an SM.
+    assert not any(c["row_registers"] == 8 and c["sum_chains"] == 4 for c in long_candidates)
+    assert not any(c["fill_sm"] and c["row_registers"] == 16 for c in short_candidates)
+    assert {**default, **norm._SHORT_PATH, "fill_sm": True} in long_candidates
 
 
 def test_tune_builds_one_module_per_width_dtype_and_choice():
@@ -662,7 +666,7 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 8
+    assert len(keys) == len(configs) == 10
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

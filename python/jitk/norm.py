@@ -89,24 +89,29 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
           "fill_sm": (False, True), "one_turn": (False, True)}
 
 # What the tuner tries, as changes to the defaults (the full product is 768 modules a width).
-# The threads a row (row_registers), and SGLang's strategy (a row per block of hidden/16
-# threads, two 16-byte vectors each; the next kernel let launch only at the end), also with
-# registers capped so that an SM holds 2048 threads (fill_sm: uncapped, its 768-thread blocks
-# at 12288 took 47 registers a thread, one block an SM). In buckets of up to
-# _SHORT_LAUNCH_ROWS rows, where a launch is a few microseconds of latency, also the short
-# critical path (offsets before the wait, the row before the weight, four partial sums, the
-# block sum read from shared memory).
-# one_turn (no row loop) is 2-3% faster up to 256 rows and up to 10% slower at 1024 (ptxas then
-# issues the weight's loads after the sum of squares), so both forms are tried. These 8 kept
-# each bucket within 4.6% (0.2% on average) of the best of 20 (both forms of each earlier
-# candidate) in one H100 run; tuning all 20 took 92 s, 11 of them 73 s (the goal is 60).
-_SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True, "sum_chains": 4}
+# The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
+# two 16-byte vectors each; the next kernel let launch only at the end); the short critical
+# path (offsets before the wait, the row before the weight, the block sum read from shared
+# memory), with four partial sums; one_turn (no row loop: 2-3% faster up to 256 rows, up to
+# 10% slower at 1024, where ptxas then issues the weight's loads after the sum of squares);
+# and fill_sm, registers capped so that an SM holds as many blocks as a thread's registers
+# allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's 384: three, not two).
+# Up to _SHORT_LAUNCH_ROWS rows a launch is a few microseconds of latency; past it, a wave or
+# more of blocks, where the short path without the loop's removal and fill_sm's occupancy
+# pay: an H100 sweep of 1024 rows put them up to 7% ahead of the earlier choices (1024x12288
+# bf16 in place 10.62 us against SGLang's 10.91, where those trailed at 11.40). Each set is 7 or 8
+# of 10 modules a width, so that tuning all shapes stays within a minute.
+_SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
+_FOUR_SUMS = {"sum_chains": 4}
 _SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
 _ONE_TURN = {"one_turn": True}
+_FILL_SM = {"fill_sm": True}
 _TRIED = ({"row_registers": 4, **_ONE_TURN}, {**_SGLANG_LIKE, **_ONE_TURN},
-          {**_SGLANG_LIKE, "fill_sm": True}, {**_SGLANG_LIKE, "fill_sm": True, **_ONE_TURN})
-_TRIED_SHORT = ({**_SHORT_PATH, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PATH, **_ONE_TURN},
-                {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN})
+          {**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN}, {**_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN})
+_TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
+                {**_SGLANG_LIKE, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN})
+_TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_FILL_SM},
+               {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN})
 _SHORT_LAUNCH_ROWS = 256
 
 
@@ -121,7 +126,7 @@ def _default_knobs(bucket: tuple) -> dict:
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    tried = _TRIED + (_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else ())
+    tried = _TRIED + (_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else _TRIED_LONG)
     return any(knobs == {**_default_knobs(bucket), **changes} for changes in tried)
 
 

@@ -345,10 +345,22 @@ __device__ __forceinline__ void normalize_in_two_passes(
 // wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90 uncapped.
 template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
 inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
-// With kFillSm, as many blocks as an SM's 2048 threads hold: SGLang's block of hidden / 16
-// threads at 12288 holds two blocks an SM where an uncapped one of jitk held one.
+// With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps the
+// registers its rows take (x, the weight, the fused form's residual, and 16), counted in the
+// 8 a thread is given at a time: SGLang's block of hidden / 16 threads at 12288 holds two
+// blocks an SM where an uncapped one of jitk held one; jitk's 384 threads there hold three.
+template <typename Tiling, bool kFusedAdd>
+constexpr int fill_sm_blocks() {
+  constexpr int kRowRegisters =
+      min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) * Tiling::kVecRegisters;
+  constexpr int kPlan = (kFusedAdd ? 3 : 2) * kRowRegisters + 16;
+  constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
+  int blocks = max_of(1, 2048 / kThreads);
+  while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;
+  return blocks;
+}
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? max_of(1, 2048 / Tiling::kBlockThreads)
+inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? fill_sm_blocks<Tiling, kFusedAdd>()
                                     : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
                                                            : 1;
 
