@@ -657,8 +657,9 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     assert {**default, **norm._SHORT_PATH, "fill_sm": True} in long_candidates
 
 
-def test_tune_builds_one_module_per_width_dtype_and_choice():
-    """Both ops and every row bucket of a width share the module of a choice."""
+def test_tune_builds_two_modules_per_width_and_dtype():
+    """The default's, and one that holds every other choice the tuner tries: both ops and
+    every row bucket of a width share them."""
     keys, configs = set(), set()
     for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
         for rows in (1, 16, 128, 256, 1024, 4096):
@@ -666,7 +667,28 @@ def test_tune_builds_one_module_per_width_dtype_and_choice():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(keys) == len(configs) == 10
+    assert len(configs) == 10
+    assert keys == {("jitk.norm", 5120, torch.bfloat16, "default"),
+                    ("jitk.norm", 5120, torch.bfloat16, "candidates")}
+
+
+def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
+    """The one module of the tuner's choices at a width (for sm_90 here): an entry pair per
+    choice, each with the kernel's own checks."""
+    kernels_ = norm._candidate_kernels(128, torch.bfloat16)
+    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 9
+    x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
+    for pair in kernels_:
+        assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)
+        assert "device" in failure(pair.fused_add_rmsnorm, x, x.clone(), w, 1e-6)
+
+
+def test_a_choice_outside_the_candidates_gets_a_module_of_its_own():
+    bucket = (5120, torch.bfloat16, 16)
+    knobs = {**norm._default_knobs(bucket), "row_registers": 8, "fill_sm": True}
+    assert knobs not in norm._candidates(5120, torch.bfloat16)
+    assert norm._module_key(bucket, knobs) == ("jitk.norm", 5120, torch.bfloat16,
+                                               *norm._knob_values(knobs))
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

@@ -55,26 +55,31 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
                          f"got {hidden}")
 
 
-def _load(name: str, hidden: int, dtype: torch.dtype, *tuning: object) -> _Kernels:
+def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
+    """One module of both entry points at each tuning (knob values in _KNOBS's order), or
+    at rmsnorm.cuh's DefaultTuning when none is given."""
     _check_kernel_args(hidden, dtype)
-    args, knobs = make_cpp_args(hidden, dtype), make_cpp_args(*tuning)
-    tune = f", jitk::norm::Tuning<{knobs}>" if tuning else ""
-    norm = f"jitk::norm::RMSNorm<{args}{tune}>"
+    args = make_cpp_args(hidden, dtype)
+    norms = [f"jitk::norm::RMSNorm<{args}, jitk::norm::Tuning<{make_cpp_args(*t)}>>"
+             for t in tunings] or [f"jitk::norm::RMSNorm<{args}>"]
+    suffixes = [f"_{i}" for i in range(len(tunings))] if len(tunings) > 1 else [""]
     module = load_jit(
-        name, *args, *knobs,
+        name, *args, *(make_cpp_args(*tunings[0]) if len(tunings) == 1 else ()),
         cuda_files=["rmsnorm.cuh"],
-        cuda_wrappers=[("rmsnorm", f"{norm}::run"),
-                       ("fused_add_rmsnorm", f"{norm}::run_fused_add")],
+        cuda_wrappers=[wrapper for norm, suffix in zip(norms, suffixes) for wrapper in (
+            (f"rmsnorm{suffix}", f"{norm}::run"),
+            (f"fused_add_rmsnorm{suffix}", f"{norm}::run_fused_add"))],
     )
     # Fetched once: a module attribute lookup goes through the FFI each time.
-    return _Kernels(module.rmsnorm, module.fused_add_rmsnorm)
+    return [_Kernels(getattr(module, f"rmsnorm{suffix}"),
+                     getattr(module, f"fused_add_rmsnorm{suffix}")) for suffix in suffixes]
 
 
 @functools.cache
 def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     """The module for one hidden size and dtype with the default launch knobs (rmsnorm.cuh's
     DefaultTuning); raises before building for ones it lacks."""
-    return _load("rmsnorm", hidden, dtype)
+    return _load("rmsnorm", hidden, dtype)[0]
 
 
 # ---------------------------------------------------------------------------- tuning
@@ -130,21 +135,55 @@ def _tried(bucket: tuple, knobs: dict) -> bool:
     return any(knobs == {**_default_knobs(bucket), **changes} for changes in tried)
 
 
+def _knob_values(knobs: dict) -> tuple:
+    """jitk::norm::Tuning's template arguments."""
+    return tuple(knobs[name] for name in _KNOBS)
+
+
+def _candidates(hidden: int, dtype: torch.dtype) -> list[dict]:
+    """Every choice the tuner may time at a width and dtype but the default, in one order."""
+    default = _default_knobs((hidden, dtype))
+    candidates = []
+    for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG):
+        knobs = {**default, **changes}
+        if knobs != default and knobs not in candidates:
+            candidates.append(knobs)
+    return candidates
+
+
+# The candidates of a width and dtype share one module: building them one module each took an
+# H100 host's 16 cores 50 s for the benchmark's 10 widths and dtypes, most of it the front end
+# that each build repeats. A choice outside them (a file from another jitk) gets its own.
+@functools.cache
+def _candidate_kernels(hidden: int, dtype: torch.dtype) -> list[_Kernels]:
+    return _load("rmsnorm_candidates", hidden, dtype,
+                 *(_knob_values(knobs) for knobs in _candidates(hidden, dtype)))
+
+
 @functools.cache
 def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
-    return _load("rmsnorm_tuned", hidden, dtype, *tuning)
+    return _load("rmsnorm_tuned", hidden, dtype, tuning)[0]
 
 
 def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
     hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
         return _kernels(hidden, dtype)
-    return _tuned_kernels(hidden, dtype, tuple(knobs[name] for name in _KNOBS))
+    candidates = _candidates(hidden, dtype)
+    if knobs in candidates:
+        return _candidate_kernels(hidden, dtype)[candidates.index(knobs)]
+    return _tuned_kernels(hidden, dtype, _knob_values(knobs))
 
 
 def _module_key(bucket: tuple, knobs: dict) -> tuple:
-    """What _kernels_with builds: one module a hidden size, dtype and knobs, both entries."""
-    return ("jitk.norm", bucket[0], bucket[1], *knobs.values())
+    """What _kernels_with builds: a module a hidden size and dtype for the default, one for
+    the tuner's candidates, one for any other choice; each holds both entry points."""
+    hidden, dtype = bucket[:2]
+    if knobs == _default_knobs(bucket):
+        return ("jitk.norm", hidden, dtype, "default")
+    if knobs in _candidates(hidden, dtype):
+        return ("jitk.norm", hidden, dtype, "candidates")
+    return ("jitk.norm", hidden, dtype, *_knob_values(knobs))
 
 
 def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
