@@ -97,25 +97,31 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
 # The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
 # two 16-byte vectors each; the next kernel let launch only at the end); the short critical
 # path (offsets before the wait, the row before the weight, the block sum read from shared
-# memory), with four partial sums; one_turn (no row loop: 2-3% faster up to 256 rows, up to
-# 10% slower at 1024, where ptxas then issues the weight's loads after the sum of squares);
-# and fill_sm, registers capped so that an SM holds as many blocks as a thread's registers
-# allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's 384: three, not two).
-# Up to _SHORT_LAUNCH_ROWS rows a launch is a few microseconds of latency; past it, a wave or
-# more of blocks, where the short path without the loop's removal and fill_sm's occupancy
-# pay: an H100 sweep of 1024 rows put them up to 7% ahead of the earlier choices (1024x12288
-# bf16 in place 10.62 us against SGLang's 10.91, where those trailed at 11.40). Each set is 7 or 8
-# of 10 modules a width, so that tuning all shapes stays within a minute.
+# memory), with four partial sums or the late launch; one_turn (no row loop: 2-3% faster up
+# to 256 rows, up to 10% slower at 1024, where ptxas then issues the weight's loads after the
+# sum of squares); and fill_sm, registers capped so that an SM holds as many blocks as a
+# thread's registers allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's
+# 384: three, not two). Up to _SHORT_LAUNCH_ROWS rows a launch is a few microseconds of
+# latency; past it, a wave or more of blocks, where the short path with the loop, fill_sm's
+# occupancy and the late launch (no early-launched block of the next kernel holds an SM's
+# room while this one has blocks to place) pay. H100 sweeps, in bench_rmsnorm_peers.py's
+# timing: at 1024 rows, up to 7% ahead of the earlier choices (1024x12288 bf16 in place 10.62
+# us against SGLang's 10.91, where those trailed at 11.40); the late launch on the short path
+# 1x8192 fp16 1.44 us (SGLang 1.55), 1024x5120 fp16 in place 4.45 (4.66). A set is 8 or 9 of
+# a width's 12 choices, which share a module (_candidate_kernels), so that tuning the
+# benchmark's shapes stays within a minute.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
-_SGLANG_LIKE = {"row_registers": 8, "late_trigger": True}
+_LATE = {"late_trigger": True}
+_SGLANG_LIKE = {"row_registers": 8, **_LATE}
 _ONE_TURN = {"one_turn": True}
 _FILL_SM = {"fill_sm": True}
-_TRIED = ({"row_registers": 4, **_ONE_TURN}, {**_SGLANG_LIKE, **_ONE_TURN},
-          {**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN}, {**_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN})
-_TRIED_SHORT = ({"row_registers": 8, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
+_TRIED = ({"row_registers": 4, **_ONE_TURN}, {**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN},
+          {**_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN}, {**_SHORT_PATH, **_LATE, **_ONE_TURN})
+_TRIED_SHORT = ({**_SGLANG_LIKE, **_ONE_TURN},
+                {"row_registers": 8, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
                 {**_SGLANG_LIKE, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN})
-_TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_FILL_SM},
+_TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM},
                {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN})
 _SHORT_LAUNCH_ROWS = 256
 
