@@ -455,18 +455,26 @@ def test_fused_add(dtype, hidden, layout):
 @pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG],
                          ids=str)
 @pytest.mark.parametrize("hidden", [5120, 12288])
-def test_tried_knobs_match_reference(changes, hidden):
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned", "heads"])
+def test_tried_knobs_match_reference(changes, hidden, layout):
     """Every choice the tuner tries, both entry points, on 77 rows of 5 to 32 warps (12288 at 4
-    registers: 1024 threads, some with a slot past the row's end)."""
+    registers: 1024 threads, some with a slot past the row's end); misaligned rows and rows
+    in two runs (heads of a wider buffer) take the defaults' kernels in the same module."""
     dtype, rows = torch.bfloat16, 77
     bucket = (hidden, dtype, 128)
     kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), **changes})
     weight = random(hidden, dtype=dtype)
-    x = random(rows, hidden, dtype=dtype, scale=3.0)
+
+    def fresh():
+        if layout == "heads":  # rows in two runs: 7 tokens of 11 heads, strides (36 h, 3 h)
+            return random(7, 12, 3, hidden, dtype=dtype, scale=3.0)[:, :11, 0]
+        return cut(rows, hidden, dtype, layout)
+
+    x = fresh()
     out = poisoned_like(x)
     kernels.rmsnorm(x, weight, out, 1e-6)
     assert_matches(out, reference(x, weight), dtype)
-    residual = random(rows, hidden, dtype=dtype)
+    residual = fresh()
     expected_sum = x + residual
     kernels.fused_add_rmsnorm(x, residual, weight, 1e-6)
     assert torch.equal(residual, expected_sum)

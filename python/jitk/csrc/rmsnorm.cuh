@@ -470,12 +470,14 @@ inline float check_eps(double eps, DebugInfo where = {}) {
   return static_cast<float>(eps);
 }
 
+// A tuning (jitk.autotune's choice) applies where it was timed: plain rows whose accesses are
+// whole vectors. Rows in two runs, and misaligned ones, run the defaults' kernels, which all
+// tunings of a width share: a module of many tunings builds them once.
 template <int kHidden, typename T, typename Tune = DefaultTuning<kHidden, T>>
 struct RMSNorm {
   static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>,
                 "rmsnorm supports float32, float16 and bfloat16");
   static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
-  static constexpr int kVecSize = widest_vec_size<T>(kHidden, Tune::kMaxVecBytes);
 
   // out = rmsnorm(input) * weight; out may be input.
   static void run(TensorView input, TensorView weight, TensorView out, double eps) {
@@ -498,11 +500,15 @@ struct RMSNorm {
   }
 
  private:
+  using Default = DefaultTuning<kHidden, T>;
+  template <typename Tuned>
+  static constexpr int kVecSizeOf = widest_vec_size<T>(kHidden, Tuned::kMaxVecBytes);
+
   static Params params(const RowView& x, const RowView& y, const void* weight, int64_t rows,
                        double eps) {
     const RowSplit split = shared_split({&x, &y});
     const RowStrides x_rows = x.strides_in(split), y_rows = y.strides_in(split);
-    // Fewer than 2^31 rows: launch_with's grid then covers them, one turn a block.
+    // Fewer than 2^31 rows: launch_kernel's grid then covers them, one turn a block.
     const bool plain = split.inner_rows() == 0 && rows <= int64_t{INT32_MAX};
     return Params{x.data(),       y.data(),     weight,
                   x_rows.inner,   y_rows.inner, plain ? static_cast<uint32_t>(rows) : 0u,
@@ -510,34 +516,43 @@ struct RMSNorm {
                   y_rows,         rows};
   }
 
-  // Whether every access of the vectorised kernel lands on a whole vector.
-  static bool vectors_aligned(const Params& p) {
-    const auto aligned = [](const void* ptr) {
-      return reinterpret_cast<uintptr_t>(ptr) % (kVecSize * sizeof(T)) == 0;
+  // Whether every access of a kernel of vec_size elements lands on a whole vector.
+  static bool vectors_aligned(const Params& p, int vec_size) {
+    const auto aligned = [vec_size](const void* ptr) {
+      return reinterpret_cast<uintptr_t>(ptr) % (vec_size * sizeof(T)) == 0;
     };
-    return aligned(p.x) && aligned(p.y) && aligned(p.weight) && p.x_rows.steps_by(kVecSize) &&
-           p.y_rows.steps_by(kVecSize);
+    return vec_size > 1 && aligned(p.x) && aligned(p.y) && aligned(p.weight) &&
+           p.x_rows.steps_by(vec_size) && p.y_rows.steps_by(vec_size);
   }
 
   template <bool kFusedAdd>
   static void launch(const Params& p, DLDevice device) {
     if (p.rows == 0) return;
-    if (kVecSize > 1 && vectors_aligned(p)) {
-      return launch_with<Tiling<kHidden, T, kVecSize, Tune>, kFusedAdd>(p, device);
+    constexpr int kVec = kVecSizeOf<Tune>, kDefaultVec = kVecSizeOf<Default>;
+    if (p.plain_rows != 0 && vectors_aligned(p, kVec)) {
+      return launch_kernel<Tiling<kHidden, T, kVec, Tune>, Tune, kFusedAdd, true>(p, device);
     }
-    launch_with<Tiling<kHidden, T, 1, Tune>, kFusedAdd>(p, device);
+    if (vectors_aligned(p, kDefaultVec)) {
+      return launch_default<Tiling<kHidden, T, kDefaultVec, Default>, kFusedAdd>(p, device);
+    }
+    launch_default<Tiling<kHidden, T, 1, Default>, kFusedAdd>(p, device);
   }
 
   template <typename Tiles, bool kFusedAdd>
-  static void launch_with(const Params& p, DLDevice device) {
+  static void launch_default(const Params& p, DLDevice device) {
+    if (p.plain_rows != 0) return launch_kernel<Tiles, Default, kFusedAdd, true>(p, device);
+    launch_kernel<Tiles, Default, kFusedAdd, false>(p, device);
+  }
+
+  template <typename Tiles, typename Tuned, bool kFusedAdd, bool kPlain>
+  static void launch_kernel(const Params& p, DLDevice device) {
     // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
     // every row. (A grid of what the GPU holds at once measured 3-7% slower.)
     const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
-    const auto kernel = p.plain_rows != 0 ? rmsnorm_kernel<Tiles, Tune, kFusedAdd, true>
-                                          : rmsnorm_kernel<Tiles, Tune, kFusedAdd, false>;
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
-        .enable_pdl(Tune::kPdl && kPdlOnAllTargets)(kernel, p);
+        .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)(
+            rmsnorm_kernel<Tiles, Tuned, kFusedAdd, kPlain>, p);
   }
 };
 
