@@ -383,15 +383,17 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   int64_t first = blockIdx.x * int64_t{Tiling::kRowsPerBlock};  // below p.rows: the grid fits
   const auto exists = [&](int64_t r) { return (kPlain && kRowPerBlock) || r < rows; };
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
-  // they come before the wait and overlap the previous kernel. One block's prefetch serves all.
+  // they come before the wait and overlap the previous kernel. One block's prefetch serves all;
+  // the others skip it by predicate, not a branch (device::prefetch_l2_if).
   Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, exists(first + group),
                                                   std::bool_constant<kPlain>{});
-  if (Tuning::kPrefetchWeight && blockIdx.x == 0) {
+  if constexpr (Tuning::kPrefetchWeight) {
 #pragma unroll
     for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
       const int index = slot_index<Tiling>(lane, k);
       const bool line_start = index * Tiling::kVecBytes % 128 == 0;
-      if (slot_live<Tiling>(lane, k, true) && line_start) device::prefetch_l2(weight + index);
+      device::prefetch_l2_if(blockIdx.x == 0 && slot_live<Tiling>(lane, k, true) && line_start,
+                             weight + index);
     }
   }
   // Launched with PDL, this kernel may start before the previous one is done: wait for it

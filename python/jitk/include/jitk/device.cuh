@@ -69,6 +69,16 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
+// prefetch_l2 where `wanted`, as one predicated instruction rather than a branch: code around
+// it stays one block for the compiler to schedule. Block 0's branch to its prefetch let ptxas
+// issue RMSNorm's weight loads after its sum of squares: at SGLang's thread count, 1024x5120
+// fp16 ran 8% slower with the prefetch than without.
+__device__ __forceinline__ void prefetch_l2_if(bool wanted, const void* ptr) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p prefetch.global.L2 [%1];\n}" ::"r"(
+                   static_cast<int>(wanted)),
+               "l"(ptr));
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T value) {
 #pragma unroll
