@@ -35,9 +35,23 @@ def test_no_gpu_refused():
                  "GPU", kind=RuntimeError)
 
 
-def test_bad_handles_refused():
-    expect_error(lambda: _module().destroy(torch.zeros(5, dtype=torch.int64)),
-                 "'handles' must be a contiguous CPU int64 tensor of 6")
+@pytest.mark.parametrize("handles, fragments", [
+    (torch.zeros(5, dtype=torch.int64), ["'handles'", "Size mismatch", "expected 6", "got 5"]),
+    (torch.zeros(6, dtype=torch.int32), ["'handles'", "dtype"]),
+    (torch.zeros(6, 2, dtype=torch.int64)[:, 0], ["'handles'", "Stride mismatch"]),
+])
+def test_bad_handles_refused(handles, fragments):
+    expect_error(lambda: _module().destroy(handles), "green_context.cuh:", *fragments)
+
+
+@pytest.mark.parametrize("out, spin, fragments", [
+    (torch.zeros(4, dtype=torch.int32), -1, ["spin_cycles must be >= 0, got -1"]),
+    (torch.zeros(4, dtype=torch.int32), 0, ["'out'", "Device mismatch", "expected cuda"]),
+    (torch.zeros(4, dtype=torch.int64), 0, ["'out'", "dtype"]),
+    (torch.zeros(4, 2, dtype=torch.int32), 0, ["'out'", "Dimension mismatch: expected 1 dims"]),
+])
+def test_bad_sm_ids_arguments_refused(out, spin, fragments):
+    expect_error(lambda: _module().record_sm_ids(out, spin, 0), "green_context.cuh:", *fragments)
 
 
 @pytest.mark.gpu

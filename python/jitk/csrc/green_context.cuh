@@ -61,10 +61,8 @@ enum Handle : int64_t {
 };
 
 inline int64_t* handles_of(const TensorView& handles) {
-  RuntimeCheck(
-      handles.dtype() == dtype_v<int64_t> && handles.ndim() == 1 && handles.size(0) == kHandles &&
-          handles.stride(0) == 1 && handles.device().device_type == kDLCPU,
-      "'handles' must be a contiguous CPU int64 tensor of ", int64_t{kHandles}, " elements");
+  SymbolicSize count{"handles", kHandles};
+  TensorMatcher({count}).with_dtype<int64_t>().with_device<kDLCPU>().verify(handles, "handles");
   return static_cast<int64_t*>(pointer::offset(handles.data_ptr(), handles.byte_offset()));
 }
 
@@ -149,12 +147,14 @@ __global__ void sm_ids_kernel(int32_t* out, int64_t cycles) {
 }
 
 inline void record_sm_ids(TensorView out, int64_t spin_cycles, int64_t stream) {
-  RuntimeCheck(out.dtype() == dtype_v<int32_t> && out.ndim() == 1 && out.stride(0) == 1 &&
-                   out.device().device_type == kDLCUDA && out.size(0) >= 1,
-               "'out' must be a contiguous 1-d int32 cuda tensor");
   RuntimeCheck(spin_cycles >= 0, "spin_cycles must be >= 0, got ", spin_cycles);
-  const DeviceGuard on(out.device().device_id);
-  LaunchKernel(static_cast<unsigned>(out.size(0)), kWarpThreads,
+  SymbolicSize blocks{"blocks"};
+  SymbolicDevice device;
+  TensorMatcher({blocks}).with_dtype<int32_t>().with_device<kDLCUDA>(device).verify(out, "out");
+  RuntimeCheck(blocks.unwrap() >= 1 && blocks.unwrap() <= INT32_MAX,
+               "'out' holds a block's SM each: 1 to 2^31 - 1 elements, got ", blocks.unwrap());
+  const DeviceGuard on(device.unwrap().device_id);
+  LaunchKernel(static_cast<unsigned>(blocks.unwrap()), kWarpThreads,
                reinterpret_cast<cudaStream_t>(stream))(
       sm_ids_kernel, static_cast<int32_t*>(pointer::offset(out.data_ptr(), out.byte_offset())),
       spin_cycles);
