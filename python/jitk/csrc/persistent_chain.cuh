@@ -44,7 +44,7 @@ struct RMSNorm {
     double eps;
   };
   static __device__ void run(const Args& a, BlockContext&) {
-    __shared__ float scratch[kThreads / kWarpThreads];
+    __shared__ alignas(16) float scratch[kThreads / kWarpThreads];
     const bool vec = vectorizable(a.n, a.x, a.w, a.y);
     const auto* xv = reinterpret_cast<const Vec*>(a.x);
     const auto* wv = reinterpret_cast<const Vec*>(a.w);
@@ -81,18 +81,11 @@ struct RMSNorm {
     }
   }
 
-  // The row's sum: each warp's by shuffles, then every thread adds the warps' sums from shared
-  // memory (broadcast reads, no second round of shuffles); one barrier. The worker's barrier
-  // after each item frees the scratch for the next item's sum. A chain's item time is mostly
-  // such dependent steps.
+  // The row's sum after one barrier (device::block_sum_broadcast); the worker's barrier after
+  // each item frees the scratch for the next item's sum. A chain's item time is mostly such
+  // dependent steps.
   static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
-    constexpr int kWarps = kThreads / kWarpThreads;
-    sum = device::warp_sum(sum);
-    if (threadIdx.x % kWarpThreads == 0) scratch[threadIdx.x / kWarpThreads] = sum;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += scratch[w];
+    const float total = device::block_sum_broadcast<kThreads>(sum, scratch);
     return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
   }
 

@@ -214,32 +214,24 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
 }
 
 // A row's sum over its threads, which every one of them gets. Consecutive calls must alternate
-// between two scratch buffers (the next call's barrier orders the reuse). Across warps, with
-// kBroadcastSum every thread adds the warps' sums itself from shared memory (same-address
-// reads are broadcasts: a few loads and adds), else each warp shuffles them (5 dependent
-// shuffles, ~25 cycles each, after the barrier).
+// between two scratch buffers (the next call's barrier orders the reuse). Across warps (a
+// block a row), with kBroadcastSum every thread adds the warps' sums itself from shared
+// memory (a few loads and adds), else each warp shuffles them (5 dependent shuffles, ~25
+// cycles each, after the barrier).
 template <typename Tiling, bool kBroadcastSum>
 __device__ __forceinline__ float row_sum(float sum, float* scratch) {
-  constexpr int kLanes = Tiling::kSubWarp ? Tiling::kThreadsPerRow : kWarpThreads;
-  constexpr int kWarps = Tiling::kRowWarps;
-  const int lane = threadIdx.x % kWarpThreads, warp = threadIdx.x / kWarpThreads;
-  // A row's lanes are an aligned run of kLanes, and xor stays inside its run.
+  if constexpr (Tiling::kSubWarp) {
+    // A row's lanes are an aligned run of kThreadsPerRow, and xor stays inside its run.
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  }
-  if constexpr (kWarps > 1) {
-    if (lane == 0) scratch[warp] = sum;
-    __syncthreads();
-    if constexpr (kBroadcastSum) {
-      float sums[4] = {};
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
-      return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    for (int offset = Tiling::kThreadsPerRow / 2; offset > 0; offset /= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     }
-    sum = device::warp_sum(lane < kWarps ? scratch[lane] : 0.0f);
+    return sum;
+  } else if constexpr (kBroadcastSum) {
+    return device::block_sum_broadcast<Tiling::kBlockThreads>(sum, scratch);
+  } else {
+    return device::block_sum<Tiling::kBlockThreads, false>(sum, scratch);
   }
-  return sum;
 }
 
 // One row's place in each tensor; `valid` is false past the last row (a block's last turn).

@@ -110,6 +110,28 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
   }
 }
 
+// Sum over the block after one barrier; every thread gets the result. Each thread adds the
+// warps' sums from shared memory itself (same-address reads are broadcasts; a 16-byte aligned
+// `scratch` is read 16 bytes at a time) in four partial sums, where block_sum shuffles them
+// again: a shorter path for a short launch. `scratch` holds one float per warp and stays busy
+// until the caller's next barrier.
+template <int kThreads>
+__device__ __forceinline__ float block_sum_broadcast(float value, float* scratch) {
+  static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
+  constexpr int kWarps = kThreads / kWarpThreads;
+  value = warp_sum(value);
+  if constexpr (kWarps == 1) {
+    return value;
+  } else {
+    if (threadIdx.x % kWarpThreads == 0) scratch[threadIdx.x / kWarpThreads] = value;
+    __syncthreads();
+    float sums[4] = {};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
+    return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  }
+}
+
 // Programmatic dependent launch (LaunchKernel::enable_pdl). Both are no-ops before sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
