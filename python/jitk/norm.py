@@ -146,15 +146,17 @@ def _knob_values(knobs: dict) -> tuple:
     return tuple(knobs[name] for name in _KNOBS)
 
 
-def _candidates(hidden: int, dtype: torch.dtype) -> list[dict]:
-    """Every choice the tuner may time at a width and dtype but the default, in one order."""
+@functools.cache
+def _candidates(hidden: int, dtype: torch.dtype) -> tuple[dict, ...]:
+    """Every choice the tuner may time at a width and dtype but the default, in one order
+    (the candidates module's); not to be modified."""
     default = _default_knobs((hidden, dtype))
     candidates = []
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG):
         knobs = {**default, **changes}
         if knobs != default and knobs not in candidates:
             candidates.append(knobs)
-    return candidates
+    return tuple(candidates)
 
 
 # The candidates of a width and dtype share one module: building them one module each took an

@@ -81,11 +81,11 @@ struct RMSNorm {
     }
   }
 
-  // The row's sum after one barrier (device::block_sum_broadcast); the worker's barrier after
-  // each item frees the scratch for the next item's sum. A chain's item time is mostly such
+  // The row's sum after one barrier (device::block_sum's broadcast form); the worker's barrier
+  // after each item frees the scratch for the next item's sum. A chain's item time is mostly such
   // dependent steps.
   static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
-    const float total = device::block_sum_broadcast<kThreads>(sum, scratch);
+    const float total = device::block_sum<kThreads, false, true>(sum, scratch);
     return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
   }
 

@@ -220,17 +220,10 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
 // cycles each, after the barrier).
 template <typename Tiling, bool kBroadcastSum>
 __device__ __forceinline__ float row_sum(float sum, float* scratch) {
-  if constexpr (Tiling::kSubWarp) {
-    // A row's lanes are an aligned run of kThreadsPerRow, and xor stays inside its run.
-#pragma unroll
-    for (int offset = Tiling::kThreadsPerRow / 2; offset > 0; offset /= 2) {
-      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    }
-    return sum;
-  } else if constexpr (kBroadcastSum) {
-    return device::block_sum_broadcast<Tiling::kBlockThreads>(sum, scratch);
+  if constexpr (Tiling::kSubWarp) {  // a row's lanes are an aligned run of kThreadsPerRow
+    return device::warp_sum<Tiling::kThreadsPerRow>(sum);
   } else {
-    return device::block_sum<Tiling::kBlockThreads, false>(sum, scratch);
+    return device::block_sum<Tiling::kBlockThreads, false, kBroadcastSum>(sum, scratch);
   }
 }
 

@@ -79,19 +79,26 @@ __device__ __forceinline__ void prefetch_l2_if(bool wanted, const void* ptr) {
                "l"(ptr));
 }
 
-template <typename T>
+// The sum over each aligned run of kLanes lanes of a warp (the whole warp by default), which
+// every lane of the run gets: xor stays inside the run.
+template <int kLanes = kWarpThreads, typename T>
 __device__ __forceinline__ T warp_sum(T value) {
+  static_assert(kLanes >= 1 && kLanes <= kWarpThreads && (kLanes & (kLanes - 1)) == 0);
 #pragma unroll
-  for (int offset = kWarpThreads / 2; offset > 0; offset /= 2) {
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
     value += __shfl_xor_sync(0xffffffffu, value, offset);
   }
   return value;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds one T per warp and is
-// free again on return. A caller that alternates between two scratch buffers may drop that
-// last barrier (kFreeScratch = false): the next call's barrier orders the reuse.
-template <int kThreads, bool kFreeScratch = true, typename T>
+// Sum over the block; every thread gets the result. After each warp's own sum and a barrier,
+// the warps' sums in `scratch` (one T per warp) are added by a shuffle in each warp, or, with
+// kBroadcast, by every thread itself from shared memory (same-address reads broadcast; a
+// 16-byte aligned `scratch` is read 16 bytes at a time) in four partial sums: fewer dependent
+// steps, for a short launch. `scratch` is free again on return; a caller that alternates
+// between two scratch buffers may drop that last barrier (kFreeScratch = false): the next
+// call's barrier orders the reuse.
+template <int kThreads, bool kFreeScratch = true, bool kBroadcast = false, typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
   constexpr int kWarps = kThreads / kWarpThreads;
@@ -103,32 +110,16 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
     const int lane = threadIdx.x % kWarpThreads;
     if (lane == 0) scratch[warp] = value;
     __syncthreads();
-    value = lane < kWarps ? scratch[lane] : T{};
-    value = warp_sum(value);
+    if constexpr (kBroadcast) {
+      T sums[4] = {};
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
+      value = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    } else {
+      value = warp_sum(lane < kWarps ? scratch[lane] : T{});
+    }
     if constexpr (kFreeScratch) __syncthreads();
     return value;
-  }
-}
-
-// Sum over the block after one barrier; every thread gets the result. Each thread adds the
-// warps' sums from shared memory itself (same-address reads are broadcasts; a 16-byte aligned
-// `scratch` is read 16 bytes at a time) in four partial sums, where block_sum shuffles them
-// again: a shorter path for a short launch. `scratch` holds one float per warp and stays busy
-// until the caller's next barrier.
-template <int kThreads>
-__device__ __forceinline__ float block_sum_broadcast(float value, float* scratch) {
-  static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
-  constexpr int kWarps = kThreads / kWarpThreads;
-  value = warp_sum(value);
-  if constexpr (kWarps == 1) {
-    return value;
-  } else {
-    if (threadIdx.x % kWarpThreads == 0) scratch[threadIdx.x / kWarpThreads] = value;
-    __syncthreads();
-    float sums[4] = {};
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
-    return (sums[0] + sums[1]) + (sums[2] + sums[3]);
   }
 }
 
