@@ -44,9 +44,9 @@ inline constexpr int kMaxRowRegisters = 16;
 // row's offsets worked out before pdl_wait (Row); the row loaded before the weight
 // (normalize_in_registers); partial sums of squares (sum_of_squares); and the next kernel let
 // launch only once this one's work is done rather than at its start (rmsnorm_kernel). Last, a
-// register cap that lets an SM hold its full 2048 threads (kFillSm, in place of kRegisterCap's),
-// for long launches of large blocks. And kOneTurn: a plain call's block takes its one turn
-// without the loop (normalize_rows).
+// register cap that fits as many blocks in an SM's 2048 threads as their rows leave registers
+// for (kFillSm, in place of kRegisterCap's), for long launches of large blocks. And kOneTurn: a
+// plain call's block takes its one turn without the loop (normalize_rows).
 template <int kRowRegisters_, bool kPrefetchWeight_, bool kPdl_ = true, int kMaxVecBytes_ = 16,
           bool kRegisterCap_ = true, bool kBroadcastSum_ = false, bool kPinOffsets_ = false,
           bool kRowFirst_ = false, int kSumChains_ = 1, bool kLateTrigger_ = false,
@@ -325,20 +325,26 @@ __device__ __forceinline__ void normalize_in_two_passes(
   }
 }
 
-// 8 blocks an SM (the register cap that sets) where that leaves a thread what it plans (x,
-// the weight, the fused form's residual: kMaxRowRegisters each, and 16), so 1056 rows fill a
-// wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 / 4.69 us, not 4.25 / 4.90 uncapped.
-template <typename Tiling, bool kFusedAdd, int kPlan = (kFusedAdd ? 3 : 2) * kMaxRowRegisters + 16>
-inline constexpr int kMinBlocks = 8 * Tiling::kBlockThreads * kPlan <= 65536 ? 8 : 1;
-// With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps the
-// registers its rows take (x, the weight, the fused form's residual, and 16), counted in the
-// 8 a thread is given at a time: SGLang's block of hidden / 16 threads at 12288 holds two
-// blocks an SM where an uncapped one of jitk held one; jitk's 384 threads there hold three.
+// The registers a thread plans for: x, the weight and the fused form's residual, row_registers
+// each, and 16.
+constexpr int register_plan(bool fused_add, int row_registers) {
+  return (fused_add ? 3 : 2) * row_registers + 16;
+}
+// 8 blocks an SM (the register cap that sets) where that leaves a thread its plan at
+// kMaxRowRegisters, so 1056 rows fill a wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 /
+// 4.69 us, not 4.25 / 4.90 uncapped.
+template <typename Tiling, bool kFusedAdd>
+inline constexpr int kMinBlocks =
+    8 * Tiling::kBlockThreads * register_plan(kFusedAdd, kMaxRowRegisters) <= 65536 ? 8 : 1;
+// With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps its plan
+// for the registers its rows take, counted in the 8 a thread is given at a time: SGLang's
+// block of hidden / 16 threads at 12288 holds two blocks an SM where an uncapped one of jitk
+// held one; jitk's 384 threads there hold three.
 template <typename Tiling, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
-  constexpr int kRowRegisters =
-      min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) * Tiling::kVecRegisters;
-  constexpr int kPlan = (kFusedAdd ? 3 : 2) * kRowRegisters + 16;
+  constexpr int kPlan =
+      register_plan(kFusedAdd, min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
+                                   Tiling::kVecRegisters);
   constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
   int blocks = max_of(1, 2048 / kThreads);
   while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;
@@ -352,8 +358,8 @@ inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? fill_sm_blocks<Tili
 // A plain call's grid has a block per kRowsPerBlock rows (fewer than 2^31 rows), so a block
 // takes one turn, and a block of one row knows its row is there; its offset comes from
 // blockIdx.x alone (uniform registers), as in SGLang's. With kOneTurn there is no loop either
-// (straight-line code, where ptxas issues the weight's loads after the sum of squares; the
-// loop keeps them before the row's).
+// (straight-line code, where ptxas may issue the weight's loads after the sum of squares,
+// unless kRowFirst loads them beside the row's; the loop keeps them before the row's).
 template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
 __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   constexpr bool kOneTurn = kPlain && Tuning::kOneTurn;
