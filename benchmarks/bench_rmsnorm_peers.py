@@ -6,7 +6,8 @@ fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, ea
 ways: "graph", us per call under CUDA graph replay of 10-call chains; "single", one eager
 call alone on the GPU. Between CUDA events in both, queued behind a 0.1 ms sleep of the GPU,
 so that the events time the device's work and not the host's launch (bench_op.py times
-that). The providers alternate, round after round; a figure is the median of its rounds.
+that). The providers take turns, which goes first alternating from round to round, after a
+warm-up that measures the first shape once and drops it; a figure is the median of its rounds.
 Noise: half the interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by
 no more than that is "within noise" and counted apart, neither as a win nor hidden. Both
 providers' results are checked against float32 torch first, on fresh data; a size SGLang
@@ -92,8 +93,10 @@ def rounds_us(calls: dict, mode: str, rounds: int) -> dict:
         for call in calls.values():
             call()
     samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, run in runs.items():
+    order = list(runs.items())
+    for round_ in range(rounds):
+        # Who goes first alternates, so neither gains from the other's wake of the GPU.
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
             torch.cuda.synchronize()
             torch.cuda._sleep(SLEEP_CYCLES)
             start.record()
@@ -191,6 +194,7 @@ def main():
     print("device:", common.device_name())
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
+    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds)  # the warm-up
     results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
                for row in measure(sgl523, *group, rows, hidden, rounds)]
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:

@@ -136,6 +136,62 @@ def test_tune_needs_a_gpu():
         autotune.tune(copy, (torch.ones(4), torch.empty(4)))
 
 
+class FakeGpu:
+    """Stands in for torch.cuda in autotune._time_graphs: records sleeps and replays, and
+    wakes from each sleep before the host has queued the round as often as `early_wakes`."""
+
+    def __init__(self, early_wakes: int):
+        self.early_wakes, self.sleeps, self.replays = early_wakes, [], []
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.timing, self.at = enable_timing, 0.0
+
+            def record(self):
+                self.at = len(gpu.replays)  # a replay takes 1 ms of fake GPU time
+
+            def query(self):  # the GPU is past the sleep: it woke while the host queued
+                if gpu.early_wakes:
+                    gpu.early_wakes -= 1
+                    return True
+                return False
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        self.Event = Event
+
+    def graph(self, name):
+        return type("Graph", (), {"replay": lambda _: self.replays.append(name)})()
+
+
+def test_timing_rounds_rotate_and_a_round_queued_too_late_is_taken_again(monkeypatch):
+    gpu = FakeGpu(early_wakes=2)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleeps.append)
+    graphs = [gpu.graph(name) for name in "abc"]
+    times = autotune._time_graphs(graphs, calls=4, rounds=2)
+    assert times == [1e3 / 4] * 3  # us per call: one fake ms a replay of 4 calls
+    sleep = autotune.SLEEP_CYCLES_PER_GRAPH * 3
+    # Round 1 was queued twice too late: taken again behind a sleep twice, then four times,
+    # as long; round 2 keeps the longer sleep and starts one graph further on.
+    assert gpu.sleeps == [sleep, 2 * sleep, 4 * sleep, 4 * sleep]
+    assert "".join(gpu.replays) == "abc" * 3 + "bca"
+
+
+def test_timing_gives_up_when_the_host_never_keeps_ahead(monkeypatch):
+    gpu = FakeGpu(early_wakes=10 ** 6)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleeps.append)
+    with pytest.raises(RuntimeError, match="did not queue 2 graph replays within a GPU sleep"):
+        autotune._time_graphs([gpu.graph("a"), gpu.graph("b")], calls=1, rounds=3)
+    assert len(gpu.sleeps) == autotune.MAX_SLEEP_DOUBLINGS + 1
+
+
 WRITER = textwrap.dedent("""
     import sys
     from jitk import autotune

@@ -9,9 +9,10 @@ these versions, today's default. Tuning happens only when asked: `python -m jitk
 tensors shaped like the call's).
 
 `tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
-in turn, candidate after candidate, ROUNDS times, each round queued at once so that the host's
-launches stay off the clock; each candidate's figure is its median. Before
-a candidate may win, its results are checked against the op's reference (jitk.testing).
+in turn, candidate after candidate, ROUNDS times, each round queued whole while the GPU
+sleeps, so that the host's launches stay off the clock; each candidate's figure is its
+median. Before a candidate may win, its results are checked against the op's reference
+(jitk.testing).
 
 The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
 GPU name and SM count, driver, and the jitk, apache-tvm-ffi and torch versions. Entries for
@@ -47,6 +48,10 @@ FILE_NAME = "autotune.json"
 FORMAT = 1
 AUTOTUNE_ENV = "JITK_AUTOTUNE"
 CALLS_PER_GRAPH, ROUNDS = 20, 7
+# A round of replays is queued behind a GPU sleep of this many cycles a graph (~50 us at
+# 2 GHz, several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS
+# times while the host turns out slower.
+SLEEP_CYCLES_PER_GRAPH, MAX_SLEEP_DOUBLINGS = 100_000, 6
 
 
 def tuning_file() -> Path:
@@ -339,19 +344,33 @@ class Result:
 
 
 def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) -> list[float]:
-    """us per call of each graph: replays interleaved over `rounds`, the median of each. A
-    round is queued at once, behind an untimed replay, so that the GPU is busy while the host
-    launches the timed ones: the events time the device's work, not the host's launch."""
+    """us per call of each graph: replays interleaved over `rounds`, the median of each. The
+    order rotates from round to round, so that no graph always follows the same one. A round
+    is queued whole while the GPU sleeps; when the GPU woke before the host had queued it, the
+    round is taken again behind a longer sleep. The events so time the device's work alone:
+    a replay of 20 short calls runs faster than the host launches the next one."""
     samples: list[list[float]] = [[] for _ in graphs]
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in graphs]
-    for _ in range(rounds):
-        graphs[-1].replay()
-        for graph, (start, end) in zip(graphs, marks):
-            start.record()
-            graph.replay()
-            end.record()
-        marks[-1][1].synchronize()
+    woke = torch.cuda.Event()
+    sleep = SLEEP_CYCLES_PER_GRAPH * len(graphs)
+    for round_ in range(rounds):
+        order = [(round_ + i) % len(graphs) for i in range(len(graphs))]
+        for _ in range(MAX_SLEEP_DOUBLINGS + 1):
+            torch.cuda._sleep(sleep)  # private but long-standing: torch's own tests use it
+            woke.record()
+            for i in order:
+                marks[i][0].record()
+                graphs[i].replay()
+                marks[i][1].record()
+            queued_in_time = not woke.query()
+            marks[order[-1]][1].synchronize()
+            if queued_in_time:
+                break
+            sleep *= 2
+        else:
+            raise RuntimeError(f"tune: the host did not queue {len(graphs)} graph replays "
+                               f"within a GPU sleep of {sleep // 2} cycles")
         for sample, (start, end) in zip(samples, marks):
             sample.append(start.elapsed_time(end) * 1e3 / calls)
     return [statistics.median(sample) for sample in samples]
