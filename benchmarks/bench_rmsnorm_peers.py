@@ -2,18 +2,22 @@
 same tensors: the acceptance grid of issue 18.
 
 rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition), bf16 and
-fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed two
-ways: "graph", us per call under CUDA graph replay of 10-call chains; "single", one eager
-call alone on the GPU. Between CUDA events in both, queued behind a 0.1 ms sleep of the GPU,
-so that the events time the device's work and not the host's launch (bench_op.py times
-that). The providers take turns, which goes first alternating from round to round, after a
-warm-up that measures the first shape once and drops it; a figure is the median of its rounds.
-Noise: half the interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by
-no more than that is "within noise" and counted apart, neither as a win nor hidden. Both
-providers' results are checked against float32 torch first, on fresh data; a size SGLang
-refuses is reported as such. jitk runs what a lookup picks: the tuning file's choice
-(`python -m jitk tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523
-(see ../shared/peers/README.md).
+fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed
+three ways: "graph", us per call under CUDA graph replay of 10-call chains on one weight;
+"single", one eager call alone on the GPU; "layers", the 10-call chain with a weight of its
+own per call and L2 flushed before each replay, as decode meets each layer's weight after
+the rest of a step has pushed it out of L2. Between CUDA events in all, queued behind a 0.1
+ms sleep of the GPU, so that the events time the device's work and not the host's launch
+(bench_op.py times that). The providers take turns, which goes first alternating from round
+to round, after a warm-up that measures the first shape once and drops it; a figure is the
+median of its rounds. SGLang runs twice a round, as two providers, so that each shape shows
+how far SGLang's kernel reads from itself. Noise: the larger of that distance and half the
+interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by no more than
+that is "within noise" and counted apart, neither as a win nor hidden. Both providers'
+results are checked against float32 torch first, on fresh data; a size SGLang refuses is
+reported as such. jitk runs what a lookup picks: the tuning file's choice (`python -m jitk
+tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see
+../shared/peers/README.md).
 Prints the counts per (op, dtype, placement, mode) and every shape jitk is slower at; the
 grids of ratios go to --grids (default: stdout).
     python benchmarks/bench_rmsnorm_peers.py [--quick] [--json PATH] [--grids PATH]"""
@@ -23,6 +27,7 @@ import contextlib
 import os
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -38,27 +43,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GROUPS = [(op, dtype, placement) for op, placements in
           (("rmsnorm", ("out of place", "in place")), ("fused_add_rmsnorm", ("in place",)))
           for dtype in DTYPES for placement in placements]
-MODES = ("graph", "single")
+MODES = ("graph", "single", "layers")
 CALLS, ROUNDS, QUICK_ROUNDS = 10, 15, 7
 SLEEP_CYCLES = 200_000  # ~0.1 ms at an H100's clock: longer than the host takes to queue
 EPS = 1e-6
 
 
 def providers(sgl523, op: str, placement: str, t: dict) -> dict:
-    """name -> a call on the tensors `t` (x, weight, out, residual)."""
+    """name -> a call on the tensors `t` (x, out, residual) with a weight it is given; SGLang
+    a second time as "sglang again"."""
     if op == "fused_add_rmsnorm":
-        return {"jitk": lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], t["weight"], EPS),
-                "sglang": lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], t["weight"],
-                                                           EPS)}
+        def sglang(w):
+            return lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)
+        return {"jitk": lambda w: lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], w, EPS),
+                "sglang": sglang, "sglang again": sglang}
     out = "x" if placement == "in place" else "out"
-    return {"jitk": lambda: jitk.rmsnorm(t["x"], t["weight"], out=t[out], eps=EPS),
-            "sglang": lambda: sgl523.rmsnorm(t["x"], t["weight"], t[out], EPS)}
+
+    def sglang(w):
+        return lambda: sgl523.rmsnorm(t["x"], w, t[out], EPS)
+    return {"jitk": lambda w: lambda: jitk.rmsnorm(t["x"], w, out=t[out], eps=EPS),
+            "sglang": sglang, "sglang again": sglang}
 
 
 def tensors(rows: int, hidden: int, dtype: torch.dtype) -> dict:
-    # A weight near 1 keeps values finite over the repeated in-place calls of a timing.
+    # Weights near 1 keep values finite over the repeated in-place calls of a timing; one a
+    # call of a chain ("layers").
     x = torch.randn(rows, hidden, device="cuda").to(dtype)
-    return {"x": x, "weight": (0.9 + 0.2 * torch.rand(hidden, device="cuda")).to(dtype),
+    return {"x": x, "weights": [(0.9 + 0.2 * torch.rand(hidden, device="cuda")).to(dtype)
+                                for _ in range(CALLS)],
             "out": torch.full_like(x, float("nan")), "residual": torch.randn_like(x)}
 
 
@@ -69,8 +81,9 @@ def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.
     t = tensors(rows, hidden, dtype)
     x, residual = t["x"].clone(), t["residual"].clone()
     source = x + residual if op == "fused_add_rmsnorm" else x
-    expected = torch.nn.functional.rms_norm(source.float(), (hidden,), t["weight"].float(), EPS)
-    providers(sgl523, op, placement, t)[name]()
+    weight = t["weights"][0]
+    expected = torch.nn.functional.rms_norm(source.float(), (hidden,), weight.float(), EPS)
+    providers(sgl523, op, placement, t)[name](weight)()
     got = t["out"] if placement == "out of place" else t["x"]
     try:
         torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
@@ -81,23 +94,41 @@ def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.
     return None
 
 
-def rounds_us(calls: dict, mode: str, rounds: int) -> dict:
-    """name -> us per call in each round, the providers alternating; the GPU drained, then
-    kept asleep while the host queues the events and the run."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if mode == "graph":
-        runs = {name: common.captured_graph(call, CALLS).replay for name, call in calls.items()}
-        per_run = CALLS
-    else:
-        runs, per_run = calls, 1
-        for call in calls.values():
+def chain(calls: list) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
             call()
+    return run
+
+
+def l2_flush_buffer() -> torch.Tensor:
+    """Twice the GPU's L2: writing it leaves none of what was there before."""
+    return torch.empty(2 * torch.cuda.get_device_properties().L2_cache_size, dtype=torch.uint8,
+                       device="cuda")
+
+
+def rounds_us(calls: dict, mode: str, rounds: int, weights: list, flush: torch.Tensor) -> dict:
+    """name -> us per call in each round, the providers alternating; the GPU drained (and for
+    "layers" L2 flushed by writing `flush`), then kept asleep while the host queues the
+    events and the run."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if mode == "single":
+        runs, per_run = {name: call(weights[0]) for name, call in calls.items()}, 1
+        for run in runs.values():
+            run()
+    else:
+        layer_weights = weights if mode == "layers" else weights[:1] * CALLS
+        runs = {name: common.captured_graph(chain([call(w) for w in layer_weights]), 1).replay
+                for name, call in calls.items()}
+        per_run = CALLS
     samples = {name: [] for name in calls}
     order = list(runs.items())
     for round_ in range(rounds):
-        # Who goes first alternates, so neither gains from the other's wake of the GPU.
+        # The order reverses every round, so that no provider gains from its place in it.
         for name, run in order if round_ % 2 == 0 else order[::-1]:
             torch.cuda.synchronize()
+            if mode == "layers":
+                flush.zero_()
             torch.cuda._sleep(SLEEP_CYCLES)
             start.record()
             run()
@@ -112,8 +143,8 @@ def verdict(ratio: float, noise: float) -> str:
 
 
 def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
-            rounds: int) -> list[dict]:
-    """The shape's row for each mode."""
+            rounds: int, flush: torch.Tensor) -> list[dict]:
+    """The shape's row for each mode; writing `flush` empties L2."""
     dtype = DTYPES[dtype_name]
     base = {"op": op, "dtype": dtype_name, "placement": placement, "rows": rows,
             "hidden": hidden}
@@ -129,13 +160,15 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
     calls = providers(sgl523, op, placement, t)
     results = []
     for mode in MODES:
-        samples = rounds_us(calls, mode, rounds)
+        samples = rounds_us(calls, mode, rounds, t["weights"], flush)
         ratios = [j / s for j, s in zip(samples["jitk"], samples["sglang"])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
-        jitk_us, sglang_us = (statistics.median(samples[name]) for name in ("jitk", "sglang"))
+        jitk_us, sglang_us, again_us = (statistics.median(samples[name])
+                                        for name in ("jitk", "sglang", "sglang again"))
+        noise = max((q3 - q1) / 2, abs(again_us / sglang_us - 1))
         results.append({**base, "mode": mode, "jitk us": jitk_us, "sglang us": sglang_us,
-                        "ratio": jitk_us / sglang_us, "noise": (q3 - q1) / 2,
-                        "verdict": verdict(jitk_us / sglang_us, (q3 - q1) / 2)})
+                        "sglang again us": again_us, "ratio": jitk_us / sglang_us,
+                        "noise": noise, "verdict": verdict(jitk_us / sglang_us, noise)})
     return results
 
 
@@ -159,22 +192,28 @@ def print_grids(results: list[dict], out) -> None:
 
 
 def print_summary(results: list[dict]) -> None:
-    print("\njitk <= SGLang per group (graph: replay of 10-call chains; single: one call)")
+    print("\njitk <= SGLang per group (graph: replay of 10-call chains; single: one call;"
+          " layers: 10-call chains, a weight a call, L2 flushed), the geometric mean of"
+          " jitk/SGLang, and how far SGLang read from itself (median, largest)")
     for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
         rows = [r for r in results if (r["op"], r["dtype"], r["placement"], r["mode"]) == key]
         count = {v: sum(r["verdict"] == v for r in rows) for v in ("yes", "noise", "NO",
                                                                     "refused")}
-        measured = len(rows) - count["refused"]
-        print(f"  {group_name(*key)}: jitk <= SGLang: {count['yes']}/{measured}"
+        timed = [r for r in rows if r["verdict"] != "refused"]
+        itself = [abs(r["sglang again us"] / r["sglang us"] - 1) for r in timed]
+        print(f"  {group_name(*key)}: jitk <= SGLang: {count['yes']}/{len(timed)}"
               f" (+{count['noise']} within noise, {count['NO']} slower"
-              + (f"; SGLang refuses {count['refused']}" if count["refused"] else "") + ")")
+              + (f"; SGLang refuses {count['refused']}" if count["refused"] else "")
+              + f"), geomean {statistics.geometric_mean(r['ratio'] for r in timed):.3f},"
+              f" SGLang against itself {statistics.median(itself):.1%}, {max(itself):.1%}")
     refused = sorted({(r["op"], r["hidden"], r["why"]) for r in results
                       if r["verdict"] == "refused"})
     for op, hidden, why in refused:
         print(f"  SGLang refuses {op} at hidden {hidden}: {why}")
     slower = [r for r in results if r["verdict"] in ("NO", "noise")]
     if slower:
-        print("\nslower (us per call, jitk / SGLang, noise = half the IQR of the round ratios):")
+        print("\nslower (us per call, jitk / SGLang; noise: the larger of half the IQR of the"
+              " round ratios and SGLang's distance from itself):")
     for r in slower:
         print(f"  {group_name(r['op'], r['dtype'], r['placement'], r['mode'])} "
               f"{r['rows']}x{r['hidden']}: {r['jitk us']:.2f} / {r['sglang us']:.2f} "
@@ -194,9 +233,10 @@ def main():
     print("device:", common.device_name())
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
-    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds)  # the warm-up
+    flush = l2_flush_buffer()
+    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush)  # the warm-up
     results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
-               for row in measure(sgl523, *group, rows, hidden, rounds)]
+               for row in measure(sgl523, *group, rows, hidden, rounds, flush)]
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
         print_grids(results, out)
     print_summary(results)

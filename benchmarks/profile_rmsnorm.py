@@ -9,8 +9,9 @@ Nsight Compute to measure side by side (time, registers, occupancy, instructions
 The L2 stays warm between launches (--cache-control none), as in the 10-call graphs of
 bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
-bench_rmsnorm_peers.py times them (graph replay of 10-call chains and single calls, rounds
-interleaved, medians), with the default also without the weight prefetch and without PDL.
+bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, and chains
+on a weight a call with L2 flushed; rounds interleaved, medians), with the default also
+without the weight prefetch and without PDL.
 Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
 import argparse
@@ -52,33 +53,34 @@ def main() -> None:
     from jitk import norm
 
     dtype = getattr(torch, args.dtype)
-    x = torch.randn(args.rows, args.hidden, device="cuda").to(dtype)
-    weight = (0.9 + 0.2 * torch.rand(args.hidden, device="cuda")).to(dtype)
-    out = x if args.in_place else torch.empty_like(x)
+    t = peers.tensors(args.rows, args.hidden, dtype)
+    x, weight = t["x"], t["weights"][0]
+    out = x if args.in_place else t["out"]
     bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
     space = norm._RMSNORM_SPACE
-    calls = {"sglang": lambda: sgl523.rmsnorm(x, weight, out, EPS)}
+    calls = {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS)}  # name -> call(weight)
     default = norm._default_knobs(bucket)
     extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
     for knobs in space.candidates(bucket) + extra:
         changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
         kernel = norm._kernels_with(bucket, knobs).rmsnorm
         calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
-            lambda kernel=kernel: kernel(x, weight, out, EPS))
+            lambda w, kernel=kernel: lambda: kernel(x, w, out, EPS))
     for call in calls.values():  # build, load, warm
         for _ in range(3):
-            call()
+            call(weight)()
     torch.cuda.synchronize()
     if args.time:
         for mode in peers.MODES:
-            samples = peers.rounds_us(calls, mode, peers.ROUNDS)
+            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"],
+                                      peers.l2_flush_buffer())
             for name, us in samples.items():
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
         return
     print("launch order:", *calls, sep="\n  ", flush=True)
     torch.cuda.profiler.start()
     for call in calls.values():
-        call()
+        call(weight)()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
