@@ -213,15 +213,6 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
   return [inv_rms](float x, float w) { return x * inv_rms * w; };
 }
 
-// 1 / sqrt(mean of squares + eps). The mean multiplies by 1 / kHidden, which folds with eps
-// into one FMA: a division by a hidden size not a power of two is a dozen instructions and a
-// slow-path branch on the critical path, for a result at most an ulp apart.
-template <typename Tiling>
-__device__ __forceinline__ float inverse_rms(float sum_of_squares, float eps) {
-  constexpr float kInverseHidden = 1.0f / Tiling::kHidden;
-  return rsqrtf(fmaf(sum_of_squares, kInverseHidden, eps));
-}
-
 // A row's sum over its threads, which every one of them gets. Consecutive calls must alternate
 // between two scratch buffers (the next call's barrier orders the reuse). Across warps (a
 // block a row), with kBroadcastSum every thread adds the warps' sums itself from shared
@@ -296,7 +287,7 @@ __device__ __forceinline__ void normalize_in_registers(
       sum_of_squares<Tiling, Tuning::kSumChains>(x), scratch);
   device::keep_packed(w);
   device::keep_packed(x);
-  combine<Tiling>(x, w, scale_by(inverse_rms<Tiling>(sum, eps)));
+  combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
   store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }
 
@@ -321,7 +312,7 @@ __device__ __forceinline__ void normalize_in_two_passes(
     sum_sq += sum_of_squares<Tiling, Tuning::kSumChains>(x);
   }
   const float inv_rms =
-      inverse_rms<Tiling>(row_sum<Tiling, Tuning::kBroadcastSum>(sum_sq, scratch), eps);
+      rsqrtf(row_sum<Tiling, Tuning::kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps);
   // The fused form normalises the sum as stored, which this thread wrote itself.
   const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
 #pragma unroll 1
