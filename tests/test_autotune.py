@@ -137,11 +137,12 @@ def test_tune_needs_a_gpu():
 
 
 class FakeGpu:
-    """Stands in for torch.cuda in autotune._time_graphs: records sleeps and replays, and
-    wakes from each sleep before the host has queued the round as often as `early_wakes`."""
+    """Stands in for torch.cuda in autotune._time_rounds: records sleeps and runs, and wakes
+    from each round's sleep before the host has queued the round as often as `early_wakes`.
+    A run takes 1 ms of its clock."""
 
     def __init__(self, early_wakes: int):
-        self.early_wakes, self.sleeps, self.replays = early_wakes, [], []
+        self.early_wakes, self.sleeps, self.ran = early_wakes, [], []
         gpu = self
 
         class Event:
@@ -149,7 +150,7 @@ class FakeGpu:
                 self.timing, self.at = enable_timing, 0.0
 
             def record(self):
-                self.at = len(gpu.replays)  # a replay takes 1 ms of fake GPU time
+                self.at = len(gpu.ran)
 
             def query(self):  # the GPU is past the sleep: it woke while the host queued
                 if gpu.early_wakes:
@@ -165,31 +166,59 @@ class FakeGpu:
 
         self.Event = Event
 
-    def graph(self, name):
-        return type("Graph", (), {"replay": lambda _: self.replays.append(name)})()
+    def run(self, name):
+        return lambda: self.ran.append(name)
 
 
-def test_timing_rounds_rotate_and_a_round_queued_too_late_is_taken_again(monkeypatch):
-    gpu = FakeGpu(early_wakes=2)
-    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
-    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleeps.append)
-    graphs = [gpu.graph(name) for name in "abc"]
-    times = autotune._time_graphs(graphs, calls=4, rounds=2)
-    assert times == [1e3 / 4] * 3  # us per call: one fake ms a replay of 4 calls
-    sleep = autotune.SLEEP_CYCLES_PER_GRAPH * 3
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    def make(early_wakes=0):
+        gpu = FakeGpu(early_wakes)
+        monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleeps.append)
+        return gpu
+    return make
+
+
+def test_timing_rounds_rotate_and_a_round_queued_too_late_is_taken_again(fake_gpu):
+    gpu = fake_gpu(early_wakes=2)
+    times = autotune._time_rounds([gpu.run(name) for name in "abc"], per_run=4, rounds=2)
+    assert times == [1e3 / 4] * 3  # us per call: one fake ms a run of 4 calls
+    sleep = autotune.SLEEP_CYCLES_PER_RUN * 3
     # Round 1 was queued twice too late: taken again behind a sleep twice, then four times,
-    # as long; round 2 keeps the longer sleep and starts one graph further on.
+    # as long; round 2 keeps the longer sleep and starts one run further on.
     assert gpu.sleeps == [sleep, 2 * sleep, 4 * sleep, 4 * sleep]
-    assert "".join(gpu.replays) == "abc" * 3 + "bca"
+    assert "".join(gpu.ran) == "abc" * 3 + "bca"
 
 
-def test_timing_gives_up_when_the_host_never_keeps_ahead(monkeypatch):
-    gpu = FakeGpu(early_wakes=10 ** 6)
-    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
-    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleeps.append)
-    with pytest.raises(RuntimeError, match="did not queue 2 graph replays within a GPU sleep"):
-        autotune._time_graphs([gpu.graph("a"), gpu.graph("b")], calls=1, rounds=3)
+def test_single_calls_each_wait_behind_a_pause_of_their_own(fake_gpu):
+    gpu = fake_gpu()
+    autotune._time_rounds([gpu.run("a"), gpu.run("b")], per_run=1, rounds=1, pause_cycles=7)
+    assert gpu.sleeps == [autotune.SLEEP_CYCLES_PER_RUN * 2, 7, 7] and gpu.ran == ["a", "b"]
+
+
+def test_timing_gives_up_when_the_host_never_keeps_ahead(fake_gpu):
+    gpu = fake_gpu(early_wakes=10 ** 6)
+    with pytest.raises(RuntimeError, match="did not queue 2 runs within a GPU sleep"):
+        autotune._time_rounds([gpu.run("a"), gpu.run("b")], per_run=1, rounds=3)
     assert len(gpu.sleeps) == autotune.MAX_SLEEP_DOUBLINGS + 1
+
+
+def test_single_calls_break_a_tie_under_graph_replay(monkeypatch):
+    timed = []
+
+    def single_calls(calls, per_run, rounds, pause_cycles):
+        timed.append([call() for call in calls])
+        return [5.0, 4.0, 4.0][:len(calls)]
+    monkeypatch.setattr(autotune, "_time_rounds", single_calls)
+    calls = [lambda i=i: i for i in range(4)]
+    tie = 1 + autotune.GRAPH_TIE / 2
+    # 0, 1 and 3 tie; 3 is as fast as 1 as a single call and slower under graph replay.
+    assert autotune._fastest(calls, [1.0, tie, 1.5, tie * 1.001]) == (1, {0: 5.0, 1: 4.0,
+                                                                         3: 4.0})
+    assert timed == [[0, 1, 3]]
+    # One clear winner: no single calls are timed.
+    assert autotune._fastest(calls, [1.0, 1.5, 1.5, 1.5]) == (0, {}) and len(timed) == 1
 
 
 WRITER = textwrap.dedent("""

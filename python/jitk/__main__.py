@@ -354,12 +354,15 @@ def run_tune(args: argparse.Namespace) -> int:
         print(f"{info.name} {'x'.join(map(str, shape))} {name} {json.dumps(result.bucket)}: "
               f"{result.us:.2f} us "
               f"(default {result.default_us:.2f}) {_changes(result.config, default)}"
-              + (f"; {len(result.failures)} failed the reference" if result.failures else ""),
+              + (f"; {len(result.failures)} failed the reference" if result.failures else "")
+              + (f"; single calls broke a tie of {len(result.tie)}" if result.tie else ""),
               flush=True)
         if args.verbose:
             for config, us in result.timings:
                 print(f"    {'failed' if us is None else f'{us:.3f}'}  "
                       f"{_changes(config, default)}")
+            for config, us in result.tie:
+                print(f"    single {us:.3f}  {_changes(config, default)}")
     print(f"tuned {len(calls)} shape(s) in {time.perf_counter() - built:.1f} s; recorded in "
           f"{autotune.tuning_file()}")
     return EXIT_OK

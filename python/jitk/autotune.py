@@ -11,7 +11,8 @@ tensors shaped like the call's).
 `tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
 in turn, candidate after candidate, ROUNDS times, each round queued whole while the GPU
 sleeps, so that the host's launches stay off the clock; each candidate's figure is its
-median. Before a candidate may win, its results are checked against the op's reference
+median. Candidates within GRAPH_TIE of the fastest are a tie that single calls break.
+Before a candidate may win, its results are checked against the op's reference
 (jitk.testing).
 
 The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
@@ -48,10 +49,17 @@ FILE_NAME = "autotune.json"
 FORMAT = 1
 AUTOTUNE_ENV = "JITK_AUTOTUNE"
 CALLS_PER_GRAPH, ROUNDS = 20, 7
-# A round of replays is queued behind a GPU sleep of this many cycles a graph (~50 us at
-# 2 GHz, several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS
-# times while the host turns out slower.
-SLEEP_CYCLES_PER_GRAPH, MAX_SLEEP_DOUBLINGS = 100_000, 6
+# A round of runs is queued behind a GPU sleep of this many cycles a run (~50 us at 2 GHz,
+# several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS times
+# while the host turns out slower.
+SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
+# Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which the fastest
+# single call breaks: timed SINGLE_ROUNDS times, each call behind a GPU sleep of its own of
+# SINGLE_PAUSE_CYCLES, as a call alone on the GPU. (H100, RMSNorm at 256 rows: the graph
+# replay of the tuner's choice and of the one a tie-break takes were 1.1-1.5% apart and level
+# in bench_rmsnorm_peers.py; as single calls, the tie-break's ran a timer step, ~0.2 us,
+# faster.)
+GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 15, 40_000
 
 
 def tuning_file() -> Path:
@@ -331,8 +339,9 @@ def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> No
 
 @dataclasses.dataclass
 class Result:
-    """One tuned bucket: the winner, and every candidate's median (None: failed the
-    reference check, with the reason in `failures`)."""
+    """One tuned bucket: the winner, every candidate's median under graph replay (None:
+    failed the reference check, with the reason in `failures`), and the single-call medians
+    of the candidates that tied under graph replay (empty when none did)."""
 
     op: str
     bucket: list
@@ -341,27 +350,33 @@ class Result:
     default_us: float
     timings: list[tuple[dict, float | None]]
     failures: dict[str, str]
+    tie: list[tuple[dict, float]]
 
 
-def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) -> list[float]:
-    """us per call of each graph: replays interleaved over `rounds`, the median of each. The
-    order rotates from round to round, so that no graph always follows the same one. A round
-    is queued whole while the GPU sleeps; when the GPU woke before the host had queued it, the
-    round is taken again behind a longer sleep. The events so time the device's work alone:
-    a replay of 20 short calls runs faster than the host launches the next one."""
-    samples: list[list[float]] = [[] for _ in graphs]
+def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
+                 pause_cycles: int = 0) -> list[float]:
+    """us per call of each run (a graph's replay of `per_run` calls, or one call): the runs
+    interleaved over `rounds`, the median of each. The order rotates from round to round, so
+    that no run always follows the same one; with `pause_cycles`, each run waits behind a GPU
+    sleep of its own. A round is queued whole while the GPU sleeps; when the GPU woke before
+    the host had queued it, the round is taken again behind a longer sleep. The events so
+    time the device's work alone: a replay of 20 short calls runs faster than the host
+    launches the next one."""
+    samples: list[list[float]] = [[] for _ in runs]
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in graphs]
+             for _ in runs]
     woke = torch.cuda.Event()
-    sleep = SLEEP_CYCLES_PER_GRAPH * len(graphs)
+    sleep = SLEEP_CYCLES_PER_RUN * len(runs)
     for round_ in range(rounds):
-        order = [(round_ + i) % len(graphs) for i in range(len(graphs))]
+        order = [(round_ + i) % len(runs) for i in range(len(runs))]
         for _ in range(MAX_SLEEP_DOUBLINGS + 1):
             torch.cuda._sleep(sleep)  # private but long-standing: torch's own tests use it
             woke.record()
             for i in order:
+                if pause_cycles:
+                    torch.cuda._sleep(pause_cycles)
                 marks[i][0].record()
-                graphs[i].replay()
+                runs[i]()
                 marks[i][1].record()
             queued_in_time = not woke.query()
             marks[order[-1]][1].synchronize()
@@ -369,11 +384,22 @@ def _time_graphs(graphs: list[torch.cuda.CUDAGraph], calls: int, rounds: int) ->
                 break
             sleep *= 2
         else:
-            raise RuntimeError(f"tune: the host did not queue {len(graphs)} graph replays "
-                               f"within a GPU sleep of {sleep // 2} cycles")
+            raise RuntimeError(f"tune: the host did not queue {len(runs)} runs within a GPU "
+                               f"sleep of {sleep // 2} cycles")
         for sample, (start, end) in zip(samples, marks):
-            sample.append(start.elapsed_time(end) * 1e3 / calls)
+            sample.append(start.elapsed_time(end) * 1e3 / per_run)
     return [statistics.median(sample) for sample in samples]
+
+
+def _fastest(calls: list[Callable[[], object]], graph_us: list[float]) -> tuple[int, dict]:
+    """The index of the winner, and {index: single-call us} of the tie it broke (empty when
+    one candidate was fastest under graph replay by more than GRAPH_TIE)."""
+    tie = [i for i, us in enumerate(graph_us) if us <= min(graph_us) * (1 + GRAPH_TIE)]
+    if len(tie) == 1:
+        return tie[0], {}
+    single_us = dict(zip(tie, _time_rounds([calls[i] for i in tie], 1, SINGLE_ROUNDS,
+                                           SINGLE_PAUSE_CYCLES)))
+    return min(tie, key=lambda i: (single_us[i], graph_us[i])), single_us
 
 
 def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None, *,
@@ -404,16 +430,17 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
     if not runs:
         raise RuntimeError(f"tune: no candidate of {info.name} at {bucket} matches its "
                            f"reference: {failures}")
-    graphs = [captured_graph(lambda fn=fn: fn(*args, **kwargs), calls) for _, fn in runs]
-    times = _time_graphs(graphs, calls, rounds)
+    calls_of = [lambda fn=fn: fn(*args, **kwargs) for _, fn in runs]
+    graphs = [captured_graph(call, calls) for call in calls_of]
+    times = _time_rounds([graph.replay for graph in graphs], calls, rounds)
     del graphs
-    best = min(range(len(runs)), key=times.__getitem__)
+    best, single_us = _fastest(calls_of, times)
     default = json.dumps(candidates[0], sort_keys=True)
     timed = {json.dumps(c, sort_keys=True): t for (c, _), t in zip(runs, times)}
     result = Result(info.name, _jsonable(bucket), runs[best][0], times[best],
                     timed.get(default, float("nan")),
                     [(c, timed.get(json.dumps(c, sort_keys=True))) for c in candidates],
-                    failures)
+                    failures, [(runs[i][0], us) for i, us in single_us.items()])
     space._chosen[bucket] = runs[best][1]
     space.calls.clear()
     if save:
