@@ -54,11 +54,10 @@ CALLS_PER_GRAPH, ROUNDS = 20, 7
 # while the host turns out slower.
 SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 # Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which the fastest
-# single call breaks: timed SINGLE_ROUNDS times, each call behind a GPU sleep of its own of
-# SINGLE_PAUSE_CYCLES, as a call alone on the GPU. (H100, RMSNorm at 256 rows: the graph
-# replay of the tuner's choice and of the one a tie-break takes were 1.1-1.5% apart and level
-# in bench_rmsnorm_peers.py; as single calls, the tie-break's ran a timer step, ~0.2 us,
-# faster.)
+# single call breaks: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of
+# SINGLE_PAUSE_CYCLES, as a call alone on the GPU. On an H100, RMSNorm candidates 1.1-1.5%
+# apart here were level under bench_rmsnorm_peers.py's graph replay, and one of them a
+# timer step (~0.2 us) faster as a single call.
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 15, 40_000
 
 
