@@ -53,16 +53,20 @@ def providers(sgl523, op: str, placement: str, t: dict) -> dict:
     """name -> a call on the tensors `t` (x, out, residual) with a weight it is given; SGLang
     a second time as "sglang again"."""
     if op == "fused_add_rmsnorm":
-        def sglang(w):
-            return lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)
-        return {"jitk": lambda w: lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], w, EPS),
-                "sglang": sglang, "sglang again": sglang}
-    out = "x" if placement == "in place" else "out"
+        def call_jitk(w):
+            return lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)
 
-    def sglang(w):
-        return lambda: sgl523.rmsnorm(t["x"], w, t[out], EPS)
-    return {"jitk": lambda w: lambda: jitk.rmsnorm(t["x"], w, out=t[out], eps=EPS),
-            "sglang": sglang, "sglang again": sglang}
+        def call_sglang(w):
+            return lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)
+    else:
+        out = t["x"] if placement == "in place" else t["out"]
+
+        def call_jitk(w):
+            return lambda: jitk.rmsnorm(t["x"], w, out=out, eps=EPS)
+
+        def call_sglang(w):
+            return lambda: sgl523.rmsnorm(t["x"], w, out, EPS)
+    return {"jitk": call_jitk, "sglang": call_sglang, "sglang again": call_sglang}
 
 
 def tensors(rows: int, hidden: int, dtype: torch.dtype) -> dict:

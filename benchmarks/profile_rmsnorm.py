@@ -71,9 +71,9 @@ def main() -> None:
             call(weight)()
     torch.cuda.synchronize()
     if args.time:
+        flush = peers.l2_flush_buffer()
         for mode in peers.MODES:
-            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"],
-                                      peers.l2_flush_buffer())
+            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush)
             for name, us in samples.items():
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
         return

@@ -147,7 +147,7 @@ class FakeGpu:
 
         class Event:
             def __init__(self, enable_timing=False):
-                self.timing, self.at = enable_timing, 0.0
+                self.at = 0.0
 
             def record(self):
                 self.at = len(gpu.ran)
