@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jitk
-from jitk import autotune
+from jitk import autotune, timing
 
 BUILT = []  # (bucket, config) of every build the space below was asked for
 
@@ -183,7 +183,7 @@ def fake_gpu(monkeypatch):
 def test_timing_rounds_rotate_and_a_round_queued_too_late_is_taken_again(fake_gpu):
     gpu = fake_gpu(early_wakes=2)
     times = autotune._time_rounds([gpu.run(name) for name in "abc"], per_run=4, rounds=2)
-    assert times == [1e3 / 4] * 3  # us per call: one fake ms a run of 4 calls
+    assert times == [[1e3 / 4] * 2] * 3  # us per call, a round each: one fake ms a run of 4
     sleep = autotune.SLEEP_CYCLES_PER_RUN * 3
     # Round 1 was queued twice too late: taken again behind a sleep twice, then four times,
     # as long; round 2 keeps the longer sleep and starts one run further on.
@@ -209,7 +209,7 @@ def test_single_calls_break_a_tie_under_graph_replay(monkeypatch):
 
     def single_calls(calls, per_run, rounds, pause_cycles):
         timed.append([call() for call in calls])
-        return [5.0, 4.0, 4.0][:len(calls)]
+        return [[5.0] * 10, [4.0] * 10, [4.0] * 10][:len(calls)]
     monkeypatch.setattr(autotune, "_time_rounds", single_calls)
     calls = [lambda i=i: i for i in range(4)]
     tie = 1 + autotune.GRAPH_TIE / 2
@@ -219,6 +219,24 @@ def test_single_calls_break_a_tie_under_graph_replay(monkeypatch):
     assert timed == [[0, 1, 3]]
     # One clear winner: no single calls are timed.
     assert autotune._fastest(calls, [1.0, 1.5, 1.5, 1.5]) == (0, {}) and len(timed) == 1
+
+
+def test_a_tie_goes_to_the_lower_trimmed_mean_not_the_lower_median(monkeypatch):
+    # Single calls fall at two levels: 0 is at the lower one more often than not (the lower
+    # median), 1 always just above it (the lower trimmed mean); 2 is level with 1 but for two
+    # stalls, one at each end, which the trim drops.
+    samples = [[4.0] * 6 + [4.2] * 4, [4.03] * 10, [1.0] + [4.03] * 8 + [50.0]]
+    monkeypatch.setattr(autotune, "_time_rounds", lambda calls, *args: samples)
+    best, single_us = autotune._fastest([lambda: None] * 3, [1.0, 1.0, 1.001])
+    assert best == 1 and single_us == pytest.approx({0: 4.075, 1: 4.03, 2: 4.03})
+
+
+def test_trimmed_mean_checks_its_arguments():
+    assert timing.trimmed_mean([1.0, 2.0, 3.0, 100.0], cut=0.25) == 2.5
+    assert timing.trimmed_mean([7.0]) == 7.0
+    for samples, cut in (([], 0.1), ([1.0], 0.5), ([1.0], -0.1)):
+        with pytest.raises(ValueError, match="trimmed_mean: needs samples"):
+            timing.trimmed_mean(samples, cut)
 
 
 WRITER = textwrap.dedent("""

@@ -667,7 +667,7 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
-    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) == 9
+    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) == 11
     assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) == 9
     shared = [{**default, **changes} for changes in norm._TRIED]
     assert all(c in short_candidates and c in long_candidates for c in shared)
@@ -688,7 +688,7 @@ def test_tune_builds_two_modules_per_width_and_dtype():
             for config in space.candidates(bucket):
                 keys.add(space.job_key(bucket, config))
                 configs.add(tuple(config.values()))
-    assert len(configs) == 13
+    assert len(configs) == 15
     assert keys == {("jitk.norm", 5120, torch.bfloat16, "default"),
                     ("jitk.norm", 5120, torch.bfloat16, "candidates")}
 
@@ -697,7 +697,7 @@ def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The one module of the tuner's choices at a width (for sm_90 here): an entry pair per
     choice, each with the kernel's own checks."""
     kernels_ = norm._candidate_kernels(128, torch.bfloat16)
-    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 12
+    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 14
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
     for pair in kernels_:
         assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)

@@ -41,7 +41,7 @@ from . import __version__
 from .cache import cache_root
 from .custom_op import OpInfo, find_op, op_info
 from .lock import build_lock, lock_path
-from .timing import captured_graph
+from .timing import captured_graph, trimmed_mean
 
 __all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
 
@@ -55,10 +55,10 @@ CALLS_PER_GRAPH, ROUNDS = 20, 7
 SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 # Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which the fastest
 # single call breaks: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of
-# SINGLE_PAUSE_CYCLES, as a call alone on the GPU. On an H100, RMSNorm candidates 1.1-1.5%
-# apart here were level under bench_rmsnorm_peers.py's graph replay, and one of them a
-# timer step (~0.2 us) faster as a single call.
-GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 15, 40_000
+# SINGLE_PAUSE_CYCLES, as a call alone on the GPU, and their trimmed mean (timing.py says why
+# not the median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
+# bench_rmsnorm_peers.py's graph replay, and one of them ~0.2 us faster as a single call.
+GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
 
 
 def tuning_file() -> Path:
@@ -339,8 +339,8 @@ def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> No
 @dataclasses.dataclass
 class Result:
     """One tuned bucket: the winner, every candidate's median under graph replay (None:
-    failed the reference check, with the reason in `failures`), and the single-call medians
-    of the candidates that tied under graph replay (empty when none did)."""
+    failed the reference check, with the reason in `failures`), and the single-call trimmed
+    means of the candidates that tied under graph replay (empty when none did)."""
 
     op: str
     bucket: list
@@ -353,9 +353,9 @@ class Result:
 
 
 def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
-                 pause_cycles: int = 0) -> list[float]:
-    """us per call of each run (a graph's replay of `per_run` calls, or one call): the runs
-    interleaved over `rounds`, the median of each. The order rotates from round to round, so
+                 pause_cycles: int = 0) -> list[list[float]]:
+    """us per call of each run (a graph's replay of `per_run` calls, or one call) in each
+    round: the runs interleaved over `rounds`. The order rotates from round to round, so
     that no run always follows the same one; with `pause_cycles`, each run waits behind a GPU
     sleep of its own. A round is queued whole while the GPU sleeps; when the GPU woke before
     the host had queued it, the round is taken again behind a longer sleep. The events so
@@ -387,7 +387,7 @@ def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
                                f"sleep of {sleep // 2} cycles")
         for sample, (start, end) in zip(samples, marks):
             sample.append(start.elapsed_time(end) * 1e3 / per_run)
-    return [statistics.median(sample) for sample in samples]
+    return samples
 
 
 def _fastest(calls: list[Callable[[], object]], graph_us: list[float]) -> tuple[int, dict]:
@@ -396,8 +396,8 @@ def _fastest(calls: list[Callable[[], object]], graph_us: list[float]) -> tuple[
     tie = [i for i, us in enumerate(graph_us) if us <= min(graph_us) * (1 + GRAPH_TIE)]
     if len(tie) == 1:
         return tie[0], {}
-    single_us = dict(zip(tie, _time_rounds([calls[i] for i in tie], 1, SINGLE_ROUNDS,
-                                           SINGLE_PAUSE_CYCLES)))
+    single_us = {i: trimmed_mean(sample) for i, sample in zip(
+        tie, _time_rounds([calls[i] for i in tie], 1, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES))}
     return min(tie, key=lambda i: (single_us[i], graph_us[i])), single_us
 
 
@@ -431,7 +431,8 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
                            f"reference: {failures}")
     calls_of = [lambda fn=fn: fn(*args, **kwargs) for _, fn in runs]
     graphs = [captured_graph(call, calls) for call in calls_of]
-    times = _time_rounds([graph.replay for graph in graphs], calls, rounds)
+    times = [statistics.median(sample)
+             for sample in _time_rounds([graph.replay for graph in graphs], calls, rounds)]
     del graphs
     best, single_us = _fastest(calls_of, times)
     default = json.dumps(candidates[0], sort_keys=True)
