@@ -107,12 +107,16 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,
 # room while this one has blocks to place) pay. H100 sweeps, in bench_rmsnorm_peers.py's
 # timing: at 1024 rows, up to 7% ahead of the earlier choices (1024x12288 bf16 in place 10.62
 # us against SGLang's 10.91, where those trailed at 11.40); the late launch on the short path
-# 1x8192 fp16 1.44 us (SGLang 1.55), 1024x5120 fp16 in place 4.45 (4.66). At 256 rows, of 81
-# products without the loop, the two added last were the ones at or below SGLang both under
-# graph replay and as single calls (256x4096 fp16: 0.977 and 0.976 of SGLang with 4 registers;
-# bf16 in place: 0.968 and 0.981 with 8), where the earlier choices' best was 1.00-1.05 as
-# single calls. A set is 9 or 11 of a width's 15 choices, which share a module
-# (_candidate_kernels), so that tuning the benchmark's shapes stays within a minute.
+# 1x8192 fp16 1.44 us (SGLang 1.55), 1024x5120 fp16 in place 4.45 (4.66). Then products of
+# the knobs at the shapes still slower than SGLang as single calls (81 a shape at 256 rows,
+# 64 at 1024) found choices level with it or ahead in both modes, where the earlier ones' best
+# trailed by 2-5% as single calls; each was added: at 256 rows, 4 registers with the row first
+# and the late launch (4096 fp16: 0.977 of SGLang under graph replay, 0.976 single), SGLang's
+# strategy on the short path (4096 bf16 in place: 0.968, 0.981), and 8 registers on the short
+# path with fill_sm (7168 fp16: 0.996, 0.990); at 1024, 8 registers with the loop and fill_sm
+# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 10 or 12 of a
+# width's 17 choices, which share a module (_candidate_kernels), so that tuning the
+# benchmark's shapes stays within a minute.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -125,9 +129,11 @@ _TRIED_SHORT = ({**_SGLANG_LIKE, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PAT
                 {"row_registers": 8, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
                 {**_SGLANG_LIKE, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
                 {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN},
-                {"row_registers": 4, "row_first": True, **_LATE, **_ONE_TURN})
+                {"row_registers": 4, "row_first": True, **_LATE, **_ONE_TURN},
+                {"row_registers": 8, **_SHORT_PATH, **_FILL_SM, **_ONE_TURN})
 _TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM},
-               {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN})
+               {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN},
+               {"row_registers": 8, **_FILL_SM})
 _SHORT_LAUNCH_ROWS = 256
 
 

@@ -339,19 +339,22 @@ inline constexpr int kMinBlocks =
 // With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps its plan
 // for the registers its rows take, counted in the 8 a thread is given at a time: SGLang's
 // block of hidden / 16 threads at 12288 holds two blocks an SM where an uncapped one of jitk
-// held one; jitk's 384 threads there hold three.
-template <typename Tiling, bool kFusedAdd>
+// held one; jitk's 384 threads there hold three. The fused form plans 8 more, and offsets
+// pinned before the wait 16: held to the plan without them, such bodies spilled 8-164 bytes
+// (4096-12288, sm_90).
+template <typename Tiling, typename Tuning, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
   constexpr int kPlan =
       register_plan(kFusedAdd, min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
-                                   Tiling::kVecRegisters);
+                                   Tiling::kVecRegisters) +
+      (kFusedAdd ? 8 : 0) + (Tuning::kPinOffsets ? 16 : 0);
   constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
   int blocks = max_of(1, 2048 / kThreads);
   while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;
   return blocks;
 }
 template <typename Tiling, typename Tuning, bool kFusedAdd>
-inline constexpr int kMinBlocksOf = Tuning::kFillSm        ? fill_sm_blocks<Tiling, kFusedAdd>()
+inline constexpr int kMinBlocksOf = Tuning::kFillSm ? fill_sm_blocks<Tiling, Tuning, kFusedAdd>()
                                     : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
                                                            : 1;
 
