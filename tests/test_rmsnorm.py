@@ -319,12 +319,11 @@ def _spill_check_source() -> str:
                     continue
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
                 lines.append(f"using {tune} = Tuning<{make_cpp_args(*norm._knob_values(knobs))}>;")
-                shapes = ([("widest_vec_size<" + name + ">(" + str(hidden) + ")", "true"),
-                           ("widest_vec_size<" + name + ">(" + str(hidden) + ")", "false"),
-                           ("1", "true"), ("1", "false")] if i == 0 else
-                          [(f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)", "true")])
-                kernels += [f"(void*)&rmsnorm_kernel<Tiling<{hidden}, {name}, {vec}, {tune}>, {tune},"
-                            f" {fused}, {plain}>" for vec, plain in shapes
+                widest = f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)"
+                shapes = ([(widest, "true"), (widest, "false"), ("1", "true"), ("1", "false")]
+                          if i == 0 else [(widest, "true")])
+                kernels += [f"(void*)&rmsnorm_kernel<Tiling<{hidden}, {name}, {vec}, {tune}>, "
+                            f"{tune}, {fused}, {plain}>" for vec, plain in shapes
                             for fused in ("false", "true")]
     return "\n".join([*lines, "void* every_kernel[] = {" + ",\n".join(kernels) + "};", ""])
 
