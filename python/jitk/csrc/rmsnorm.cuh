@@ -339,15 +339,17 @@ inline constexpr int kMinBlocks =
 // With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps its plan
 // for the registers its rows take, counted in the 8 a thread is given at a time: SGLang's
 // block of hidden / 16 threads at 12288 holds two blocks an SM where an uncapped one of jitk
-// held one; jitk's 384 threads there hold three. The fused form plans 8 more, and offsets
-// pinned before the wait 16: held to the plan without them, such bodies spilled 8-164 bytes
-// (4096-12288, sm_90).
+// held one; jitk's 384 threads there hold three. Offsets pinned before the wait plan 8 more
+// (16 with the row loop), and the fused form's row loop 8: held to the plan without them,
+// such bodies spilled 8-164 bytes (sm_90, 4096-12288). No more: 16 for the single turn too
+// would cost the short path a block an SM at 12288 (1024 rows in place 11.04 us, not 10.48).
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
   constexpr int kPlan =
       register_plan(kFusedAdd, min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
                                    Tiling::kVecRegisters) +
-      (kFusedAdd ? 8 : 0) + (Tuning::kPinOffsets ? 16 : 0);
+      (Tuning::kPinOffsets ? (Tuning::kOneTurn ? 8 : 16) : 0) +
+      (kFusedAdd && !Tuning::kOneTurn ? 8 : 0);
   constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
   int blocks = max_of(1, 2048 / kThreads);
   while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;
