@@ -53,10 +53,10 @@ CALLS_PER_GRAPH, ROUNDS = 20, 7
 # several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS times
 # while the host turns out slower.
 SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
-# Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which the fastest
-# single call breaks: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of
-# SINGLE_PAUSE_CYCLES, as a call alone on the GPU, and their trimmed mean (timing.py says why
-# not the median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
+# Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which single calls
+# break: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of SINGLE_PAUSE_CYCLES,
+# as a call alone on the GPU; the lowest trimmed mean wins (timing.trimmed_mean says why not
+# the median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
 # bench_rmsnorm_peers.py's graph replay, and one of them ~0.2 us faster as a single call.
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
 
