@@ -3,10 +3,12 @@ same tensors: the acceptance grid of issue 18.
 
 rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition), bf16 and
 fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed
-three ways: "graph", us per call under CUDA graph replay of 10-call chains on one weight;
+four ways: "graph", us per call under CUDA graph replay of 10-call chains on one weight;
 "single", one eager call alone on the GPU; "layers", the 10-call chain with a weight of its
 own per call and L2 flushed before each replay, as decode meets each layer's weight after
-the rest of a step has pushed it out of L2. Between CUDA events in all, queued behind a 0.1
+the rest of a step has pushed it out of L2; "beside", the 10-call chain with a GEMM before
+each call (rows x 2048 by 2048 x 2048), as in a model's layer, less the 10 GEMMs alone timed
+in the same round. Between CUDA events in all, queued behind a 0.1
 ms sleep of the GPU, so that the events time the device's work and not the host's launch
 (bench_op.py times that). The providers take turns, which goes first alternating from round
 to round, after a warm-up that measures the first shape once and drops it; a figure is the
@@ -43,7 +45,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GROUPS = [(op, dtype, placement) for op, placements in
           (("rmsnorm", ("out of place", "in place")), ("fused_add_rmsnorm", ("in place",)))
           for dtype in DTYPES for placement in placements]
-MODES = ("graph", "single", "layers")
+MODES = ("graph", "single", "layers", "beside")
+OTHER_KERNEL_ONLY = "the GEMM alone"  # "beside" mode's baseline, timed in each round
 CALLS, ROUNDS, QUICK_ROUNDS = 10, 15, 7
 SLEEP_CYCLES = 200_000  # ~0.1 ms at an H100's clock: longer than the host takes to queue
 EPS = 1e-6
@@ -73,9 +76,13 @@ def tensors(rows: int, hidden: int, dtype: torch.dtype) -> dict:
     # Weights near 1 keep values finite over the repeated in-place calls of a timing; one a
     # call of a chain ("layers").
     x = torch.randn(rows, hidden, device="cuda").to(dtype)
+    gemm = [torch.randn(rows, 2048, device="cuda", dtype=dtype),
+            torch.randn(2048, 2048, device="cuda", dtype=dtype),
+            torch.empty(rows, 2048, device="cuda", dtype=dtype)]
     return {"x": x, "weights": [(0.9 + 0.2 * torch.rand(hidden, device="cuda")).to(dtype)
                                 for _ in range(CALLS)],
-            "out": torch.full_like(x, float("nan")), "residual": torch.randn_like(x)}
+            "out": torch.full_like(x, float("nan")), "residual": torch.randn_like(x),
+            "other kernel": lambda: torch.mm(gemm[0], gemm[1], out=gemm[2])}
 
 
 def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.dtype,
@@ -111,16 +118,22 @@ def l2_flush_buffer() -> torch.Tensor:
                        device="cuda")
 
 
-def rounds_us(calls: dict, mode: str, rounds: int, weights: list, flush: torch.Tensor) -> dict:
+def rounds_us(calls: dict, mode: str, rounds: int, weights: list, flush: torch.Tensor,
+              other_kernel: Callable[[], object] | None = None) -> dict:
     """name -> us per call in each round, the providers alternating; the GPU drained (and for
     "layers" L2 flushed by writing `flush`), then kept asleep while the host queues the
-    events and the run."""
+    events and the run. "beside" runs `other_kernel` before each call, and takes off a chain
+    of it alone timed in the same round."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if mode == "single":
         runs, per_run = {name: call(weights[0]) for name, call in calls.items()}, 1
         for run in runs.values():
             run()
     else:
+        if mode == "beside":
+            calls = {**{name: lambda w, call=call: chain([other_kernel, call(w)])
+                        for name, call in calls.items()},
+                     OTHER_KERNEL_ONLY: lambda w: other_kernel}
         layer_weights = weights if mode == "layers" else weights[:1] * CALLS
         runs = {name: common.captured_graph(chain([call(w) for w in layer_weights]), 1).replay
                 for name, call in calls.items()}
@@ -139,6 +152,10 @@ def rounds_us(calls: dict, mode: str, rounds: int, weights: list, flush: torch.T
             end.record()
             end.synchronize()
             samples[name].append(start.elapsed_time(end) * 1e3 / per_run)
+    if mode == "beside":
+        alone = samples.pop(OTHER_KERNEL_ONLY)
+        samples = {name: [us - other for us, other in zip(sample, alone)]
+                   for name, sample in samples.items()}
     return samples
 
 
@@ -164,7 +181,7 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
     calls = providers(sgl523, op, placement, t)
     results = []
     for mode in MODES:
-        samples = rounds_us(calls, mode, rounds, t["weights"], flush)
+        samples = rounds_us(calls, mode, rounds, t["weights"], flush, t["other kernel"])
         ratios = [j / s for j, s in zip(samples["jitk"], samples["sglang"])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         jitk_us, sglang_us, again_us = (statistics.median(samples[name])
@@ -197,7 +214,8 @@ def print_grids(results: list[dict], out) -> None:
 
 def print_summary(results: list[dict]) -> None:
     print("\njitk <= SGLang per group (graph: replay of 10-call chains; single: one call;"
-          " layers: 10-call chains, a weight a call, L2 flushed), the geometric mean of"
+          " layers: 10-call chains, a weight a call, L2 flushed; beside: the chain with a GEMM"
+          " before each call, less the GEMMs), the geometric mean of"
           " jitk/SGLang, and how far SGLang read from itself (median, largest)")
     for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
         rows = [r for r in results if (r["op"], r["dtype"], r["placement"], r["mode"]) == key]

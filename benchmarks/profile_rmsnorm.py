@@ -9,8 +9,9 @@ Nsight Compute to measure side by side (time, registers, occupancy, instructions
 The L2 stays warm between launches (--cache-control none), as in the 10-call graphs of
 bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
-bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, and chains
-on a weight a call with L2 flushed; rounds interleaved, medians), with the default also
+bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
+a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved, medians), with
+the default also
 without the weight prefetch and without PDL.
 Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
@@ -73,7 +74,8 @@ def main() -> None:
     if args.time:
         flush = peers.l2_flush_buffer()
         for mode in peers.MODES:
-            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush)
+            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush,
+                                      t["other kernel"])
             for name, us in samples.items():
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
         return

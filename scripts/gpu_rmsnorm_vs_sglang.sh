@@ -24,7 +24,7 @@ if [[ $stages == *" peers "* ]]; then
   PYTHONPATH="$peers:$PYTHONPATH" timeout "${PEERS_TIMEOUT:-240}" python3 \
     benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} --json "$out/peers.json" \
     --grids "$out/grids.log" > "$out/peers.log" 2>&1
-  head -n 16 "$out/peers.log"; grep -c "^  .*: .* / " "$out/peers.log"
+  head -n 30 "$out/peers.log"; grep -c "^  .*: .* / " "$out/peers.log"
 fi
 [[ $stages == *" large "* ]] && timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
 import sys
