@@ -11,8 +11,7 @@ bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
 bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
 a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved, medians), with
-the default also
-without the weight prefetch and without PDL.
+the default also without the weight prefetch and without PDL.
 Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
 import argparse
@@ -72,10 +71,10 @@ def main() -> None:
             call(weight)()
     torch.cuda.synchronize()
     if args.time:
-        flush = peers.l2_flush_buffer()
+        flush, gemm = peers.l2_flush_buffer(), peers.gemm_beside(args.rows, dtype)
         for mode in peers.MODES:
             samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush,
-                                      t["other kernel"])
+                                      gemm)
             for name, us in samples.items():
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
         return

@@ -125,14 +125,19 @@ def gencode_flags(archs: tuple[str, ...]) -> list[str]:
     return flags
 
 
+def include_flags(include_dirs: list[str | Path]) -> list[str]:
+    """nvcc's and the host compiler's -I flags: `include_dirs`, then tvm-ffi's and DLPack's."""
+    return [f"-I{path}" for path in dict.fromkeys(
+        [*map(str, include_dirs), find_include_path(), find_dlpack_include_path()])]
+
+
 def build_file(spec: BuildSpec) -> str:
     """build.ninja for `spec`: the sources are compiled to objects and linked into
     `<name>.so`. Build statements name only generated files, relative to the build folder
     (nvcc hands its input's path to a shell unescaped); every outside path is in a variable,
     quoted for the shell and escaped for ninja."""
     flags = spec.flags
-    includes = [f"-I{path}" for path in dict.fromkeys(
-        [*flags["include_dirs"], find_include_path(), find_dlpack_include_path()])]
+    includes = include_flags(flags["include_dirs"])
     tvm_ffi_lib = Path(find_libtvm_ffi())
     ldflags = [f"-L{tvm_ffi_lib.parent}", "-l" + tvm_ffi_lib.stem.removeprefix("lib")]
     lines = ["ninja_required_version = 1.3",
