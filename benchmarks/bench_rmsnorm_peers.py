@@ -38,6 +38,7 @@ import common  # noqa: E402
 
 import jitk  # noqa: E402
 import jitk.norm  # noqa: E402  (registers the operators)
+from jitk.timing import gemm_neighbour  # noqa: E402
 
 ROWS = (1, 16, 77, 256, 1024, 4096)
 HIDDENS = (4096, 5120, 7168, 8192, 12288)
@@ -79,13 +80,6 @@ def tensors(rows: int, hidden: int, dtype: torch.dtype) -> dict:
     return {"x": x, "weights": [(0.9 + 0.2 * torch.rand(hidden, device="cuda")).to(dtype)
                                 for _ in range(CALLS)],
             "out": torch.full_like(x, float("nan")), "residual": torch.randn_like(x)}
-
-
-def gemm_beside(rows: int, dtype: torch.dtype) -> Callable[[], object]:
-    """The other kernel of "beside" mode: rows x 2048 by 2048 x 2048, on tensors of its own."""
-    a, b = (torch.randn(n, 2048, device="cuda", dtype=dtype) for n in (rows, 2048))
-    out = torch.empty(rows, 2048, device="cuda", dtype=dtype)
-    return lambda: torch.mm(a, b, out=out)
 
 
 def check(sgl523, op: str, placement: str, rows: int, hidden: int, dtype: torch.dtype,
@@ -181,7 +175,7 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
     if any(problems.values()):
         raise AssertionError(f"{op} {dtype_name} {placement} {rows}x{hidden}: {problems}")
     t = tensors(rows, hidden, dtype)
-    calls, gemm = providers(sgl523, op, placement, t), gemm_beside(rows, dtype)
+    calls, gemm = providers(sgl523, op, placement, t), gemm_neighbour(rows, dtype)
     results = []
     for mode in MODES:
         samples = rounds_us(calls, mode, rounds, t["weights"], flush, gemm)

@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rmsnorm_peers as peers  # noqa: E402
 
+from jitk.timing import gemm_neighbour  # noqa: E402
+
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
            "launch__occupancy_limit_registers", "launch__occupancy_limit_warps",
            "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
@@ -71,7 +73,7 @@ def main() -> None:
             call(weight)()
     torch.cuda.synchronize()
     if args.time:
-        flush, gemm = peers.l2_flush_buffer(), peers.gemm_beside(args.rows, dtype)
+        flush, gemm = peers.l2_flush_buffer(), gemm_neighbour(args.rows, dtype)
         for mode in peers.MODES:
             samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush,
                                       gemm)

@@ -4,7 +4,8 @@
 # second process reading the tuning file; the summary here, the grids in grids.log; QUICK=1
 # for fewer rounds), 32768x8192 against a copy of the same bytes, then the GPU tests of RMSNorm
 # and the parity harness. Full logs are left in $OUT (default /tmp/jitk-gpu-out).
-#   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune] [peers] [large] [tests]   (default: all)
+#   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune|tune-beside] [peers] [large] [tests]
+# (default: tune peers large tests; tune-beside tunes with `jitk tune --beside` instead)
 # SGLang's kernels are looked for at .peers/sgl523 (or PEERS=DIR); a stage run alone reuses
 # the tuning file of an earlier one in JITK_CACHE_DIR.
 set -uo pipefail
@@ -13,13 +14,14 @@ stages=" ${*:-tune peers large tests} "
 . scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
-if [[ $stages == *" tune "* ]]; then
+for stage in tune tune-beside; do  # tune-beside: each call timed after a GEMM, PDL tried off
+  [[ $stages == *" $stage "* ]] || continue
   start=$SECONDS
-  timeout 200 python3 -m jitk tune rmsnorm fused_add_rmsnorm --dtype bfloat16 float16 -v \
-    > "$out/tune.log" 2>&1
-  grep -E "^(built|tuned)|failed|rror" "$out/tune.log" | tail -n 5
-  echo "tune: $((SECONDS - start)) s"
-fi
+  timeout 300 python3 -m jitk tune rmsnorm fused_add_rmsnorm --dtype bfloat16 float16 -v \
+    $([[ $stage == tune-beside ]] && echo --beside) > "$out/$stage.log" 2>&1
+  grep -E "^(built|tuned)|failed|rror" "$out/$stage.log" | tail -n 5
+  echo "$stage: $((SECONDS - start)) s"
+done
 if [[ $stages == *" peers "* ]]; then
   PYTHONPATH="$peers:$PYTHONPATH" timeout "${PEERS_TIMEOUT:-240}" python3 \
     benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} --json "$out/peers.json" \

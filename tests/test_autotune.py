@@ -128,6 +128,38 @@ def test_space_declaration_errors():
         autotune.TuningSpace({"threads": ()}, bucket=len, default=dict, build=_build)
     with pytest.raises(TypeError, match="'build' must be a function"):
         autotune.TuningSpace({"threads": (1,)}, bucket=len, default=dict, build=None)
+    with pytest.raises(ValueError, match=r"beside_knobs names no knob: \['pdl'\]"):
+        autotune.TuningSpace({"threads": (1,)}, bucket=len, default=dict, build=_build,
+                             neighbour=lambda args, kwargs: print, beside_knobs=("pdl",))
+    with pytest.raises(ValueError, match="beside_knobs need a neighbour"):
+        autotune.TuningSpace({"pdl": (True, False)}, bucket=len, default=dict, build=_build,
+                             beside_knobs=("pdl",))
+
+
+def test_beside_knobs_leave_their_default_only_beside_the_neighbour():
+    seen = []
+
+    def allowed(bucket, config):
+        seen.append(config["pdl"])
+        return config["threads"] != 512
+
+    space = autotune.TuningSpace(
+        {"threads": (128, 256, 512), "pdl": (True, False)}, bucket=len, build=_build,
+        default=lambda bucket: {"threads": 128, "pdl": True}, allowed=allowed,
+        neighbour=lambda args, kwargs: print, beside_knobs=("pdl",))
+    assert space.candidates((8,)) == [{"threads": 128, "pdl": True},
+                                      {"threads": 256, "pdl": True}]
+    assert space.candidates((8,), beside=True) == [
+        {"threads": 128, "pdl": True}, {"threads": 128, "pdl": False},
+        {"threads": 256, "pdl": True}, {"threads": 256, "pdl": False}]
+    assert set(seen) == {True}  # allowed judges the other knobs, the beside ones at default
+
+
+def test_tuning_beside_needs_a_neighbour():
+    # Refused before anything is built or timed, GPU or not.
+    with pytest.raises(ValueError, match="jitk_tune::copy's tuning space names no neighbour"):
+        autotune.tune(copy, (torch.ones(4), torch.empty(4)), beside=True)
+    assert BUILT == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -231,6 +263,23 @@ def test_a_tie_goes_to_the_lower_trimmed_mean_not_the_lower_median(monkeypatch):
     assert best == 1 and single_us == pytest.approx({0: 4.075, 1: 4.03, 2: 4.03})
 
 
+def test_beside_a_neighbour_its_time_in_the_same_round_is_taken_off(monkeypatch):
+    timed = []
+
+    def rounds(runs, per_run, rounds_, pause_cycles=0):
+        timed.append(runs)
+        return [[5.0, 9.0], [6.0, 8.5], [1.0, 4.0]][:len(runs)]  # the neighbour's last
+    monkeypatch.setattr(autotune, "_time_rounds", rounds)
+    neighbour = object()
+    assert autotune._time_less(["a", "b"], neighbour, 20, 2) == [[4.0, 5.0], [5.0, 4.5]]
+    assert timed[-1] == ["a", "b", neighbour]
+    assert autotune._time_less(["a", "b"], None, 20, 2) == [[5.0, 9.0], [6.0, 8.5]]
+    # A tie broken by single calls takes off the neighbour's single call, timed with them.
+    assert autotune._fastest([lambda: 0, lambda: 1], [1.0, 1.0], neighbour) == (
+        0, {0: 4.5, 1: 4.75})  # the means of (4, 5) and (5, 4.5)
+    assert timed[-1][-1] is neighbour
+
+
 def test_trimmed_mean_checks_its_arguments():
     assert timing.trimmed_mean([1.0, 2.0, 3.0, 100.0], cut=0.25) == 2.5
     assert timing.trimmed_mean([7.0]) == 7.0
@@ -277,6 +326,25 @@ def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh
     reused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300, check=True)
     assert reused.stdout.strip() == str(sorted(result.config.items()))  # the file's order
+
+
+@pytest.mark.gpu
+def test_tuning_fused_add_rmsnorm_beside_a_gemm_tries_pdl_off_and_records_the_setting(
+        fresh_file):
+    import jitk.norm  # noqa: F401 - registers the operator
+
+    info = jitk.custom_op.find_op("jitk::fused_add_rmsnorm")
+    args, kwargs = info.tuning.sample_calls((16, 4096), torch.bfloat16, torch.device("cuda"))[0]
+    bucket = info.tuning.bucket(*args, **kwargs)
+    result = autotune.tune(info, args, kwargs, beside=True)
+    tried = [config for config, us in result.timings if us is not None]
+    assert result.beside and not result.failures
+    assert len(tried) == len(info.tuning.candidates(bucket, beside=True)) == 24
+    assert {config["pdl"] for config in tried} == {True, False}
+    assert result.us == min(us for _, us in result.timings)
+    assert 0 < result.us < 50  # the GEMM's time is taken off: a 16x4096 norm's microseconds
+    (entry,) = json.loads(fresh_file.read_text())["entries"]
+    assert entry["beside"] is True and entry["config"] == result.config
 
 
 @pytest.mark.gpu

@@ -356,3 +356,11 @@ def test_tune_without_a_gpu_fails_in_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip() == ("jitk: error: tune times kernels on a GPU, and none is "
                                      "visible")
+
+
+def test_tune_beside_refuses_an_op_without_a_neighbour_before_looking_for_a_gpu(tmp_path):
+    result = jitk_cli("tune", "--beside", "fused_add_rmsnorm", "transfer_hicache_one_layer",
+                      cwd=tmp_path, timeout=300)
+    assert result.returncode == 2
+    assert ("--beside: no neighbour kernel to be timed beside (TuningSpace.neighbour) for "
+            "jitk::transfer_hicache_one_layer") in result.stderr

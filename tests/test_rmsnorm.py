@@ -317,9 +317,9 @@ def _spill_check_source() -> str:
         for dtype, name in ((torch.bfloat16, "jitk::bf16_t"), (torch.float16, "jitk::fp16_t")):
             default = norm._default_knobs((hidden, dtype))
             for i, knobs in enumerate((default, *norm._candidates(hidden, dtype))):
-                if any((hidden, knobs) == (width, {**default, **changes})
-                       for width, changes in KNOWN_SPILLS):
-                    continue
+                if not knobs["pdl"] or any((hidden, knobs) == (width, {**default, **changes})
+                                           for width, changes in KNOWN_SPILLS):
+                    continue  # without PDL: the same kernel as with it (Tuning::Body)
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
                 lines.append(f"using {tune} = Tuning<{make_cpp_args(*norm._knob_values(knobs))}>;")
                 widest = f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)"
@@ -536,6 +536,25 @@ def test_tried_knobs_match_reference(changes, hidden, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 256])
+def test_a_choice_without_pdl_gives_the_same_bits(rows):
+    """PDL off (tried beside a GEMM) launches the same kernel: equal results, both ops."""
+    dtype, hidden = torch.float16, 5120
+    bucket = (hidden, dtype, rows)
+    x, residual = (random(rows, hidden, dtype=dtype) for _ in range(2))
+    weight = random(hidden, dtype=dtype)
+    results = []
+    for pdl in (True, False):
+        kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "pdl": pdl})
+        out, x_, residual_ = poisoned_like(x), x.clone(), residual.clone()
+        kernels.rmsnorm(x, weight, out, 1e-6)
+        kernels.fused_add_rmsnorm(x_, residual_, weight, 1e-6)
+        results.append((out, x_, residual_))
+    assert_matches(results[1][0], reference(x, weight), dtype)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.gpu
 def test_eps_is_honoured():
     dtype, hidden = torch.float32, 100
     weight = random(hidden, dtype=dtype)
@@ -717,28 +736,35 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     assert not any(c["row_registers"] == 8 and c["sum_chains"] == 4 for c in long_candidates)
     assert not any(c["fill_sm"] and c["row_registers"] == 16 for c in short_candidates)
     assert {**default, **norm._SHORT_PATH, "fill_sm": True} in long_candidates
+    # Beside a GEMM, each choice also without PDL; after itself, PDL always.
+    for bucket, alone in ((short, short_candidates), (long, long_candidates)):
+        beside = space.candidates(bucket, beside=True)
+        assert all(c["pdl"] for c in alone) and beside[:1] == alone[:1]
+        assert sorted(map(str, beside)) == sorted(
+            str({**c, "pdl": pdl}) for c in alone for pdl in (True, False))
 
 
 def test_tune_builds_two_modules_per_width_and_dtype():
     """The default's, and one that holds every other choice the tuner tries: both ops and
     every row bucket of a width share them."""
-    keys, configs = set(), set()
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
-        for rows in (1, 16, 128, 256, 1024, 4096):
-            bucket = (5120, torch.bfloat16, rows)
-            for config in space.candidates(bucket):
-                keys.add(space.job_key(bucket, config))
-                configs.add(tuple(config.values()))
-    assert len(configs) == 17
-    assert keys == {("jitk.norm", 5120, torch.bfloat16, "default"),
-                    ("jitk.norm", 5120, torch.bfloat16, "candidates")}
+    for beside, choices in ((False, 17), (True, 34)):  # beside a GEMM: each without PDL too
+        keys, configs = set(), set()
+        for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+            for rows in (1, 16, 128, 256, 1024, 4096):
+                bucket = (5120, torch.bfloat16, rows)
+                for config in space.candidates(bucket, beside):
+                    keys.add(space.job_key(bucket, config))
+                    configs.add(tuple(config.values()))
+        assert len(configs) == choices
+        assert keys == {("jitk.norm", 5120, torch.bfloat16, "default"),
+                        ("jitk.norm", 5120, torch.bfloat16, "candidates")}
 
 
 def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The one module of the tuner's choices at a width (for sm_90 here): an entry pair per
-    choice, each with the kernel's own checks."""
+    choice (16, then the 17 with the default without PDL), each with the kernel's checks."""
     kernels_ = norm._candidate_kernels(128, torch.bfloat16)
-    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 16
+    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 33
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
     for pair in kernels_:
         assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)

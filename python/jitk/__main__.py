@@ -323,8 +323,6 @@ def run_tune(args: argparse.Namespace) -> int:
 
     from . import autotune
 
-    if not torch.cuda.is_available():
-        raise CommandError("tune times kernels on a GPU, and none is visible")
     dtypes = {name: getattr(torch, name, None) for name in args.dtype}
     for name, dtype in dtypes.items():
         if not isinstance(dtype, torch.dtype):
@@ -332,6 +330,14 @@ def run_tune(args: argparse.Namespace) -> int:
     ops = [info for info in selected_ops(args.op) if info.tuning is not None]
     if not ops:
         raise UsageError("none of the selected ops declares a tuning space")
+    if args.beside:
+        alone = [info.name for info in ops if info.tuning.neighbour is None]
+        if args.op and alone:
+            raise UsageError("--beside: no neighbour kernel to be timed beside "
+                             f"(TuningSpace.neighbour) for {', '.join(alone)}")
+        ops = [info for info in ops if info.tuning.neighbour is not None]
+    if not torch.cuda.is_available():
+        raise CommandError("tune times kernels on a GPU, and none is visible")
     calls = {}  # one call a bucket: a transfer's bucket, say, is the same in every dtype
     for info in ops:
         for name, dtype in dtypes.items():
@@ -344,7 +350,7 @@ def run_tune(args: argparse.Namespace) -> int:
     jobs, choices = {}, collections.Counter()
     for info, (call_args, kwargs), _, _ in calls:
         bucket = info.tuning.bucket(*call_args, **kwargs)
-        for config in info.tuning.candidates(bucket):
+        for config in info.tuning.candidates(bucket, args.beside):
             key = info.tuning.job_key(bucket, config)
             jobs.setdefault(key, (info.name, bucket, config))
             choices[key] += 1
@@ -355,13 +361,14 @@ def run_tune(args: argparse.Namespace) -> int:
     built = time.perf_counter()
     print(f"built {len(jobs)} candidate(s) in {built - started:.1f} s")
     for info, (call_args, kwargs), shape, name in calls:
-        result = autotune.tune(info, call_args, kwargs)
+        result = autotune.tune(info, call_args, kwargs, beside=args.beside)
         default = info.tuning.default(info.tuning.bucket(*call_args, **kwargs))
         print(f"{info.name} {'x'.join(map(str, shape))} {name} {json.dumps(result.bucket)}: "
               f"{result.us:.2f} us "
               f"(default {result.default_us:.2f}) {_changes(result.config, default)}"
               + (f"; {len(result.failures)} failed the reference" if result.failures else "")
-              + (f"; single calls broke a tie of {len(result.tie)}" if result.tie else ""),
+              + (f"; single calls broke a tie of {len(result.tie)}" if result.tie else "")
+              + ("; beside its neighbour" if result.beside else ""),
               flush=True)
         if args.verbose:
             for config, us in result.timings:
@@ -565,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every candidate's time, not only the winner's")
     tune.add_argument("--jobs", "-j", type=positive_int, metavar="N",
                       help="builds at a time (default: the number of CPUs)")
+    tune.add_argument("--beside", action="store_true",
+                      help="time each call after the kernel a model runs before the op (a "
+                           "GEMM for the norms), less that kernel's own time, and try the "
+                           "choices that matter only there (PDL off); ops without one are "
+                           "left out")
     tune.set_defaults(handler=run_tune)
     return parser
 

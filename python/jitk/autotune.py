@@ -13,7 +13,11 @@ in turn, candidate after candidate, ROUNDS times, each round queued whole while 
 sleeps, so that the host's launches stay off the clock; each candidate's figure is its
 median. Candidates within GRAPH_TIE of the fastest are a tie that single calls break.
 Before a candidate may win, its results are checked against the op's reference
-(jitk.testing).
+(jitk.testing). Beside a neighbour (`tune(..., beside=True)`, `python -m jitk tune
+--beside`), each call runs after the kernel a model runs before the op (the space's
+`neighbour`, a GEMM for the norms), and the neighbour's own time, taken in the same round,
+is taken off: the choice is made where the op runs in a model rather than after itself,
+and knobs whose cost shows only there (the space's `beside_knobs`, PDL) are tried too.
 
 The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
 GPU name and SM count, driver, and the jitk, apache-tvm-ffi and torch versions. Entries for
@@ -59,6 +63,8 @@ SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 # the median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
 # bench_rmsnorm_peers.py's graph replay, and one of them ~0.2 us faster as a single call.
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
+# Beside a neighbour, each figure is a difference of two timings: more rounds for its median.
+BESIDE_ROUNDS = 15
 
 
 def tuning_file() -> Path:
@@ -192,6 +198,11 @@ class TuningSpace:
     module_key: (bucket, knob values) -> what identifies the module `build` makes, so that
              `python -m jitk tune` builds each once (buckets, or ops, that share a module
              share a key); default: every (op, bucket, knob values) its own.
+    neighbour: (the op's args, kwargs) -> a function that runs, on tensors of its own, the
+             kernel a model runs before the op (a norm: a GEMM), for tuning beside it.
+    beside_knobs: knobs kept at their default but when tuning beside the neighbour: their
+             gain or cost shows only between different kernels (PDL). `allowed` sees them
+             at their default.
     """
 
     knobs: Mapping[str, Sequence]
@@ -203,6 +214,8 @@ class TuningSpace:
     sample: Callable[[tuple, torch.dtype, torch.device], tuple | list] | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
     module_key: Callable[[tuple, dict], Hashable] | None = None
+    neighbour: Callable[..., Callable[[], object]] | None = None
+    beside_knobs: tuple[str, ...] = ()
     op: str = ""  # set by attach()
     calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -214,6 +227,11 @@ class TuningSpace:
         if not self.knobs or not all(isinstance(v, Sequence) and v for v in self.knobs.values()):
             raise ValueError("TuningSpace: knobs must map each knob's name to a non-empty "
                              f"sequence of values, got {dict(self.knobs)!r}")
+        unknown = set(self.beside_knobs) - set(self.knobs)
+        if unknown:
+            raise ValueError(f"TuningSpace: beside_knobs names no knob: {sorted(unknown)}")
+        if self.beside_knobs and self.neighbour is None:
+            raise ValueError("TuningSpace: beside_knobs need a neighbour to be tuned beside")
 
     def attach(self, op: Callable | OpInfo | str) -> TuningSpace:
         """Records this space as the op's (OpInfo.tuning); returns self."""
@@ -221,12 +239,16 @@ class TuningSpace:
         self.op, info.tuning = info.name, self
         return self
 
-    def candidates(self, bucket: tuple) -> list[dict]:
-        """Every allowed combination of the knobs, today's default first."""
+    def candidates(self, bucket: tuple, beside: bool = False) -> list[dict]:
+        """Every allowed combination of the knobs, today's default first; the beside_knobs
+        at other values than their default only `beside` the neighbour."""
         default = self.default(bucket)
-        every = [dict(zip(self.knobs, values))
-                 for values in itertools.product(*self.knobs.values())]
-        return [default, *(c for c in every if c != default and self.allowed(bucket, c))]
+        at_default = {name: default[name] for name in self.beside_knobs}
+        values = [(default[name],) if name in at_default and not beside else choices
+                  for name, choices in self.knobs.items()]
+        every = [dict(zip(self.knobs, combination)) for combination in itertools.product(*values)]
+        return [default, *(c for c in every
+                           if c != default and self.allowed(bucket, {**c, **at_default}))]
 
     def job_key(self, bucket: tuple, config: dict) -> Hashable:
         """Candidates with equal keys share what `build` makes (see module_key)."""
@@ -340,7 +362,8 @@ def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> No
 class Result:
     """One tuned bucket: the winner, every candidate's median under graph replay (None:
     failed the reference check, with the reason in `failures`), and the single-call trimmed
-    means of the candidates that tied under graph replay (empty when none did)."""
+    means of the candidates that tied under graph replay (empty when none did); `beside`:
+    timed after the space's neighbour, its own time taken off."""
 
     op: str
     bucket: list
@@ -350,6 +373,7 @@ class Result:
     timings: list[tuple[dict, float | None]]
     failures: dict[str, str]
     tie: list[tuple[dict, float]]
+    beside: bool = False
 
 
 def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
@@ -390,34 +414,51 @@ def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
     return samples
 
 
-def _fastest(calls: list[Callable[[], object]], graph_us: list[float]) -> tuple[int, dict]:
+def _time_less(runs: list[Callable[[], object]], alone: Callable[[], object] | None,
+               per_run: int, rounds: int, pause_cycles: int = 0) -> list[list[float]]:
+    """_time_rounds of `runs`; with `alone` (the neighbour by itself, run as they run it),
+    each sample less its time in the same round."""
+    if alone is None:
+        return _time_rounds(runs, per_run, rounds, pause_cycles)
+    *samples, neighbour = _time_rounds([*runs, alone], per_run, rounds, pause_cycles)
+    return [[us - base for us, base in zip(sample, neighbour)] for sample in samples]
+
+
+def _fastest(calls: list[Callable[[], object]], graph_us: list[float],
+             neighbour: Callable[[], object] | None = None) -> tuple[int, dict]:
     """The index of the winner, and {index: single-call us} of the tie it broke (empty when
-    one candidate was fastest under graph replay by more than GRAPH_TIE)."""
+    one candidate was fastest under graph replay by more than GRAPH_TIE). `calls` run the
+    neighbour first when there is one."""
     tie = [i for i, us in enumerate(graph_us) if us <= min(graph_us) * (1 + GRAPH_TIE)]
     if len(tie) == 1:
         return tie[0], {}
-    single_us = {i: trimmed_mean(sample) for i, sample in zip(
-        tie, _time_rounds([calls[i] for i in tie], 1, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES))}
+    single_us = {i: trimmed_mean(sample) for i, sample in zip(tie, _time_less(
+        [calls[i] for i in tie], neighbour, 1, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES))}
     return min(tie, key=lambda i: (single_us[i], graph_us[i])), single_us
 
 
 def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None, *,
-         save: bool = True, calls: int = CALLS_PER_GRAPH, rounds: int = ROUNDS) -> Result:
+         save: bool = True, beside: bool = False, calls: int = CALLS_PER_GRAPH,
+         rounds: int | None = None) -> Result:
     """Tunes the bucket of `op(*args, **kwargs)` on the GPU, with these arguments (an op
     that writes its arguments writes them repeatedly): every candidate is checked against
-    the reference, then timed; the fastest correct one is used from now on in this process
-    and, with `save`, recorded in the tuning file."""
+    the reference, then timed (`beside`: each call after the space's neighbour, whose own
+    time is taken off); the fastest correct one is used from now on in this process and,
+    with `save`, recorded in the tuning file."""
     from .testing import compare_with_reference
 
     info = op_info(op, "autotune")
     space = info.tuning
     if not isinstance(space, TuningSpace):
         raise ValueError(f"tune: {info.name} declares no tuning space")
+    if beside and space.neighbour is None:
+        raise ValueError(f"tune: {info.name}'s tuning space names no neighbour to be timed "
+                         "beside (TuningSpace.neighbour)")
     if not torch.cuda.is_available():
         raise RuntimeError("tune: needs a CUDA GPU (none is visible)")
     kwargs = dict(kwargs or {})
     bucket = space.bucket(*args, **kwargs)
-    candidates = space.candidates(bucket)
+    candidates = space.candidates(bucket, beside)
     runs, failures = [], {}
     for config in candidates:
         fn = space.build(bucket, config)
@@ -429,22 +470,27 @@ def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None
     if not runs:
         raise RuntimeError(f"tune: no candidate of {info.name} at {bucket} matches its "
                            f"reference: {failures}")
+    neighbour = space.neighbour(args, kwargs) if beside else None
     calls_of = [lambda fn=fn: fn(*args, **kwargs) for _, fn in runs]
+    if neighbour is not None:
+        calls_of = [lambda call=call: (neighbour(), call()) for call in calls_of]
     graphs = [captured_graph(call, calls) for call in calls_of]
-    times = [statistics.median(sample)
-             for sample in _time_rounds([graph.replay for graph in graphs], calls, rounds)]
-    del graphs
-    best, single_us = _fastest(calls_of, times)
+    alone = captured_graph(neighbour, calls) if neighbour is not None else None
+    times = [statistics.median(sample) for sample in _time_less(
+        [graph.replay for graph in graphs], None if alone is None else alone.replay, calls,
+        rounds or (BESIDE_ROUNDS if beside else ROUNDS))]
+    del graphs, alone
+    best, single_us = _fastest(calls_of, times, neighbour)
     default = json.dumps(candidates[0], sort_keys=True)
     timed = {json.dumps(c, sort_keys=True): t for (c, _), t in zip(runs, times)}
     result = Result(info.name, _jsonable(bucket), runs[best][0], times[best],
                     timed.get(default, float("nan")),
                     [(c, timed.get(json.dumps(c, sort_keys=True))) for c in candidates],
-                    failures, [(runs[i][0], us) for i, us in single_us.items()])
+                    failures, [(runs[i][0], us) for i, us in single_us.items()], beside)
     space._chosen[bucket] = runs[best][1]
     space.calls.clear()
     if save:
         record([{"op": info.name, "bucket": result.bucket, "environment": environment(),
                  "config": result.config, "us": round(result.us, 4),
-                 "default_us": round(result.default_us, 4)}])
+                 "default_us": round(result.default_us, 4), "beside": beside}])
     return result

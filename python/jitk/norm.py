@@ -34,6 +34,7 @@ from .autotune import TuningSpace
 from .cpp_args import make_cpp_args
 from .custom_op import Tolerance, op
 from .jit import load_jit
+from .timing import gemm_neighbour
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
 
@@ -85,9 +86,11 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # ---------------------------------------------------------------------------- tuning
 # jitk::norm::Tuning's knobs, in its template order, and the values a tuning file may name.
 # Left out of the search: the weight prefetch (it pays where each layer's weight is cold, which
-# a tuning loop over one weight never sees), PDL (it pays between different kernels) and the
-# vector width (16 bytes, SGLang's too, is the widest an H100 loads).
-_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True,),
+# a tuning loop over one weight never sees) and the vector width (16 bytes, SGLang's too, is
+# the widest an H100 loads). PDL is tried off only beside a GEMM (_BESIDE_KNOBS): after itself
+# it always pays (H100, fused 1x4096 bf16 in 10-call graphs: 0.78 of SGLang with it, 1.03
+# without), while after a GEMM it cost 2-4% at 1-256 rows.
+_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True, False),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
@@ -148,8 +151,9 @@ def _default_knobs(bucket: tuple) -> dict:
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    tried = _TRIED + (_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else _TRIED_LONG)
-    return any(knobs == {**_default_knobs(bucket), **changes} for changes in tried)
+    tried = ({}, *_TRIED, *(_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else _TRIED_LONG))
+    default = _default_knobs(bucket)
+    return any(knobs == {**default, **changes} for changes in tried)
 
 
 def _knob_values(knobs: dict) -> tuple:
@@ -157,17 +161,21 @@ def _knob_values(knobs: dict) -> tuple:
     return tuple(knobs[name] for name in _KNOBS)
 
 
+_BESIDE_KNOBS = ("pdl",)
+
+
 @functools.cache
 def _candidates(hidden: int, dtype: torch.dtype) -> tuple[dict, ...]:
     """Every choice the tuner may time at a width and dtype but the default, in one order
-    (the candidates module's); not to be modified."""
+    (the candidates module's): each with PDL, then each and the default without, which
+    launch the same kernels; not to be modified."""
     default = _default_knobs((hidden, dtype))
     candidates = []
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG):
         knobs = {**default, **changes}
         if knobs != default and knobs not in candidates:
             candidates.append(knobs)
-    return tuple(candidates)
+    return (*candidates, *({**knobs, "pdl": False} for knobs in (default, *candidates)))
 
 
 # The candidates of a width and dtype share one module: building them one module each took an
@@ -315,9 +323,15 @@ def _space(entry: str) -> TuningSpace:
             return [((x, weight, torch.empty_like(x), 1e-6), {}), ((x, weight, x, 1e-6), {})]
         return [((x, torch.randn_like(x), weight, 1e-6), {})]  # eps: the kernel has no default
 
+    def neighbour(args: tuple, kwargs: dict) -> Callable[[], object]:
+        input = args[0]
+        return gemm_neighbour(input.numel() // max(input.shape[-1], 1), input.dtype,
+                              input.device)
+
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       allowed=_tried, module_key=_module_key,
+                       allowed=_tried, module_key=_module_key, neighbour=neighbour,
+                       beside_knobs=_BESIDE_KNOBS,
                        outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))

@@ -37,6 +37,15 @@ def trimmed_mean(samples: list[float], cut: float = 0.1) -> float:
     return statistics.fmean(ordered[drop:len(ordered) - drop])
 
 
+def gemm_neighbour(rows: int, dtype: torch.dtype,
+                   device: torch.device | str = "cuda") -> Callable[[], object]:
+    """A GEMM of rows x 2048 by 2048 x 2048 on tensors of its own, as a model's projection
+    runs before its norm: what the tuner (beside=True) and the benchmarks time a norm after."""
+    a, b = (torch.randn(n, 2048, device=device, dtype=dtype) for n in (max(rows, 1), 2048))
+    out = torch.empty(max(rows, 1), 2048, device=device, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
+
+
 def captured_graph(fn: Callable[[], object], calls_per_graph: int = 100) -> torch.cuda.CUDAGraph:
     """A CUDA graph of calls_per_graph calls of fn, warmed up on a side stream, replayed once."""
     stream = torch.cuda.Stream()

@@ -67,6 +67,10 @@ struct Tuning {
   static constexpr bool kLateTrigger = kLateTrigger_;
   static constexpr bool kFillSm = kFillSm_;
   static constexpr bool kOneTurn = kOneTurn_;
+  // kPdl is a launch attribute only: launches with and without PDL run one kernel.
+  using Body =
+      Tuning<kRowRegisters_, kPrefetchWeight_, true, kMaxVecBytes_, kRegisterCap_, kBroadcastSum_,
+             kPinOffsets_, kRowFirst_, kSumChains_, kLateTrigger_, kFillSm_, kOneTurn_>;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -550,7 +554,7 @@ struct RMSNorm {
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
         .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)(
-            rmsnorm_kernel<Tiles, Tuned, kFusedAdd, kPlain>, p);
+            rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>, p);
   }
 };
 
