@@ -319,7 +319,8 @@ def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh
     bucket = info.tuning.bucket(*args, **kwargs)
     result = autotune.tune(info, args, kwargs)
     assert not result.failures and result.config in info.tuning.candidates(bucket)
-    assert result.us == min(us for _, us in result.timings if us is not None)
+    fastest = min(us for _, us in result.timings if us is not None)
+    assert fastest <= result.us <= fastest * (1 + autotune.GRAPH_TIE)  # single calls break ties
     script = ("import torch, jitk.norm, jitk\n"
               "space = jitk.custom_op.find_op('jitk::rmsnorm').tuning\n"
               f"print(sorted(space.config((4096, torch.bfloat16, {bucket[2]})).items()))\n")
@@ -341,7 +342,8 @@ def test_tuning_fused_add_rmsnorm_beside_a_gemm_tries_pdl_off_and_records_the_se
     assert result.beside and not result.failures
     assert len(tried) == len(info.tuning.candidates(bucket, beside=True)) == 24
     assert {config["pdl"] for config in tried} == {True, False}
-    assert result.us == min(us for _, us in result.timings)
+    fastest = min(us for _, us in result.timings)
+    assert fastest <= result.us <= fastest * (1 + autotune.GRAPH_TIE)  # single calls break ties
     assert 0 < result.us < 50  # the GEMM's time is taken off: a 16x4096 norm's microseconds
     (entry,) = json.loads(fresh_file.read_text())["entries"]
     assert entry["beside"] is True and entry["config"] == result.config
