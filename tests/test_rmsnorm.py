@@ -297,15 +297,13 @@ def test_the_largest_hidden_size_builds():
     assert "'weight'" in message and "expected 1073741824 but got 128" in message
 
 
-# The kernels known to spill, all at 4096 (128 threads), where the tuner times them as they
-# are (on an H100 none won a 4096 bucket): the short path with the late launch and the
-# loop, 48-72 bytes under the 8-block register cap (64 a thread; 88-106 uncapped); the
+# The kernels known to spill, both at 4096 (128 threads), where the tuner times them as they
+# are (on an H100 neither won a 4096 bucket): the short path with the late launch and the
+# loop, 48-72 bytes under the 8-block register cap (64 a thread; 88-106 uncapped); and the
 # short path with four sums and fill_sm, 8 bytes, which a larger plan would cost a block an
-# SM at 12288, where it wins (rmsnorm.cuh, fill_sm_blocks); and the short path with four sums
-# without fill_sm, fused float16, 12 bytes since the prefetch's block became a parameter.
+# SM at 12288, where it wins (rmsnorm.cuh, fill_sm_blocks).
 KNOWN_SPILLS = (4096, {**norm._SHORT_PATH, **norm._LATE}), (
-    4096, {**norm._SHORT_PATH, **norm._FOUR_SUMS, **norm._FILL_SM, **norm._ONE_TURN}), (
-    4096, {**norm._SHORT_PATH, **norm._FOUR_SUMS, **norm._ONE_TURN})
+    4096, {**norm._SHORT_PATH, **norm._FOUR_SUMS, **norm._FILL_SM, **norm._ONE_TURN})
 
 
 def _spill_check_source() -> str:
@@ -319,10 +317,9 @@ def _spill_check_source() -> str:
         for dtype, name in ((torch.bfloat16, "jitk::bf16_t"), (torch.float16, "jitk::fp16_t")):
             default = norm._default_knobs((hidden, dtype))
             for i, knobs in enumerate((default, *norm._candidates(hidden, dtype))):
-                if not knobs["prefetch_weight"] or any(
-                        (hidden, knobs) == (width, {**default, **changes})
-                        for width, changes in KNOWN_SPILLS):
-                    continue  # without the prefetch: the same kernel as with it (Tuning::Body)
+                if any((hidden, knobs) == (width, {**default, **changes})
+                       for width, changes in KNOWN_SPILLS):
+                    continue
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
                 lines.append(f"using {tune} = Tuning<{make_cpp_args(*norm._knob_values(knobs))}>;")
                 widest = f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)"
@@ -540,23 +537,21 @@ def test_tried_knobs_match_reference(changes, hidden, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 256])
-def test_a_choice_without_pdl_or_the_prefetch_gives_the_same_bits(rows):
-    """PDL off (tried beside a GEMM) or the weight prefetch off launch the same kernel: equal
-    results, both ops."""
+def test_a_choice_without_pdl_gives_the_same_bits(rows):
+    """PDL off (tried beside a GEMM) launches the same kernel: equal results, both ops."""
     dtype, hidden = torch.float16, 5120
     bucket = (hidden, dtype, rows)
     x, residual = (random(rows, hidden, dtype=dtype) for _ in range(2))
     weight = random(hidden, dtype=dtype)
     results = []
-    for pdl, prefetch in ((True, True), (False, True), (True, False), (False, False)):
-        kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "pdl": pdl,
-                                              "prefetch_weight": prefetch})
+    for pdl in (True, False):
+        kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "pdl": pdl})
         out, x_, residual_ = poisoned_like(x), x.clone(), residual.clone()
         kernels.rmsnorm(x, weight, out, 1e-6)
         kernels.fused_add_rmsnorm(x_, residual_, weight, 1e-6)
         results.append((out, x_, residual_))
-    assert_matches(results[-1][0], reference(x, weight), dtype)
-    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+    assert_matches(results[1][0], reference(x, weight), dtype)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.gpu
@@ -732,13 +727,8 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
-    # Up to 256 rows, each choice with the weight prefetch and without; past them, with.
-    assert len(short_candidates) == 2 * (1 + len(norm._TRIED) + len(norm._TRIED_SHORT)) == 24
+    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) == 12
     assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) == 10
-    assert all(c["prefetch_weight"] for c in long_candidates)
-    assert sorted(map(str, short_candidates)) == sorted(
-        str({**c, "prefetch_weight": prefetch}) for c in short_candidates
-        if c["prefetch_weight"] for prefetch in (True, False))
     shared = [{**default, **changes} for changes in norm._TRIED]
     assert all(c in short_candidates and c in long_candidates for c in shared)
     # Several partial sums, without the loop, only: in short launches with fewer threads too;
@@ -759,9 +749,8 @@ def test_tune_builds_two_modules_per_width_and_dtype():
     every row bucket of a width share them."""
     modules = {("jitk.norm", 5120, torch.bfloat16, "default"),
                ("jitk.norm", 5120, torch.bfloat16, "candidates")}
-    # 17 choices, and the 12 tried up to 256 rows also without the prefetch; beside a GEMM
-    # each without PDL too, in a module of their own.
-    for beside, choices, more in ((False, 29, set()), (True, 58, {
+    # Beside a GEMM, each of the 17 choices without PDL too, in a module of their own.
+    for beside, choices, more in ((False, 17, set()), (True, 34, {
             ("jitk.norm", 5120, torch.bfloat16, "candidates without PDL")})):
         keys, configs = set(), set()
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
@@ -775,10 +764,10 @@ def test_tune_builds_two_modules_per_width_and_dtype():
 
 def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The module of the tuner's choices with PDL at a width (for sm_90 here): an entry pair
-    per choice (16, then the 17 with the default without the prefetch), each with the
-    kernel's checks."""
+    per choice, each with the kernel's own checks; those without PDL, another."""
     kernels_ = norm._candidate_kernels(128, torch.bfloat16)
-    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 33
+    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 16
+    assert len(norm._candidates(128, torch.bfloat16, pdl=False)) == 17  # the default's too
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
     for pair in kernels_:
         assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)

@@ -86,16 +86,15 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # ---------------------------------------------------------------------------- tuning
 # jitk::norm::Tuning's knobs, in its template order, and the values a tuning file may name.
 # Left out of the search: the vector width (16 bytes, SGLang's too, is the widest an H100
-# loads). Block 0's weight prefetch pays where each layer's weight is cold and the previous
-# kernel still runs (H100, 10-call chains with a weight a call and L2 flushed, 16x4096 bf16 in
-# place: 0.91 of SGLang with it, 1.01 without) and costs a single call from an idle GPU its
-# time (1x5120 bf16 in place: 1.000 with it, 0.966 without); it is tried off up to
-# _SHORT_LAUNCH_ROWS rows, where that time shows. PDL is tried off only beside a GEMM
-# (_BESIDE_KNOBS): after itself
+# loads) and block 0's weight prefetch, which pays where each layer's weight is cold, as in a
+# model, and a tuning loop over one weight never shows it (H100, 16x4096 fp16 in place after a
+# GEMM, a weight a call and L2 flushed: 0.982 of SGLang with it, 1.019 without; tuned off up
+# to 256 rows, it cost 2.6-6.3% in chains of cold weights, and single calls gained nothing that
+# a second run repeated). PDL is tried off only beside a GEMM (_BESIDE_KNOBS): after itself
 # it always pays (H100, fused 1x4096 bf16 in 10-call graphs: 0.78 of SGLang with it, 1.03
 # without), while after a GEMM it cost up to 4% at 1-256 rows, and `tune --beside` turned it
 # off in 150 of 180 buckets.
-_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (True, False),
+_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True,), "pdl": (True, False),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
@@ -122,10 +121,9 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # and the late launch (4096 fp16: 0.977 of SGLang under graph replay, 0.976 single), SGLang's
 # strategy on the short path (4096 bf16 in place: 0.968, 0.981), and 8 registers on the short
 # path with fill_sm (7168 fp16: 0.996, 0.990); at 1024, 8 registers with the loop and fill_sm
-# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 10 of a
-# width's 17 choices past 256 rows, and up to it 12, each also without the prefetch; they
-# share a module (_candidate_kernels), so that tuning the benchmark's shapes stays within a
-# minute.
+# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 10 or 12 of a
+# width's 17 choices, which share a module (_candidate_kernels), so that tuning the
+# benchmark's shapes stays within a minute.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -156,13 +154,9 @@ def _default_knobs(bucket: tuple) -> dict:
 
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
-    """Whether the tuner times `knobs` at `bucket` (the default always; up to
-    _SHORT_LAUNCH_ROWS rows, each choice also without the prefetch)."""
-    short = bucket[2] <= _SHORT_LAUNCH_ROWS
-    tried = ({}, *_TRIED, *(_TRIED_SHORT if short else _TRIED_LONG))
+    """Whether the tuner times `knobs` at `bucket` (the default always)."""
+    tried = ({}, *_TRIED, *(_TRIED_SHORT if bucket[2] <= _SHORT_LAUNCH_ROWS else _TRIED_LONG))
     default = _default_knobs(bucket)
-    if short:
-        knobs = {**knobs, "prefetch_weight": default["prefetch_weight"]}
     return any(knobs == {**default, **changes} for changes in tried)
 
 
@@ -176,18 +170,15 @@ _BESIDE_KNOBS = ("pdl",)
 
 @functools.cache
 def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict, ...]:
-    """Every choice the tuner may time at a width and dtype with PDL (or without) but the
-    default, in one order (a candidates module's): each with the prefetch, then each and the
-    default without it, which launch the same kernels; not to be modified."""
+    """Every choice the tuner may time at a width and dtype with PDL (or, the default too,
+    without) but the default, in one order (a candidates module's); not to be modified."""
     default = _default_knobs((hidden, dtype))
     choices = [default]
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG):
         knobs = {**default, **changes}
         if knobs not in choices:
             choices.append(knobs)
-    every = ({**knobs, "pdl": pdl, "prefetch_weight": prefetch}
-             for prefetch in (True, False) for knobs in choices)
-    return tuple(knobs for knobs in every if knobs != default)
+    return tuple(knobs for knobs in ({**c, "pdl": pdl} for c in choices) if knobs != default)
 
 
 # The candidates of a width and dtype share one module (those without PDL, tried only beside a

@@ -67,10 +67,10 @@ struct Tuning {
   static constexpr bool kLateTrigger = kLateTrigger_;
   static constexpr bool kFillSm = kFillSm_;
   static constexpr bool kOneTurn = kOneTurn_;
-  // The kernel's own knobs: PDL is a launch attribute and the prefetch a parameter
-  // (Params::prefetch_block), so that choices differing in those alone run one kernel.
-  using Body = Tuning<kRowRegisters_, true, true, kMaxVecBytes_, kRegisterCap_, kBroadcastSum_,
-                      kPinOffsets_, kRowFirst_, kSumChains_, kLateTrigger_, kFillSm_, kOneTurn_>;
+  // kPdl is a launch attribute only: launches with and without PDL run one kernel.
+  using Body =
+      Tuning<kRowRegisters_, kPrefetchWeight_, true, kMaxVecBytes_, kRegisterCap_, kBroadcastSum_,
+             kPinOffsets_, kRowFirst_, kSumChains_, kLateTrigger_, kFillSm_, kOneTurn_>;
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
@@ -138,14 +138,12 @@ struct Params {
   int64_t x_stride, y_stride;  // between rows, for plain rows
   uint32_t plain_rows;         // the row count for plain rows, else 0
   float eps;
-  uint32_t prefetch_block;  // the block that prefetches the weight into L2; kNoBlock: none
   // Rows in two runs.
   RowSplit split;  // how rows are numbered, shared by x and y
   RowStrides x_rows, y_rows;
   int64_t rows;
 };
-static_assert(offsetof(Params, split) == 56, "a plain call's parameters fit in one line");
-inline constexpr uint32_t kNoBlock = std::numeric_limits<uint32_t>::max();
+static_assert(offsetof(Params, split) == 48, "a plain call's parameters fill one line");
 
 // Slot k of a thread is vector lane + k * kThreadsPerRow of its row. A slot is live when
 // its row exists and reaches that far; dead slots are neither read nor written.
@@ -387,16 +385,17 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   // Addresses and the prefetch (a hint: no value a load returns changes) need no data, so
   // they come before the wait and overlap the previous kernel. One block's prefetch serves all;
   // the others skip it by predicate, not a branch (device::prefetch_l2_if).
-#pragma unroll
-  for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
-    const int index = slot_index<Tiling>(lane, k);
-    const bool line_start = index * Tiling::kVecBytes % 128 == 0;
-    device::prefetch_l2_if(
-        blockIdx.x == p.prefetch_block && slot_live<Tiling>(lane, k, true) && line_start,
-        weight + index);
-  }
   Row<Tiling, kFusedAdd, Tuning::kPinOffsets> row(p, first + group, exists(first + group),
                                                   std::bool_constant<kPlain>{});
+  if constexpr (Tuning::kPrefetchWeight) {
+#pragma unroll
+    for (int k = 0; k < Tiling::kVecsPerThread; ++k) {  // a prefetch per 128-byte line
+      const int index = slot_index<Tiling>(lane, k);
+      const bool line_start = index * Tiling::kVecBytes % 128 == 0;
+      device::prefetch_l2_if(blockIdx.x == 0 && slot_live<Tiling>(lane, k, true) && line_start,
+                             weight + index);
+    }
+  }
   // Launched with PDL, this kernel may start before the previous one is done: wait for it
   // before reading or writing anything. The next may launch now (or, with kLateTrigger, once
   // this block's work is done); either way it waits in turn for this one to finish.
@@ -515,8 +514,8 @@ struct RMSNorm {
     const bool plain = split.inner_rows() == 0 && rows <= int64_t{INT32_MAX};
     return Params{x.data(),       y.data(),     weight,
                   x_rows.inner,   y_rows.inner, plain ? static_cast<uint32_t>(rows) : 0u,
-                  check_eps(eps), 0u,           split,
-                  x_rows,         y_rows,       rows};
+                  check_eps(eps), split,        x_rows,
+                  y_rows,         rows};
   }
 
   // Whether every access of a kernel of vec_size elements lands on a whole vector.
@@ -549,12 +548,11 @@ struct RMSNorm {
   }
 
   template <typename Tiles, typename Tuned, bool kFusedAdd, bool kPlain>
-  static void launch_kernel(Params p, DLDevice device) {
+  static void launch_kernel(const Params& p, DLDevice device) {
     // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
     // every row. (A grid of what the GPU holds at once measured 3-7% slower.)
     const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
-    p.prefetch_block = Tuned::kPrefetchWeight ? 0u : kNoBlock;
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
         .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)(
             rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>, p);
