@@ -196,13 +196,19 @@ def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
     return _load("rmsnorm_tuned", hidden, dtype, tuning)[0]
 
 
+def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
+    """The place of `knobs` in its candidates module (with PDL or without), if it has one."""
+    candidates = _candidates(*bucket[:2], knobs["pdl"])
+    return candidates.index(knobs) if knobs in candidates else None
+
+
 def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
     hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
         return _kernels(hidden, dtype)
-    candidates = _candidates(hidden, dtype, knobs["pdl"])
-    if knobs in candidates:
-        return _candidate_kernels(hidden, dtype, knobs["pdl"])[candidates.index(knobs)]
+    index = _candidate_index(bucket, knobs)
+    if index is not None:
+        return _candidate_kernels(hidden, dtype, knobs["pdl"])[index]
     return _tuned_kernels(hidden, dtype, _knob_values(knobs))
 
 
@@ -213,7 +219,7 @@ def _module_key(bucket: tuple, knobs: dict) -> tuple:
     hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
         return ("jitk.norm", hidden, dtype, "default")
-    if knobs in _candidates(hidden, dtype, knobs["pdl"]):
+    if _candidate_index(bucket, knobs) is not None:
         return ("jitk.norm", hidden, dtype, "candidates" if knobs["pdl"] else
                 "candidates without PDL")
     return ("jitk.norm", hidden, dtype, *_knob_values(knobs))
