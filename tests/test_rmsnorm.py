@@ -506,8 +506,8 @@ def test_fused_add(dtype, hidden, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG],
-                         ids=str)
+@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG,
+                                     *norm._TRIED_LARGE_GRID], ids=str)
 @pytest.mark.parametrize("hidden", [5120, 12288])
 @pytest.mark.parametrize("layout", ["contiguous", "misaligned", "heads"])
 def test_tried_knobs_match_reference(changes, hidden, layout):
@@ -727,8 +727,16 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
-    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) == 12
-    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) == 10
+    large_grid = len(norm._TRIED_LARGE_GRID)
+    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) + large_grid
+    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) + large_grid
+    assert (len(short_candidates), len(long_candidates)) == (13, 11)
+    # Block 0's weight prefetch is left out only from 256 rows, where cold weights did not miss
+    # it; below, they did.
+    below = space.candidates((4096, torch.bfloat16, 128))
+    assert len(below) == 12 and all(c["prefetch_weight"] for c in below)
+    assert [c for c in short_candidates if not c["prefetch_weight"]] == [
+        {**default, **changes} for changes in norm._TRIED_LARGE_GRID]
     shared = [{**default, **changes} for changes in norm._TRIED]
     assert all(c in short_candidates and c in long_candidates for c in shared)
     # Several partial sums, without the loop, only: in short launches with fewer threads too;
@@ -749,8 +757,8 @@ def test_tune_builds_two_modules_per_width_and_dtype():
     every row bucket of a width share them."""
     modules = {("jitk.norm", 5120, torch.bfloat16, "default"),
                ("jitk.norm", 5120, torch.bfloat16, "candidates")}
-    # Beside a GEMM, each of the 17 choices without PDL too, in a module of their own.
-    for beside, choices, more in ((False, 17, set()), (True, 34, {
+    # Beside a GEMM, each of the 18 choices without PDL too, in a module of their own.
+    for beside, choices, more in ((False, 18, set()), (True, 36, {
             ("jitk.norm", 5120, torch.bfloat16, "candidates without PDL")})):
         keys, configs = set(), set()
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
@@ -766,8 +774,8 @@ def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The module of the tuner's choices with PDL at a width (for sm_90 here): an entry pair
     per choice, each with the kernel's own checks; those without PDL, another."""
     kernels_ = norm._candidate_kernels(128, torch.bfloat16)
-    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 16
-    assert len(norm._candidates(128, torch.bfloat16, pdl=False)) == 17  # the default's too
+    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 17
+    assert len(norm._candidates(128, torch.bfloat16, pdl=False)) == 18  # the default's too
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
     for pair in kernels_:
         assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)
