@@ -13,9 +13,11 @@ ms sleep of the GPU, so that the events time the device's work and not the host'
 (bench_op.py times that). The providers take turns, which goes first alternating from round
 to round, after a warm-up that measures the first shape once and drops it; a figure is the
 median of its rounds. SGLang runs twice a round, as two providers, so that each shape shows
-how far SGLang's kernel reads from itself. Noise: the larger of that distance and half the
-interquartile range of the per-round ratio jitk/SGLang; a ratio above 1 by no more than
-that is "within noise" and counted apart, neither as a win nor hidden. Both providers'
+how far SGLang's kernel reads from itself. Noise: the largest of that distance, half the
+interquartile range of the per-round ratio jitk/SGLang, and one step of the event timer
+(measured at the start: 32 ns on an H100, a tenth of it a call of a 10-call chain), below
+which two medians cannot be told apart; a ratio above 1 by no more than that is "within
+noise" and counted apart, neither as a win nor hidden. Both providers'
 results are checked against float32 torch first, on fresh data; a size SGLang refuses is
 reported as such. jitk runs what a lookup picks: the tuning file's choice (`python -m jitk
 tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see
@@ -156,13 +158,29 @@ def rounds_us(calls: dict, mode: str, rounds: int, weights: list, flush: torch.T
     return samples
 
 
+def event_step_us(samples: int = 400) -> float:
+    """The event timer's step: the smallest gap between distinct times of GPU sleeps of many
+    lengths, each timed between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = set()
+    for i in range(samples):
+        start.record()
+        torch.cuda._sleep(i * 7)
+        end.record()
+        end.synchronize()
+        times.add(round(start.elapsed_time(end) * 1e6))  # ns
+    ordered = sorted(times)
+    return min(b - a for a, b in zip(ordered, ordered[1:])) / 1e3
+
+
 def verdict(ratio: float, noise: float) -> str:
     return "yes" if ratio <= 1 else "noise" if ratio - 1 <= noise else "NO"
 
 
 def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
-            rounds: int, flush: torch.Tensor) -> list[dict]:
-    """The shape's row for each mode; writing `flush` empties L2."""
+            rounds: int, flush: torch.Tensor, step_us: float) -> list[dict]:
+    """The shape's row for each mode; writing `flush` empties L2; `step_us` is the event
+    timer's step."""
     dtype = DTYPES[dtype_name]
     base = {"op": op, "dtype": dtype_name, "placement": placement, "rows": rows,
             "hidden": hidden}
@@ -183,7 +201,8 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         jitk_us, sglang_us, again_us = (statistics.median(samples[name])
                                         for name in ("jitk", "sglang", "sglang again"))
-        noise = max((q3 - q1) / 2, abs(again_us / sglang_us - 1))
+        resolution = step_us / (1 if mode == "single" else CALLS) / sglang_us
+        noise = max((q3 - q1) / 2, abs(again_us / sglang_us - 1), resolution)
         results.append({**base, "mode": mode, "jitk us": jitk_us, "sglang us": sglang_us,
                         "sglang again us": again_us, "ratio": jitk_us / sglang_us,
                         "noise": noise, "verdict": verdict(jitk_us / sglang_us, noise)})
@@ -231,8 +250,8 @@ def print_summary(results: list[dict]) -> None:
         print(f"  SGLang refuses {op} at hidden {hidden}: {why}")
     slower = [r for r in results if r["verdict"] in ("NO", "noise")]
     if slower:
-        print("\nslower (us per call, jitk / SGLang; noise: the larger of half the IQR of the"
-              " round ratios and SGLang's distance from itself):")
+        print("\nslower (us per call, jitk / SGLang; noise: the largest of half the IQR of the"
+              " round ratios, SGLang's distance from itself and a step of the event timer):")
     for r in slower:
         print(f"  {group_name(r['op'], r['dtype'], r['placement'], r['mode'])} "
               f"{r['rows']}x{r['hidden']}: {r['jitk us']:.2f} / {r['sglang us']:.2f} "
@@ -252,15 +271,16 @@ def main():
     print("device:", common.device_name())
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
-    flush = l2_flush_buffer()
-    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush)  # the warm-up
+    flush, step_us = l2_flush_buffer(), event_step_us()
+    print(f"event timer step: {step_us * 1e3:.0f} ns")
+    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush, step_us)  # the warm-up
     results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
-               for row in measure(sgl523, *group, rows, hidden, rounds, flush)]
+               for row in measure(sgl523, *group, rows, hidden, rounds, flush, step_us)]
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
         print_grids(results, out)
     print_summary(results)
     common.write_json(args.json, {"device": common.device_name(), "rounds": rounds,
-                                  "rows": results})
+                                  "event step us": step_us, "rows": results})
 
 
 if __name__ == "__main__":
