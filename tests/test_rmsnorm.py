@@ -507,7 +507,7 @@ def test_fused_add(dtype, hidden, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG,
-                                     *norm._TRIED_LARGE_GRID], ids=str)
+                                     *norm._TRIED_AT_SHORT_LIMIT], ids=str)
 @pytest.mark.parametrize("hidden", [5120, 12288])
 @pytest.mark.parametrize("layout", ["contiguous", "misaligned", "heads"])
 def test_tried_knobs_match_reference(changes, hidden, layout):
@@ -727,16 +727,16 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
-    large_grid = len(norm._TRIED_LARGE_GRID)
-    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) + large_grid
-    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG) + large_grid
-    assert (len(short_candidates), len(long_candidates)) == (13, 11)
-    # Block 0's weight prefetch is left out only from 256 rows, where cold weights did not miss
+    at_limit = len(norm._TRIED_AT_SHORT_LIMIT)
+    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) + at_limit
+    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG)
+    assert (len(short_candidates), len(long_candidates)) == (13, 10)
+    # Block 0's weight prefetch is left out only at 256 rows, where cold weights did not miss
     # it; below, they did.
     below = space.candidates((4096, torch.bfloat16, 128))
-    assert len(below) == 12 and all(c["prefetch_weight"] for c in below)
+    assert len(below) == 12 and all(c["prefetch_weight"] for c in (*below, *long_candidates))
     assert [c for c in short_candidates if not c["prefetch_weight"]] == [
-        {**default, **changes} for changes in norm._TRIED_LARGE_GRID]
+        {**default, **changes} for changes in norm._TRIED_AT_SHORT_LIMIT]
     shared = [{**default, **changes} for changes in norm._TRIED]
     assert all(c in short_candidates and c in long_candidates for c in shared)
     # Several partial sums, without the loop, only: in short launches with fewer threads too;

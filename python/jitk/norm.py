@@ -90,7 +90,7 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # as in a model, and a tuning loop over one weight never shows it (H100, 16x4096 fp16 in place
 # after a GEMM, a weight a call and L2 flushed: 0.982 of SGLang with it, 1.019 without; tuned
 # off below 256 rows, it cost 2.6-6.3% in chains of cold weights), so it is tried off only
-# from 256 rows (_TRIED_LARGE_GRID). PDL is tried off only beside a GEMM (_BESIDE_KNOBS):
+# at 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off only beside a GEMM (_BESIDE_KNOBS):
 # after itself it always pays (H100, fused 1x4096 bf16 in 10-call graphs: 0.78 of SGLang with
 # it, 1.03 without), while after a GEMM it cost up to 4% at 1-256 rows, and `tune --beside`
 # turned it off in 150 of 180 buckets.
@@ -121,9 +121,9 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # and the late launch (4096 fp16: 0.977 of SGLang under graph replay, 0.976 single), SGLang's
 # strategy on the short path (4096 bf16 in place: 0.968, 0.981), and 8 registers on the short
 # path with fill_sm (7168 fp16: 0.996, 0.990); at 1024, 8 registers with the loop and fill_sm
-# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 11 to 13 of a
-# width's 18 choices (with _TRIED_LARGE_GRID), which share a module (_candidate_kernels), so
-# that tuning the benchmark's shapes stays within a minute.
+# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 10 to 13 of
+# a width's 18 choices (with _TRIED_AT_SHORT_LIMIT), which share a module
+# (_candidate_kernels), so that tuning the benchmark's shapes stays within a minute.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -142,17 +142,17 @@ _TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM
                {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN},
                {"row_registers": 8, **_FILL_SM})
 _SHORT_LAUNCH_ROWS = 256
-# From 256 rows a launch has a block for each of the weight's lines or more, and the blocks'
-# own loads bring them to L2 about as early as block 0's prefetch would, which then only adds
-# to block 0's critical path where nothing overlaps the launch. One choice without it: at
-# 256x12288 fp16 in place, the best of 32 products of the prefetch and the short path's knobs
-# around the tuned choice (SGLang's strategy with fill_sm) read 0.988 of SGLang as single
-# calls and 0.973 under graph replay, where the tuned choice read 1.022 and 0.985; the five
-# best all left the prefetch out, and without it the tuned choice read 0.98 of SGLang with
-# cold weights, against 1.00 with it (H100).
-_TRIED_LARGE_GRID = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets": True,
-                      "prefetch_weight": False},)
-_LARGE_GRID_ROWS = 256
+# At 256 rows, the largest short launch, a launch has a block for each of the weight's lines
+# or more, and the blocks' own loads bring them to L2 about as early as block 0's prefetch
+# would, which then only adds to block 0's critical path where nothing overlaps the launch.
+# One choice there leaves it out: at 256x12288 fp16 in place, the best of 32 products of the
+# prefetch and the short path's knobs around the tuned choice (SGLang's strategy with fill_sm)
+# read 0.988 of SGLang as single calls and 0.973 under graph replay, where the tuned choice
+# read 1.022 and 0.985; the five best all left the prefetch out, and without it the tuned
+# choice read 0.98 of SGLang with cold weights, against 1.00 with it (H100). Tried past 256
+# rows too, it won a few long launches by under 1% and lengthened tuning by a tenth.
+_TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets": True,
+                          "prefetch_weight": False},)
 
 
 def _default_knobs(bucket: tuple) -> dict:
@@ -168,7 +168,7 @@ def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
     rows = bucket[2]
     tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
-             *(_TRIED_LARGE_GRID if rows >= _LARGE_GRID_ROWS else ()))
+             *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
     default = _default_knobs(bucket)
     return any(knobs == {**default, **changes} for changes in tried)
 
@@ -187,7 +187,7 @@ def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict
     without) but the default, in one order (a candidates module's); not to be modified."""
     default = _default_knobs((hidden, dtype))
     choices = [default]
-    for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_LARGE_GRID):
+    for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_AT_SHORT_LIMIT):
         knobs = {**default, **changes}
         if knobs not in choices:
             choices.append(knobs)
