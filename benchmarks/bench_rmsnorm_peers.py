@@ -174,7 +174,9 @@ def event_step_us(samples: int = 400) -> float:
 
 
 def verdict(ratio: float, noise: float) -> str:
-    return "yes" if ratio <= 1 else "noise" if ratio - 1 <= noise else "NO"
+    # The slack: events time in float32 milliseconds, so two medians a timer step apart
+    # differ by the step to within a few parts in a million.
+    return "yes" if ratio <= 1 else "noise" if ratio - 1 <= noise * 1.001 else "NO"
 
 
 def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
