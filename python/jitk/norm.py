@@ -142,15 +142,15 @@ _TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM
                {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN},
                {"row_registers": 8, **_FILL_SM})
 _SHORT_LAUNCH_ROWS = 256
-# At 256 rows, the largest short launch, a launch has a block for each of the weight's lines
-# or more, and the blocks' own loads bring them to L2 about as early as block 0's prefetch
-# would, which then only adds to block 0's critical path where nothing overlaps the launch.
-# One choice there leaves it out: at 256x12288 fp16 in place, the best of 32 products of the
-# prefetch and the short path's knobs around the tuned choice (SGLang's strategy with fill_sm)
-# read 0.988 of SGLang as single calls and 0.973 under graph replay, where the tuned choice
-# read 1.022 and 0.985; the five best all left the prefetch out, and without it the tuned
-# choice read 0.98 of SGLang with cold weights, against 1.00 with it (H100). Tried past 256
-# rows too, it won a few long launches by under 1% and lengthened tuning by a tenth.
+# At 256 rows, the largest short launch bucket, block 0's weight prefetch can cost single
+# calls more than it saves: at 256x12288 fp16 in place, the best of 32 products of the
+# prefetch and the short path's knobs around the tuned choice (SGLang's strategy with
+# fill_sm) read 0.988 of SGLang as single calls and 0.973 under graph replay, where the tuned
+# choice read 1.022 and 0.985; the four best single calls left the prefetch out, and without
+# it the tuned choice read 0.98 of SGLang with cold weights, against 1.00 with it (H100). So
+# one choice there leaves it out. Tried past 256 rows as well, it won a few long launches in
+# the tuner by under 1%, which the benchmark did not repeat, and lengthened tuning (57 s,
+# against 54 s without).
 _TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets": True,
                           "prefetch_weight": False},)
 
