@@ -89,11 +89,11 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # loads). Block 0's weight prefetch pays in short launches where each layer's weight is cold,
 # as in a model, and a tuning loop over one weight never shows it (H100, 16x4096 fp16 in place
 # after a GEMM, a weight a call and L2 flushed: 0.982 of SGLang with it, 1.019 without; tuned
-# off below 256 rows, it cost 2.6-6.3% in chains of cold weights), so it is tried off only
-# at 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off only beside a GEMM (_BESIDE_KNOBS):
-# after itself it always pays (H100, fused 1x4096 bf16 in 10-call graphs: 0.78 of SGLang with
-# it, 1.03 without), while after a GEMM it cost up to 4% at 1-256 rows, and `tune --beside`
-# turned it off in 150 of 180 buckets.
+# up to 256 rows, the buckets below 256 that dropped it lost 2.6-6.3% in chains of cold
+# weights), so it is tried off only at 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off
+# only beside a GEMM (_BESIDE_KNOBS): after itself it always pays (H100, fused 1x4096 bf16 in
+# 10-call graphs: 0.78 of SGLang with it, 1.03 without), while after a GEMM it cost up to 4%
+# at 1-256 rows, and `tune --beside` turned it off in 150 of 180 buckets.
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (True, False),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
