@@ -41,8 +41,9 @@ def gemm_neighbour(rows: int, dtype: torch.dtype,
                    device: torch.device | str = "cuda") -> Callable[[], object]:
     """A GEMM of rows x 2048 by 2048 x 2048 on tensors of its own, as a model's projection
     runs before its norm: what the tuner (beside=True) and the benchmarks time a norm after."""
-    a, b = (torch.randn(n, 2048, device=device, dtype=dtype) for n in (max(rows, 1), 2048))
-    out = torch.empty(max(rows, 1), 2048, device=device, dtype=dtype)
+    rows = max(rows, 1)
+    a, b = (torch.randn(n, 2048, device=device, dtype=dtype) for n in (rows, 2048))
+    out = torch.empty(rows, 2048, device=device, dtype=dtype)
     return lambda: torch.mm(a, b, out=out)
 
 
