@@ -23,11 +23,19 @@ reported as such. jitk runs what a lookup picks: the tuning file's choice (`pyth
 tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see
 ../shared/peers/README.md).
 Prints the counts per (op, dtype, placement, mode) and every shape jitk is slower at; the
-grids of ratios go to --grids (default: stdout).
-    python benchmarks/bench_rmsnorm_peers.py [--quick] [--json PATH] [--grids PATH]"""
+grids of ratios go to --grids (default: stdout). --json keeps every round's times, and
+--pool judges several such runs, each made in its own process, as one: single calls fall
+at levels ~0.2 us apart, and which one a cell's median lands on moves from process to
+process, so one run can find a cell slower that the next finds faster (H100: 1-5 cells of
+336 slower a run in graph and single mode, mostly other cells each run); each cell slower
+after pooling says how many of the runs found it so.
+    python benchmarks/bench_rmsnorm_peers.py [--quick] [--modes MODE ...] [--json PATH]
+                                             [--grids PATH]
+    python benchmarks/bench_rmsnorm_peers.py --pool RUN.json RUN.json ... [--json PATH]"""
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -180,9 +188,10 @@ def verdict(ratio: float, noise: float) -> str:
 
 
 def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
-            rounds: int, flush: torch.Tensor, step_us: float) -> list[dict]:
-    """The shape's row for each mode; writing `flush` empties L2; `step_us` is the event
-    timer's step."""
+            rounds: int, flush: torch.Tensor, step_us: float,
+            modes: tuple[str, ...] = MODES) -> list[dict]:
+    """The shape's row for each of `modes`; writing `flush` empties L2; `step_us` is the
+    event timer's step."""
     dtype = DTYPES[dtype_name]
     base = {"op": op, "dtype": dtype_name, "placement": placement, "rows": rows,
             "hidden": hidden}
@@ -191,24 +200,65 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
         problems["sglang"] = check(sgl523, op, placement, rows, hidden, dtype, "sglang")
     except Exception as error:  # noqa: BLE001 - SGLang's own refusal, whatever its type
         reason = str(error).strip().splitlines()[-1][:120]
-        return [{**base, "mode": mode, "verdict": "refused", "why": reason} for mode in MODES]
+        return [{**base, "mode": mode, "verdict": "refused", "why": reason} for mode in modes]
     if any(problems.values()):
         raise AssertionError(f"{op} {dtype_name} {placement} {rows}x{hidden}: {problems}")
     t = tensors(rows, hidden, dtype)
     calls, gemm = providers(sgl523, op, placement, t), gemm_neighbour(rows, dtype)
-    results = []
-    for mode in MODES:
-        samples = rounds_us(calls, mode, rounds, t["weights"], flush, gemm)
-        ratios = [j / s for j, s in zip(samples["jitk"], samples["sglang"])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        jitk_us, sglang_us, again_us = (statistics.median(samples[name])
-                                        for name in ("jitk", "sglang", "sglang again"))
-        resolution = step_us / (1 if mode == "single" else CALLS) / sglang_us
-        noise = max((q3 - q1) / 2, abs(again_us / sglang_us - 1), resolution)
-        results.append({**base, "mode": mode, "jitk us": jitk_us, "sglang us": sglang_us,
-                        "sglang again us": again_us, "ratio": jitk_us / sglang_us,
-                        "noise": noise, "verdict": verdict(jitk_us / sglang_us, noise)})
-    return results
+    return [cell({**base, "mode": mode},
+                 rounds_us(calls, mode, rounds, t["weights"], flush, gemm), step_us)
+            for mode in modes]
+
+
+def cell(row: dict, samples: dict, step_us: float) -> dict:
+    """`row` with the medians of each provider's `samples` (us a call, a list of rounds a
+    provider, in the order taken), jitk/SGLang, the noise and the verdict."""
+    ratios = [j / s for j, s in zip(samples["jitk"], samples["sglang"])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    jitk_us, sglang_us, again_us = (statistics.median(samples[name])
+                                    for name in ("jitk", "sglang", "sglang again"))
+    resolution = step_us / (1 if row["mode"] == "single" else CALLS) / sglang_us
+    noise = max((q3 - q1) / 2, abs(again_us / sglang_us - 1), resolution)
+    return {**row, "jitk us": jitk_us, "sglang us": sglang_us, "sglang again us": again_us,
+            "ratio": jitk_us / sglang_us, "noise": noise,
+            "verdict": verdict(jitk_us / sglang_us, noise), "samples": samples}
+
+
+CELL_FIELDS = ("op", "dtype", "placement", "rows", "hidden", "mode")
+
+
+def cell_key(row: dict) -> tuple:
+    return tuple(row[k] for k in CELL_FIELDS)
+
+
+def pool(runs: list[dict]) -> tuple[list[dict], float]:
+    """The cells of several runs' JSON, each run made in a process of its own, as if one run
+    had taken all their rounds: each provider's rounds together, in order; a cell SGLang
+    refused in any run stays refused. Each pooled row counts the runs that found it slower
+    ("slower in runs"). Only the modes that every run took are pooled. Returns the rows
+    and the event timer's step."""
+    step_us = min(run["event step us"] for run in runs)
+    modes = set.intersection(*({row["mode"] for row in run["rows"]} for run in runs))
+    cells: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            if row["mode"] in modes:
+                cells.setdefault(cell_key(row), []).append(row)
+    pooled = []
+    for rows in cells.values():
+        if len(rows) != len(runs):
+            raise ValueError(f"{cell_key(rows[0])} is in {len(rows)} of the {len(runs)} runs")
+        base = dict(zip(CELL_FIELDS, cell_key(rows[0])))
+        refused = [r for r in rows if r["verdict"] == "refused"]
+        if refused:
+            pooled.append({**base, "verdict": "refused", "why": refused[0]["why"]})
+            continue
+        # Every provider has a run's rounds, so jitk/SGLang pairs rounds of one run only.
+        samples = {name: [us for r in rows for us in r["samples"][name]]
+                   for name in rows[0]["samples"]}
+        pooled.append({**cell(base, samples, step_us),
+                       "slower in runs": sum(r["verdict"] == "NO" for r in rows)})
+    return pooled, step_us
 
 
 def group_name(op: str, dtype: str, placement: str, mode: str) -> str:
@@ -223,15 +273,19 @@ def print_grids(results: list[dict], out) -> None:
                  if (r["op"], r["dtype"], r["placement"], r["mode"]) == key}
         print(f"\n{group_name(*key)}: jitk/SGLang (~ within noise, ! slower, - refused)",
               file=out)
-        print("rows  " + "  ".join(f"{h:>6}" for h in HIDDENS), file=out)
+        hiddens = sorted({h for _, h in cells})
+        print("rows  " + "  ".join(f"{h:>6}" for h in hiddens), file=out)
         for rows in sorted({r for r, _ in cells}):
             line = [f"{cells[rows, h]['ratio']:5.3f}{marks[cells[rows, h]['verdict']]}"
-                    if cells[rows, h]["verdict"] != "refused" else f"{'-':>6}" for h in HIDDENS]
+                    if cells[rows, h]["verdict"] != "refused" else f"{'-':>6}" for h in hiddens]
             print(f"{rows:>4}  " + "  ".join(line), file=out)
 
 
-def print_summary(results: list[dict]) -> None:
-    print("\njitk <= SGLang per group (graph: replay of 10-call chains; single: one call;"
+def print_summary(results: list[dict], runs: int = 1) -> None:
+    """The counts per group and the cells slower than SGLang; `runs`: how many runs `results`
+    pools."""
+    print(f"\n{runs} runs pooled, each in its own process." if runs > 1 else "")
+    print("jitk <= SGLang per group (graph: replay of 10-call chains; single: one call;"
           " layers: 10-call chains, a weight a call, L2 flushed; beside: the chain with a GEMM"
           " before each call, less the GEMMs), the geometric mean of"
           " jitk/SGLang, and how far SGLang read from itself (median, largest)")
@@ -258,31 +312,52 @@ def print_summary(results: list[dict]) -> None:
         print(f"  {group_name(r['op'], r['dtype'], r['placement'], r['mode'])} "
               f"{r['rows']}x{r['hidden']}: {r['jitk us']:.2f} / {r['sglang us']:.2f} "
               f"({r['ratio']:.3f}, noise {r['noise']:.3f})"
-              + (" within noise" if r["verdict"] == "noise" else ""))
+              + (" within noise" if r["verdict"] == "noise" else "")
+              + (f"; slower in {r['slower in runs']} of {runs} runs" if runs > 1 else ""))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_ROUNDS} rounds a shape, not {ROUNDS}")
     parser.add_argument("--grids", metavar="PATH", help="write the grids there, not to stdout")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES,
+                        help="the timings to take (default: all four)")
+    parser.add_argument("--pool", nargs="+", metavar="JSON",
+                        help="measure nothing: pool the rounds of these runs' --json files")
     args = parser.parse_args()
+    if args.pool:
+        runs = []
+        for path in args.pool:
+            with open(path) as f:
+                runs.append(json.load(f))
+        results, step_us = pool(runs)
+        print("device:", ", ".join(sorted({run["device"] for run in runs})))
+    else:
+        results, step_us = run_grid(args.quick, tuple(args.modes))
+    with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
+        print_grids(results, out)
+    print_summary(results, len(args.pool or [None]))
+    common.write_json(args.json, {"device": runs[0]["device"] if args.pool else
+                                  common.device_name(), "event step us": step_us,
+                                  "rows": results})
+
+
+def run_grid(quick: bool, modes: tuple[str, ...]) -> tuple[list[dict], float]:
+    """Every shape of the grid in `modes`, on this GPU."""
     import sgl523  # SGLang's kernels; fails here, with its own message, when not set up
 
     print("device:", common.device_name())
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
-    rounds = QUICK_ROUNDS if args.quick else ROUNDS
+    rounds = QUICK_ROUNDS if quick else ROUNDS
     flush, step_us = l2_flush_buffer(), event_step_us()
-    print(f"event timer step: {step_us * 1e3:.0f} ns")
-    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush, step_us)  # the warm-up
+    print(f"event timer step: {step_us * 1e3:.0f} ns, {rounds} rounds a shape")
+    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush, step_us, modes)  # warm-up
     results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
-               for row in measure(sgl523, *group, rows, hidden, rounds, flush, step_us)]
-    with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
-        print_grids(results, out)
-    print_summary(results)
-    common.write_json(args.json, {"device": common.device_name(), "rounds": rounds,
-                                  "event step us": step_us, "rows": results})
+               for row in measure(sgl523, *group, rows, hidden, rounds, flush, step_us, modes)]
+    return results, step_us
 
 
 if __name__ == "__main__":

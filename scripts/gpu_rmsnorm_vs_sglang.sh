@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # RMSNorm's acceptance run on one GPU, in one call: tune both ops in both 16-bit dtypes (timed;
 # every candidate's time in tune.log), then jitk against SGLang 0.5.23 over issue 18's grid (a
-# second process reading the tuning file; the summary here, the grids in grids.log; QUICK=1
-# for fewer rounds), 32768x8192 against a copy of the same bytes, then the GPU tests of RMSNorm
-# and the parity harness. Full logs are left in $OUT (default /tmp/jitk-gpu-out).
+# second process reading the tuning file; the summary here, the grids in grids1.log; QUICK=1
+# for fewer rounds, MODES="graph single" for fewer timings, PEERS_RUNS=N for N processes and
+# their pooled verdict), 32768x8192 against a copy of the same bytes, then the GPU tests of
+# RMSNorm and the parity harness. Full logs are left in $OUT (default /tmp/jitk-gpu-out).
 #   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune|tune-beside] [peers] [large] [tests]
 # (default: tune peers large tests; tune-beside tunes with `jitk tune --beside` instead)
 # SGLang's kernels are looked for at .peers/sgl523 (or PEERS=DIR); a stage run alone reuses
@@ -23,10 +24,28 @@ for stage in tune tune-beside; do  # tune-beside: each call timed after a GEMM, 
   echo "$stage: $((SECONDS - start)) s"
 done
 if [[ $stages == *" peers "* ]]; then
-  PYTHONPATH="$peers:$PYTHONPATH" timeout "${PEERS_TIMEOUT:-240}" python3 \
-    benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} --json "$out/peers.json" \
-    --grids "$out/grids.log" > "$out/peers.log" 2>&1
-  head -n 30 "$out/peers.log"; grep -c "^  .*: .* / " "$out/peers.log"
+  # Each run a process of its own (RUN_FROM numbers them, so that a later call can add runs
+  # beside an earlier call's files); with several runs here, their pooled verdict too.
+  # PEERS_DEADLINE: seconds into this script after which no run starts or goes on (a run
+  # starts only if the last one's time fits before it).
+  first=${RUN_FROM:-1} last=0
+  for ((run = first; run < first + ${PEERS_RUNS:-1}; run++)); do
+    start=$SECONDS left=$((${PEERS_DEADLINE:-1000000} - SECONDS))
+    ((last < left)) || { echo "peers: no time for run $run"; break; }
+    PYTHONPATH="$peers:$PYTHONPATH" timeout $((left < ${PEERS_TIMEOUT:-240} ? left :
+      ${PEERS_TIMEOUT:-240})) python3 \
+      benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} ${MODES:+--modes $MODES} \
+      --json "$out/peers$run.json" --grids "$out/grids$run.log" > "$out/peers$run.log" 2>&1
+    last=$((SECONDS - start))
+    echo "peers run $run: $last s"
+    grep -E "^  .*(<=|: .* / )" "$out/peers$run.log"
+  done
+  runs=$(ls "$out"/peers[0-9]*.json 2>/dev/null)
+  if [[ $(wc -w <<<"$runs") -gt 1 ]]; then
+    python3 benchmarks/bench_rmsnorm_peers.py --pool $runs --json "$out/pooled.json" \
+      --grids "$out/pooled-grids.log" > "$out/pooled.log" 2>&1
+    grep -E "pooled|^  .*(<=|: .* / )" "$out/pooled.log"
+  fi
 fi
 [[ $stages == *" large "* ]] && timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
 import sys
