@@ -26,8 +26,8 @@ Prints the counts per (op, dtype, placement, mode) and every shape jitk is slowe
 grids of ratios go to --grids (default: stdout). --json keeps every round's times, and
 --pool judges several such runs, each made in its own process, as one: single calls fall
 at levels ~0.2 us apart, and which one a cell's median lands on moves from process to
-process, so one run can find a cell slower that the next finds faster (H100: 1-5 cells of
-336 slower a run in graph and single mode, mostly other cells each run); each cell slower
+process, so one run can find a cell slower that the next finds faster (H100, four runs in
+graph and single mode: 9-19 cells of 336 slower a run, 9 after pooling); each cell slower
 after pooling says how many of the runs found it so.
     python benchmarks/bench_rmsnorm_peers.py [--quick] [--modes MODE ...] [--json PATH]
                                              [--grids PATH]
