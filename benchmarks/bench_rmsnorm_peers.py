@@ -248,7 +248,7 @@ def pool(runs: list[dict]) -> tuple[list[dict], float]:
     for rows in cells.values():
         if len(rows) != len(runs):
             raise ValueError(f"{cell_key(rows[0])} is in {len(rows)} of the {len(runs)} runs")
-        base = dict(zip(CELL_FIELDS, cell_key(rows[0])))
+        base = {k: rows[0][k] for k in CELL_FIELDS}
         refused = [r for r in rows if r["verdict"] == "refused"]
         if refused:
             pooled.append({**base, "verdict": "refused", "why": refused[0]["why"]})
@@ -333,23 +333,21 @@ def main():
         for path in args.pool:
             with open(path) as f:
                 runs.append(json.load(f))
-        results, step_us = pool(runs)
-        print("device:", ", ".join(sorted({run["device"] for run in runs})))
+        device = ", ".join(sorted({run["device"] for run in runs}))
     else:
-        results, step_us = run_grid(args.quick, tuple(args.modes))
+        device = common.device_name()
+    print("device:", device)  # before a grid's minutes of measuring
+    results, step_us = pool(runs) if args.pool else run_grid(args.quick, tuple(args.modes))
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
         print_grids(results, out)
-    print_summary(results, len(args.pool or [None]))
-    common.write_json(args.json, {"device": runs[0]["device"] if args.pool else
-                                  common.device_name(), "event step us": step_us,
-                                  "rows": results})
+    print_summary(results, len(args.pool) if args.pool else 1)
+    common.write_json(args.json, {"device": device, "event step us": step_us, "rows": results})
 
 
 def run_grid(quick: bool, modes: tuple[str, ...]) -> tuple[list[dict], float]:
     """Every shape of the grid in `modes`, on this GPU."""
     import sgl523  # SGLang's kernels; fails here, with its own message, when not set up
 
-    print("device:", common.device_name())
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
     rounds = QUICK_ROUNDS if quick else ROUNDS
     flush, step_us = l2_flush_buffer(), event_step_us()

@@ -28,21 +28,27 @@ if [[ $stages == *" peers "* ]]; then
   # beside an earlier call's files); with several runs here, their pooled verdict too.
   # PEERS_DEADLINE: seconds into this script after which no run starts or goes on (a run
   # starts only if the last one's time fits before it).
-  first=${RUN_FROM:-1} last=0
+  # Pooled: runs 1 to the last this call made, so a file an older call left with a higher
+  # number, or one of a run that did not finish this time, is never taken for a new one.
+  first=${RUN_FROM:-1} last=0 runs=()
+  for ((run = 1; run < first; run++)); do runs+=("$out/peers$run.json"); done
   for ((run = first; run < first + ${PEERS_RUNS:-1}; run++)); do
     start=$SECONDS left=$((${PEERS_DEADLINE:-1000000} - SECONDS))
     ((last < left)) || { echo "peers: no time for run $run"; break; }
-    PYTHONPATH="$peers:$PYTHONPATH" timeout $((left < ${PEERS_TIMEOUT:-240} ? left :
-      ${PEERS_TIMEOUT:-240})) python3 \
+    limit=${PEERS_TIMEOUT:-240}
+    ((left < limit)) && limit=$left
+    rm -f "$out/peers$run.json"
+    PYTHONPATH="$peers:$PYTHONPATH" timeout "$limit" python3 \
       benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} ${MODES:+--modes $MODES} \
       --json "$out/peers$run.json" --grids "$out/grids$run.log" > "$out/peers$run.log" 2>&1
     last=$((SECONDS - start))
     echo "peers run $run: $last s"
     grep -E "^  .*(<=|: .* / )" "$out/peers$run.log"
+    runs+=("$out/peers$run.json")
   done
-  runs=$(ls "$out"/peers[0-9]*.json 2>/dev/null)
-  if [[ $(wc -w <<<"$runs") -gt 1 ]]; then
-    python3 benchmarks/bench_rmsnorm_peers.py --pool $runs --json "$out/pooled.json" \
+  runs=($(ls "${runs[@]}" 2>/dev/null))
+  if ((${#runs[@]} > 1)); then
+    python3 benchmarks/bench_rmsnorm_peers.py --pool "${runs[@]}" --json "$out/pooled.json" \
       --grids "$out/pooled-grids.log" > "$out/pooled.log" 2>&1
     grep -E "pooled|^  .*(<=|: .* / )" "$out/pooled.log"
   fi
