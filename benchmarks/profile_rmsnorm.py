@@ -4,17 +4,22 @@ Nsight Compute to measure side by side (time, registers, occupancy, instructions
 
     ncu --profile-from-start off --cache-control none --clock-control none \\
         --metrics "$(python benchmarks/profile_rmsnorm.py --metrics)" --csv \\
-        python benchmarks/profile_rmsnorm.py 1024 5120 float16 [--in-place]
+        python benchmarks/profile_rmsnorm.py 1024 5120 float16 [--in-place | --fused]
 
 The L2 stays warm between launches (--cache-control none), as in the 10-call graphs of
 bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
 bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
 a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved, medians), with
-the default also without the weight prefetch and without PDL.
+the default also without the weight prefetch and without PDL. With --vary KNOB..., also
+every product of those knobs' values (norm._KNOBS) around the tuned choice (or --around's
+changes to the default), built first in parallel: where the tuning space falls short of
+SGLang, which knobs would close the gap (--modes and --rounds narrow and lengthen the timing).
 Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
 import argparse
+import itertools
+import json
 import os
 import statistics
 import sys
@@ -47,8 +52,18 @@ def main() -> None:
     parser.add_argument("hidden", type=int)
     parser.add_argument("dtype", choices=("bfloat16", "float16"))
     parser.add_argument("--in-place", action="store_true")
+    parser.add_argument("--fused", action="store_true", help="fused_add_rmsnorm (in place)")
     parser.add_argument("--time", action="store_true")
+    parser.add_argument("--vary", nargs="+", default=[], metavar="KNOB",
+                        help="with --time: also every product of these knobs' values")
+    parser.add_argument("--around", type=json.loads, default=None, metavar="JSON",
+                        help="the knob changes to the default that --vary varies (default: "
+                        "the tuned choice)")
+    parser.add_argument("--modes", nargs="+", choices=peers.MODES, default=peers.MODES)
+    parser.add_argument("--rounds", type=int, default=peers.ROUNDS)
     args = parser.parse_args()
+    if args.vary and not args.time:
+        parser.error("--vary needs --time")
 
     import sgl523
 
@@ -58,26 +73,36 @@ def main() -> None:
     t = peers.tensors(args.rows, args.hidden, dtype)
     x, weight = t["x"], t["weights"][0]
     out = x if args.in_place else t["out"]
-    bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
-    space = norm._RMSNORM_SPACE
-    calls = {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS)}  # name -> call(weight)
+    bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place and not
+                                                 args.fused else ())
+    space = norm._FUSED_SPACE if args.fused else norm._RMSNORM_SPACE
+    # name -> call(weight); each kernel entry point called as SGLang's is
+    if args.fused:
+        residual = t["residual"]
+        calls = {"sglang": lambda w: lambda: sgl523.fused_add_rmsnorm(x, residual, w, EPS)}
+        jitk_call = lambda kernels, w: lambda: kernels.fused_add_rmsnorm(x, residual, w, EPS)
+    else:
+        calls = {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS)}
+        jitk_call = lambda kernels, w: lambda: kernels.rmsnorm(x, w, out, EPS)
     default = norm._default_knobs(bucket)
     extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
-    for knobs in space.candidates(bucket) + extra:
+    extra += products(space, bucket, args.vary, args.around)
+    for knobs in [*dict.fromkeys(map(json.dumps, space.candidates(bucket) + extra))]:
+        knobs = json.loads(knobs)
         changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
-        kernel = norm._kernels_with(bucket, knobs).rmsnorm
+        kernels = norm._kernels_with(bucket, knobs)
         calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
-            lambda w, kernel=kernel: lambda: kernel(x, w, out, EPS))
+            lambda w, kernels=kernels: jitk_call(kernels, w))
     for call in calls.values():  # build, load, warm
         for _ in range(3):
             call(weight)()
     torch.cuda.synchronize()
     if args.time:
         flush, gemm = peers.l2_flush_buffer(), gemm_neighbour(args.rows, dtype)
-        for mode in peers.MODES:
-            samples = peers.rounds_us(calls, mode, peers.ROUNDS, t["weights"], flush,
-                                      gemm)
-            for name, us in samples.items():
+        for mode in args.modes:
+            samples = peers.rounds_us(calls, mode, args.rounds, t["weights"], flush, gemm)
+            for name, us in sorted(samples.items(), key=lambda item: statistics.median(
+                    item[1])):
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
         return
     print("launch order:", *calls, sep="\n  ", flush=True)
@@ -86,6 +111,25 @@ def main() -> None:
         call(weight)()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
+
+
+def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list[dict]:
+    """Every product of the values of the knobs in `vary` around `around` (changes to the
+    default; None: the tuned choice), each built (in parallel) before it is returned."""
+    from jitk import autotune, norm
+    from jitk.__main__ import default_precompile_archs
+
+    unknown = set(vary) - set(norm._KNOBS)
+    if unknown:
+        sys.exit(f"--vary: no knob {sorted(unknown)}; the knobs: {', '.join(norm._KNOBS)}")
+    if not vary:
+        return []
+    base = space.config(bucket) if around is None else {**norm._default_knobs(bucket), **around}
+    knobs = [{**base, **dict(zip(vary, values))}
+             for values in itertools.product(*(norm._KNOBS[name] for name in vary))]
+    autotune.prebuild([(space.op, bucket, k) for k in knobs], default_precompile_archs()[0],
+                      os.cpu_count() or 1)
+    return knobs
 
 
 if __name__ == "__main__":

@@ -263,6 +263,25 @@ def test_a_tie_goes_to_the_lower_trimmed_mean_not_the_lower_median(monkeypatch):
     assert best == 1 and single_us == pytest.approx({0: 4.075, 1: 4.03, 2: 4.03})
 
 
+def test_a_tie_goes_to_the_candidate_that_gives_up_least_in_either_mode(monkeypatch):
+    singles = []
+    monkeypatch.setattr(autotune, "_time_rounds",
+                        lambda calls, *args: [[us] * 5 for us in singles[-1]])
+    calls = [lambda: None] * 3
+
+    def winner(graph_us, single_us):
+        singles.append(single_us)
+        return autotune._fastest(calls, graph_us)[0]
+    # 1 is 0.5% faster as a single call but 1.2% slower under graph replay: 0 wins.
+    assert winner([1.0, 1.012, 1.5], [4.02, 4.0]) == 0
+    # 1 is 5% faster as a single call: it wins despite graph replay's 1.2%.
+    assert winner([1.0, 1.012, 1.5], [4.2, 4.0]) == 1
+    # Level on the larger ratio: the faster under graph replay wins.
+    assert winner([1.0, 1.01, 1.01], [4.04, 4.0, 4.0]) == 0
+    # Beside a neighbour a single call less its time can read 0 or less: the lowest wins.
+    assert winner([1.0, 1.01, 1.5], [0.5, -0.1]) == 1
+
+
 def test_beside_a_neighbour_its_time_in_the_same_round_is_taken_off(monkeypatch):
     timed = []
 
