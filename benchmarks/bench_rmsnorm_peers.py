@@ -26,9 +26,9 @@ Prints the counts per (op, dtype, placement, mode) and every shape jitk is slowe
 grids of ratios go to --grids (default: stdout). --json keeps every round's times, and
 --pool judges several such runs, each made in its own process, as one: single calls fall
 at levels ~0.2 us apart, and which one a cell's median lands on moves from process to
-process, so one run can find a cell slower that the next finds faster (H100, four runs in
-graph and single mode: 9-19 cells of 336 slower a run, 9 after pooling); each cell slower
-after pooling says how many of the runs found it so.
+process, so one run can find a cell slower that the next finds faster (H100, three calls of
+4-6 runs in graph and single mode: 9-19 cells of 336 slower a run, 5-9 after pooling); each
+cell slower after pooling says how many of the runs found it so.
     python benchmarks/bench_rmsnorm_peers.py [--quick] [--modes MODE ...] [--json PATH]
                                              [--grids PATH]
     python benchmarks/bench_rmsnorm_peers.py --pool RUN.json RUN.json ... [--json PATH]"""
