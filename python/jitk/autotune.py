@@ -66,7 +66,7 @@ SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 # winner gives up least in either mode: with the lowest single call alone winning, 4096-row
 # RMSNorms kept choices 0.2-1.5% slower under graph replay (slower than SGLang by 0.2-0.6%,
 # over the benchmark's 0.1-0.3% noise) for single calls 0.1-0.8% faster (inside their
-# 0.4-1.4% noise).
+# 0.4-1.4% noise); with this rule they read 0.990-1.000 of SGLang in two pooled runs.
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
 # Beside a neighbour, each figure is a difference of two timings: more rounds for its median.
 BESIDE_ROUNDS = 15
