@@ -265,12 +265,19 @@ def group_name(op: str, dtype: str, placement: str, mode: str) -> str:
     return f"{op} {dtype} {placement} {mode}"
 
 
+def groups(results: list[dict]) -> dict[tuple, list[dict]]:
+    """The rows of each (op, dtype, placement, mode), the groups in the order first met."""
+    grouped: dict[tuple, list[dict]] = {}
+    for r in results:
+        grouped.setdefault((r["op"], r["dtype"], r["placement"], r["mode"]), []).append(r)
+    return grouped
+
+
 def print_grids(results: list[dict], out) -> None:
     """A grid of jitk/SGLang per group: rows x hidden, '~' within noise, '!' slower."""
     marks = {"yes": " ", "noise": "~", "NO": "!"}
-    for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
-        cells = {(r["rows"], r["hidden"]): r for r in results
-                 if (r["op"], r["dtype"], r["placement"], r["mode"]) == key}
+    for key, rows_of_group in groups(results).items():
+        cells = {(r["rows"], r["hidden"]): r for r in rows_of_group}
         print(f"\n{group_name(*key)}: jitk/SGLang (~ within noise, ! slower, - refused)",
               file=out)
         hiddens = sorted({h for _, h in cells})
@@ -289,8 +296,7 @@ def print_summary(results: list[dict], runs: int = 1) -> None:
           " layers: 10-call chains, a weight a call, L2 flushed; beside: the chain with a GEMM"
           " before each call, less the GEMMs), the geometric mean of"
           " jitk/SGLang, and how far SGLang read from itself (median, largest)")
-    for key in dict.fromkeys((r["op"], r["dtype"], r["placement"], r["mode"]) for r in results):
-        rows = [r for r in results if (r["op"], r["dtype"], r["placement"], r["mode"]) == key]
+    for key, rows in groups(results).items():
         count = {v: sum(r["verdict"] == v for r in rows) for v in ("yes", "noise", "NO",
                                                                     "refused")}
         timed = [r for r in rows if r["verdict"] != "refused"]

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rmsnorm_peers as peers  # noqa: E402
 
+from jitk import norm  # noqa: E402
 from jitk.timing import gemm_neighbour  # noqa: E402
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
@@ -51,11 +52,13 @@ def main() -> None:
     parser.add_argument("rows", type=int)
     parser.add_argument("hidden", type=int)
     parser.add_argument("dtype", choices=("bfloat16", "float16"))
-    parser.add_argument("--in-place", action="store_true")
-    parser.add_argument("--fused", action="store_true", help="fused_add_rmsnorm (in place)")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--in-place", action="store_true")
+    placement.add_argument("--fused", action="store_true", help="fused_add_rmsnorm (in place)")
     parser.add_argument("--time", action="store_true")
-    parser.add_argument("--vary", nargs="+", default=[], metavar="KNOB",
-                        help="with --time: also every product of these knobs' values")
+    parser.add_argument("--vary", nargs="+", default=[], choices=norm._KNOBS, metavar="KNOB",
+                        help="with --time: also every product of these knobs' values "
+                        f"(of {', '.join(norm._KNOBS)})")
     parser.add_argument("--around", type=json.loads, default=None, metavar="JSON",
                         help="the knob changes to the default that --vary varies (default: "
                         "the tuned choice)")
@@ -67,14 +70,11 @@ def main() -> None:
 
     import sgl523
 
-    from jitk import norm
-
     dtype = getattr(torch, args.dtype)
     t = peers.tensors(args.rows, args.hidden, dtype)
     x, weight = t["x"], t["weights"][0]
     out = x if args.in_place else t["out"]
-    bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place and not
-                                                 args.fused else ())
+    bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
     space = norm._FUSED_SPACE if args.fused else norm._RMSNORM_SPACE
     # name -> call(weight); each kernel entry point called as SGLang's is
     if args.fused:
@@ -87,8 +87,11 @@ def main() -> None:
     default = norm._default_knobs(bucket)
     extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
     extra += products(space, bucket, args.vary, args.around)
-    for knobs in [*dict.fromkeys(map(json.dumps, space.candidates(bucket) + extra))]:
-        knobs = json.loads(knobs)
+    timed = []
+    for knobs in space.candidates(bucket) + extra:
+        if knobs in timed:  # a product may be a candidate already
+            continue
+        timed.append(knobs)
         changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
         kernels = norm._kernels_with(bucket, knobs)
         calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
@@ -116,12 +119,9 @@ def main() -> None:
 def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list[dict]:
     """Every product of the values of the knobs in `vary` around `around` (changes to the
     default; None: the tuned choice), each built (in parallel) before it is returned."""
-    from jitk import autotune, norm
+    from jitk import autotune
     from jitk.__main__ import default_precompile_archs
 
-    unknown = set(vary) - set(norm._KNOBS)
-    if unknown:
-        sys.exit(f"--vary: no knob {sorted(unknown)}; the knobs: {', '.join(norm._KNOBS)}")
     if not vary:
         return []
     base = space.config(bucket) if around is None else {**norm._default_knobs(bucket), **around}
