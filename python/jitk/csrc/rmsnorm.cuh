@@ -291,6 +291,9 @@ __device__ __forceinline__ void normalize_in_registers(
       sum_of_squares<Tiling, Tuning::kSumChains>(x), scratch);
   device::keep_packed(w);
   device::keep_packed(x);
+  // A division, not a multiply by 1 / kHidden: at widths that are no power of two its slow
+  // path's branch keeps ptxas from unpacking x and w for the scaling before the reduction,
+  // which the multiply let it do (sm_90: the weight spilled under 5120's 48-register cap).
   combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
   store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }

@@ -48,6 +48,25 @@ __device__ __forceinline__ uint16_t float_to_half(float v) {
   }
 }
 
+// Two values rounded to T in one conversion (F2FP.*.PACK_AB on sm_90), low half first. Two
+// conversions ORed together compiled to that instruction only where the word was just
+// stored: where a bfloat16 word was unpacked again (the fused form's residual sum, normalised
+// as stored), ptxas rounded each value apart and packed them with a PRMT a word (sm_90: 257
+// instructions in fused_add_rmsnorm's bfloat16 kernel at 8192, two vectors a thread; 225 now).
+template <typename T>
+__device__ __forceinline__ uint32_t round_pair(float low, float high) {
+  const auto pair = [&] {
+    if constexpr (std::is_same_v<T, fp16_t>)
+      return __floats2half2_rn(low, high);
+    else
+      return __floats2bfloat162_rn(low, high);
+  }();
+  uint32_t word;  // memcpy: the pair types are not trivially copyable, so no std::bit_cast
+  static_assert(sizeof(pair) == sizeof(word));
+  memcpy(&word, &pair, sizeof(word));
+  return word;
+}
+
 // Two 16-bit elements of one word, low half first.
 template <typename T>
 __device__ __forceinline__ float2 unpack_pair(uint32_t word) {
@@ -92,10 +111,7 @@ __device__ __forceinline__ Packed<T, N> pack(const Vec<float, N>& f) {
     p[0] = detail::float_to_half<T>(f[0]);
   } else {
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      p[i] = detail::float_to_half<T>(f[2 * i]) |
-             static_cast<uint32_t>(detail::float_to_half<T>(f[2 * i + 1])) << 16;
-    }
+    for (int i = 0; i < N / 2; ++i) p[i] = detail::round_pair<T>(f[2 * i], f[2 * i + 1]);
   }
   return p;
 }
