@@ -11,7 +11,10 @@ each call (rows x 2048 by 2048 x 2048), as in a model's layer, less the 10 GEMMs
 in the same round. Between CUDA events in all, queued behind a 0.1
 ms sleep of the GPU, so that the events time the device's work and not the host's launch
 (bench_op.py times that). The providers take turns, which goes first alternating from round
-to round, after a warm-up that measures the first shape once and drops it; a figure is the
+to round, after a warm-up that measures the first shape once and drops it; a shape's rounds
+are shared out over --sets sets of its tensors (default SETS), allocated together so that
+each lies elsewhere in memory (where small calls' tensors lie moves one kernel's time more
+than another's, and a process that allocates alike gets the same places); a figure is the
 median of its rounds. SGLang runs twice a round, as two providers, so that each shape shows
 how far SGLang's kernel reads from itself. Noise: the largest of that distance, half the
 interquartile range of the per-round ratio jitk/SGLang, and one step of the event timer
@@ -29,8 +32,8 @@ at levels ~0.2 us apart, and which one a cell's median lands on moves from proce
 process, so one run can find a cell slower that the next finds faster (H100, three calls of
 4-6 runs in graph and single mode: 9-19 cells of 336 slower a run, 5-9 after pooling); each
 cell slower after pooling says how many of the runs found it so.
-    python benchmarks/bench_rmsnorm_peers.py [--quick] [--modes MODE ...] [--json PATH]
-                                             [--grids PATH]
+    python benchmarks/bench_rmsnorm_peers.py [--quick] [--modes MODE ...] [--sets N]
+                                             [--json PATH] [--grids PATH]
     python benchmarks/bench_rmsnorm_peers.py --pool RUN.json RUN.json ... [--json PATH]"""
 
 import argparse
@@ -59,6 +62,14 @@ GROUPS = [(op, dtype, placement) for op, placements in
 MODES = ("graph", "single", "layers", "beside")
 OTHER_KERNEL_ONLY = "the GEMM alone"  # "beside" mode's baseline, timed in each round
 CALLS, ROUNDS, QUICK_ROUNDS = 10, 15, 7
+# A cell's rounds are shared out over SETS sets of its tensors, allocated together so that each
+# lies elsewhere in memory. Where a small call's tensors lie moves its time, and by more for
+# one kernel than another (H100, 256x4096 fp16 under graph replay, jitk/SGLang over eight
+# allocations in one process: 0.946-1.037 for jitk's tuned choice), while a process that
+# allocates as the last one did gets the same places: with one set, a cell slower in 4 of 4
+# runs (16x8192 bf16 in place, 1.011) was one allocation measured four times, 0.96 in fresh
+# processes.
+SETS = 3
 SLEEP_CYCLES = 200_000  # ~0.1 ms at an H100's clock: longer than the host takes to queue
 EPS = 1e-6
 
@@ -189,9 +200,9 @@ def verdict(ratio: float, noise: float) -> str:
 
 def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden: int,
             rounds: int, flush: torch.Tensor, step_us: float,
-            modes: tuple[str, ...] = MODES) -> list[dict]:
-    """The shape's row for each of `modes`; writing `flush` empties L2; `step_us` is the
-    event timer's step."""
+            modes: tuple[str, ...] = MODES, sets: int = SETS) -> list[dict]:
+    """The shape's row for each of `modes`, its rounds shared out over `sets` sets of tensors;
+    writing `flush` empties L2; `step_us` is the event timer's step."""
     dtype = DTYPES[dtype_name]
     base = {"op": op, "dtype": dtype_name, "placement": placement, "rows": rows,
             "hidden": hidden}
@@ -203,11 +214,19 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
         return [{**base, "mode": mode, "verdict": "refused", "why": reason} for mode in modes]
     if any(problems.values()):
         raise AssertionError(f"{op} {dtype_name} {placement} {rows}x{hidden}: {problems}")
-    t = tensors(rows, hidden, dtype)
-    calls, gemm = providers(sgl523, op, placement, t), gemm_neighbour(rows, dtype)
-    return [cell({**base, "mode": mode},
-                 rounds_us(calls, mode, rounds, t["weights"], flush, gemm), step_us)
-            for mode in modes]
+    every_set = [tensors(rows, hidden, dtype) for _ in range(sets)]  # all alive: apart
+    gemm = gemm_neighbour(rows, dtype)
+    per_set = 2 * -(-rounds // (2 * sets))  # even: each provider goes first as often
+    rows_out = []
+    for mode in modes:
+        samples: dict[str, list[float]] = {}
+        for t in every_set:
+            taken = rounds_us(providers(sgl523, op, placement, t), mode, per_set,
+                              t["weights"], flush, gemm)
+            for name, us in taken.items():
+                samples.setdefault(name, []).extend(us)
+        rows_out.append(cell({**base, "mode": mode}, samples, step_us))
+    return rows_out
 
 
 def cell(row: dict, samples: dict, step_us: float) -> dict:
@@ -331,6 +350,9 @@ def main():
     parser.add_argument("--grids", metavar="PATH", help="write the grids there, not to stdout")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES,
                         help="the timings to take (default: all four)")
+    parser.add_argument("--sets", type=int, default=SETS, metavar="N",
+                        help=f"sets of tensors a shape's rounds are shared out over (default "
+                        f"{SETS})")
     parser.add_argument("--pool", nargs="+", metavar="JSON",
                         help="measure nothing: pool the rounds of these runs' --json files")
     args = parser.parse_args()
@@ -343,24 +365,29 @@ def main():
     else:
         device = common.device_name()
     print("device:", device)  # before a grid's minutes of measuring
-    results, step_us = pool(runs) if args.pool else run_grid(args.quick, tuple(args.modes))
+    if args.sets < 1:
+        parser.error(f"--sets must be at least 1, got {args.sets}")
+    results, step_us = (pool(runs) if args.pool else
+                        run_grid(args.quick, tuple(args.modes), args.sets))
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:
         print_grids(results, out)
     print_summary(results, len(args.pool) if args.pool else 1)
     common.write_json(args.json, {"device": device, "event step us": step_us, "rows": results})
 
 
-def run_grid(quick: bool, modes: tuple[str, ...]) -> tuple[list[dict], float]:
-    """Every shape of the grid in `modes`, on this GPU."""
+def run_grid(quick: bool, modes: tuple[str, ...], sets: int) -> tuple[list[dict], float]:
+    """Every shape of the grid in `modes`, each on `sets` sets of tensors, on this GPU."""
     import sgl523  # SGLang's kernels; fails here, with its own message, when not set up
 
     sgl523.build_all(element_sizes=(), hidden_sizes=HIDDENS, dtypes=tuple(DTYPES.values()))
     rounds = QUICK_ROUNDS if quick else ROUNDS
     flush, step_us = l2_flush_buffer(), event_step_us()
-    print(f"event timer step: {step_us * 1e3:.0f} ns, {rounds} rounds a shape")
-    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush, step_us, modes)  # warm-up
+    print(f"event timer step: {step_us * 1e3:.0f} ns, {rounds} rounds a shape over {sets} "
+          "set(s) of tensors")
+    measure(sgl523, *GROUPS[0], ROWS[0], HIDDENS[0], rounds, flush, step_us, modes, sets)
     results = [row for group in GROUPS for hidden in HIDDENS for rows in ROWS
-               for row in measure(sgl523, *group, rows, hidden, rounds, flush, step_us, modes)]
+               for row in measure(sgl523, *group, rows, hidden, rounds, flush, step_us, modes,
+                                  sets)]
     return results, step_us
 
 

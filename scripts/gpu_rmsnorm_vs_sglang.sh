@@ -2,9 +2,10 @@
 # RMSNorm's acceptance run on one GPU, in one call: tune both ops in both 16-bit dtypes (timed;
 # every candidate's time in tune.log), then jitk against SGLang 0.5.23 over issue 18's grid (a
 # second process reading the tuning file; the summary here, the grids in grids1.log; QUICK=1
-# for fewer rounds, MODES="graph single" for fewer timings, PEERS_RUNS=N for N processes and
-# their pooled verdict), 32768x8192 against a copy of the same bytes, then the GPU tests of
-# RMSNorm and the parity harness. Full logs are left in $OUT (default /tmp/jitk-gpu-out).
+# for fewer rounds, MODES="graph single" for fewer timings, SETS=N for N sets of tensors a
+# shape, PEERS_RUNS=N for N processes and their pooled verdict), 32768x8192 against a copy
+# of the same bytes, then the GPU tests of RMSNorm and the parity harness. Full logs are left
+# in $OUT (default /tmp/jitk-gpu-out).
 #   bash scripts/gpu_rmsnorm_vs_sglang.sh [tune|tune-beside] [peers] [large] [tests]
 # (default: tune peers large tests; tune-beside tunes with `jitk tune --beside` instead)
 # SGLang's kernels are looked for at .peers/sgl523 (or PEERS=DIR); a stage run alone reuses
@@ -39,7 +40,7 @@ if [[ $stages == *" peers "* ]]; then
     ((left < limit)) && limit=$left
     rm -f "$out/peers$run.json"
     PYTHONPATH="$peers:$PYTHONPATH" timeout "$limit" python3 \
-      benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} ${MODES:+--modes $MODES} \
+      benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} ${MODES:+--modes $MODES} ${SETS:+--sets $SETS} \
       --json "$out/peers$run.json" --grids "$out/grids$run.log" > "$out/peers$run.log" 2>&1
     last=$((SECONDS - start))
     echo "peers run $run: $last s"
