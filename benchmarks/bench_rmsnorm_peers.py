@@ -356,6 +356,8 @@ def main():
     parser.add_argument("--pool", nargs="+", metavar="JSON",
                         help="measure nothing: pool the rounds of these runs' --json files")
     args = parser.parse_args()
+    if args.sets < 1:
+        parser.error(f"--sets must be at least 1, got {args.sets}")
     if args.pool:
         runs = []
         for path in args.pool:
@@ -365,8 +367,6 @@ def main():
     else:
         device = common.device_name()
     print("device:", device)  # before a grid's minutes of measuring
-    if args.sets < 1:
-        parser.error(f"--sets must be at least 1, got {args.sets}")
     results, step_us = (pool(runs) if args.pool else
                         run_grid(args.quick, tuple(args.modes), args.sets))
     with open(args.grids, "w") if args.grids else contextlib.nullcontext(sys.stdout) as out:

@@ -85,3 +85,11 @@ def test_the_command_prints_the_pooled_verdict(tmp_path):
     assert "2 runs pooled" in result.stdout
     assert "rmsnorm bf16 in place single 256x7168: 5.95 / 5.70" in result.stdout
     assert "slower in 2 of 2 runs" in result.stdout
+
+
+def test_sets_below_one_are_refused_before_anything_is_measured():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rmsnorm_peers.py"),
+                             "--sets", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--sets must be at least 1, got 0" in result.stderr
+    assert "device:" not in result.stdout
