@@ -216,17 +216,24 @@ def measure(sgl523, op: str, dtype_name: str, placement: str, rows: int, hidden:
         raise AssertionError(f"{op} {dtype_name} {placement} {rows}x{hidden}: {problems}")
     every_set = [tensors(rows, hidden, dtype) for _ in range(sets)]  # all alive: apart
     gemm = gemm_neighbour(rows, dtype)
-    per_set = 2 * -(-rounds // (2 * sets))  # even: each provider goes first as often
-    rows_out = []
-    for mode in modes:
-        samples: dict[str, list[float]] = {}
-        for t in every_set:
-            taken = rounds_us(providers(sgl523, op, placement, t), mode, per_set,
-                              t["weights"], flush, gemm)
-            for name, us in taken.items():
-                samples.setdefault(name, []).extend(us)
-        rows_out.append(cell({**base, "mode": mode}, samples, step_us))
-    return rows_out
+    return [cell({**base, "mode": mode}, rounds_over_sets(
+        lambda t: providers(sgl523, op, placement, t), every_set, mode, rounds, flush, gemm),
+        step_us) for mode in modes]
+
+
+def rounds_over_sets(calls_on: Callable[[dict], dict], sets: list[dict], mode: str,
+                     rounds: int, flush: torch.Tensor,
+                     other_kernel: Callable[[], object] | None = None) -> dict:
+    """rounds_us on each set of tensors in turn (`calls_on(t)`: the providers on set t), the
+    rounds shared out evenly, so that each provider goes first as often: name -> us a call
+    in every round."""
+    per_set = 2 * -(-rounds // (2 * len(sets)))
+    samples: dict[str, list[float]] = {}
+    for t in sets:
+        for name, us in rounds_us(calls_on(t), mode, per_set, t["weights"], flush,
+                                  other_kernel).items():
+            samples.setdefault(name, []).extend(us)
+    return samples
 
 
 def cell(row: dict, samples: dict, step_us: float) -> dict:

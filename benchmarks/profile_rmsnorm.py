@@ -10,7 +10,8 @@ The L2 stays warm between launches (--cache-control none), as in the 10-call gra
 bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names carry jitk's
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
 bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
-a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved, medians), with
+a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved and shared out
+over --sets sets of tensors, medians), with
 the default also without the weight prefetch and without PDL. With --vary KNOB..., also
 every product of those knobs' values (norm._KNOBS) around the tuned choice (or --around's
 changes to the default), built first in parallel: where the tuning space falls short of
@@ -64,38 +65,43 @@ def main() -> None:
                         "the tuned choice)")
     parser.add_argument("--modes", nargs="+", choices=peers.MODES, default=peers.MODES)
     parser.add_argument("--rounds", type=int, default=peers.ROUNDS)
+    parser.add_argument("--sets", type=int, default=peers.SETS, metavar="N",
+                        help="with --time: sets of tensors the rounds are shared out over "
+                        "(the profiler runs on the first)")
     args = parser.parse_args()
     if args.vary and not args.time:
         parser.error("--vary needs --time")
+    if args.sets < 1:
+        parser.error(f"--sets must be at least 1, got {args.sets}")
 
     import sgl523
 
     dtype = getattr(torch, args.dtype)
-    t = peers.tensors(args.rows, args.hidden, dtype)
-    x, weight = t["x"], t["weights"][0]
-    out = x if args.in_place else t["out"]
     bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
     space = norm._FUSED_SPACE if args.fused else norm._RMSNORM_SPACE
-    # name -> call(weight); each kernel entry point called as SGLang's is
-    if args.fused:
-        residual = t["residual"]
-        calls = {"sglang": lambda w: lambda: sgl523.fused_add_rmsnorm(x, residual, w, EPS)}
-        jitk_call = lambda kernels, w: lambda: kernels.fused_add_rmsnorm(x, residual, w, EPS)
-    else:
-        calls = {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS)}
-        jitk_call = lambda kernels, w: lambda: kernels.rmsnorm(x, w, out, EPS)
     default = norm._default_knobs(bucket)
     extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
     extra += products(space, bucket, args.vary, args.around)
-    timed = []
+    jitk = {}  # name -> the kernels of a choice
     for knobs in space.candidates(bucket) + extra:
-        if knobs in timed:  # a product may be a candidate already
-            continue
-        timed.append(knobs)
-        changed = {k: v for k, v in knobs.items() if norm._default_knobs(bucket)[k] != v}
-        kernels = norm._kernels_with(bucket, knobs)
-        calls["jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")] = (
-            lambda w, kernels=kernels: jitk_call(kernels, w))
+        changed = {k: v for k, v in knobs.items() if default[k] != v}
+        name = "jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")
+        jitk.setdefault(name, norm._kernels_with(bucket, knobs))  # a product may be a candidate
+
+    def calls_on(t: dict) -> dict:
+        """name -> call(weight) on the tensors `t`, each entry point called as SGLang's is."""
+        x, out, residual = t["x"], t["x"] if args.in_place else t["out"], t["residual"]
+        if args.fused:
+            return {"sglang": lambda w: lambda: sgl523.fused_add_rmsnorm(x, residual, w, EPS),
+                    **{name: lambda w, k=k: lambda: k.fused_add_rmsnorm(x, residual, w, EPS)
+                       for name, k in jitk.items()}}
+        return {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS),
+                **{name: lambda w, k=k: lambda: k.rmsnorm(x, w, out, EPS)
+                   for name, k in jitk.items()}}
+
+    sets = [peers.tensors(args.rows, args.hidden, dtype)
+            for _ in range(args.sets if args.time else 1)]
+    calls, weight = calls_on(sets[0]), sets[0]["weights"][0]
     for call in calls.values():  # build, load, warm
         for _ in range(3):
             call(weight)()
@@ -103,7 +109,7 @@ def main() -> None:
     if args.time:
         flush, gemm = peers.l2_flush_buffer(), gemm_neighbour(args.rows, dtype)
         for mode in args.modes:
-            samples = peers.rounds_us(calls, mode, args.rounds, t["weights"], flush, gemm)
+            samples = peers.rounds_over_sets(calls_on, sets, mode, args.rounds, flush, gemm)
             for name, us in sorted(samples.items(), key=lambda item: statistics.median(
                     item[1])):
                 print(f"{mode:6s} {statistics.median(us):7.3f} us  {name}", flush=True)
