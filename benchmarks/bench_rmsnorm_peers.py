@@ -12,10 +12,8 @@ in the same round. Between CUDA events in all, queued behind a 0.1
 ms sleep of the GPU, so that the events time the device's work and not the host's launch
 (bench_op.py times that). The providers take turns, which goes first alternating from round
 to round, after a warm-up that measures the first shape once and drops it; a shape's rounds
-are shared out over --sets sets of its tensors (default SETS), allocated together so that
-each lies elsewhere in memory (where small calls' tensors lie moves one kernel's time more
-than another's, and a process that allocates alike gets the same places); a figure is the
-median of its rounds. SGLang runs twice a round, as two providers, so that each shape shows
+are shared out over --sets sets of its tensors (SETS says why); a figure is the median of
+its rounds. SGLang runs twice a round, as two providers, so that each shape shows
 how far SGLang's kernel reads from itself. Noise: the largest of that distance, half the
 interquartile range of the per-round ratio jitk/SGLang, and one step of the event timer
 (measured at the start: 32 ns on an H100, a tenth of it a call of a 10-call chain), below

@@ -11,8 +11,8 @@ bench_rmsnorm_peers.py. The launches' order is printed first (the kernels' names
 knobs, not their tuning-file spelling). With --time, no profiler: the same launches timed as
 bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
 a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved and shared out
-over --sets sets of tensors, medians), with
-the default also without the weight prefetch and without PDL. With --vary KNOB..., also
+over --sets sets of tensors, medians), with the default also without the weight prefetch and
+without PDL. With --vary KNOB..., also
 every product of those knobs' values (norm._KNOBS) around the tuned choice (or --around's
 changes to the default), built first in parallel: where the tuning space falls short of
 SGLang, which knobs would close the gap (--modes and --rounds narrow and lengthen the timing).
