@@ -12,9 +12,13 @@ knobs, not their tuning-file spelling). With --time, no profiler: the same launc
 bench_rmsnorm_peers.py times them (graph replay of 10-call chains, single calls, chains on
 a weight a call with L2 flushed, and chains beside a GEMM; rounds interleaved and shared out
 over --sets sets of tensors, medians), with the default also without the weight prefetch and
-without PDL. With --vary KNOB..., also
-every product of those knobs' values (norm._KNOBS) around the tuned choice (or --around's
-changes to the default), built first in parallel: where the tuning space falls short of
+without PDL. Out of place and in place, SGLang's own kernel source also runs built by
+jitk.load_jit and called through jitk's export ("sglang via jitk"): a control that jitk's
+build and launch path costs nothing, so that a gap to SGLang lies in jitk's kernel code
+(H100, 1024x7168 and 1024x5120 fp16, single calls and graph replay: 0.99-1.01 of SGLang's
+own module). With --vary KNOB..., also every product of those knobs' values (norm._KNOBS)
+around the tuned choice (or --around's changes to the default), built first in parallel:
+where the tuning space falls short of
 SGLang, which knobs would close the gap (--modes and --rounds narrow and lengthen the timing).
 Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
@@ -22,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import pathlib
 import statistics
 import sys
 
@@ -30,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rmsnorm_peers as peers  # noqa: E402
 
-from jitk import norm  # noqa: E402
+from jitk import load_jit, norm  # noqa: E402
 from jitk.timing import gemm_neighbour  # noqa: E402
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
@@ -96,9 +101,12 @@ def main() -> None:
                     **{name: lambda w, k=k: lambda: k.fused_add_rmsnorm(x, residual, w, EPS)
                        for name, k in jitk.items()}}
         return {"sglang": lambda w: lambda: sgl523.rmsnorm(x, w, out, EPS),
+                "sglang via jitk": lambda w: lambda: sglang_via_jitk(x, w, out, EPS),
                 **{name: lambda w, k=k: lambda: k.rmsnorm(x, w, out, EPS)
                    for name, k in jitk.items()}}
 
+    if not args.fused:
+        sglang_via_jitk = sglang_built_by_jitk(sgl523, args.hidden, dtype)
     sets = [peers.tensors(args.rows, args.hidden, dtype)
             for _ in range(args.sets if args.time else 1)]
     calls, weight = calls_on(sets[0]), sets[0]["weights"][0]
@@ -120,6 +128,22 @@ def main() -> None:
         call(weight)()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
+
+
+def sglang_built_by_jitk(sgl523, hidden: int, dtype: torch.dtype):
+    """SGLang's RMSNorm kernel for `hidden`, the class its rmsnorm picks, compiled from its own
+    source (.peers) by jitk.load_jit and called through jitk's export."""
+    jit_dir = pathlib.Path(sgl523._norm.__file__).parents[2] / "jit"
+    major, minor = torch.cuda.get_device_capability()
+    element = "__half" if dtype == torch.float16 else "__nv_bfloat16"
+    kernel = (f"sglang::{sgl523._norm._rmsnorm_kernel_class(hidden)}"
+              f"<{hidden}, {str(major >= 9).lower()}, {element}>")
+    module = load_jit(
+        "profile_sglang_rmsnorm", hidden, element,
+        cuda_files=[jit_dir / "csrc" / "elementwise" / "rmsnorm.cuh"],
+        cuda_wrappers=[("run", f"{kernel}::run")], extra_include_paths=[jit_dir / "include"],
+        extra_cuda_cflags=[f"-DSGL_CUDA_ARCH={major * 100 + minor * 10}"])
+    return module.run
 
 
 def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list[dict]:
