@@ -18,9 +18,8 @@ build and launch path costs nothing, so that a gap to SGLang lies in jitk's kern
 (H100, 1024x7168 and 1024x5120 fp16, single calls and graph replay: 0.99-1.01 of SGLang's
 own module). With --vary KNOB..., also every product of those knobs' values (norm._KNOBS)
 around the tuned choice (or --around's changes to the default), built first in parallel:
-where the tuning space falls short of
-SGLang, which knobs would close the gap (--modes and --rounds narrow and lengthen the timing).
-Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
+where the tuning space falls short of SGLang, which knobs would close the gap (--modes and
+--rounds narrow and lengthen the timing). Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
 
 import argparse
 import itertools
