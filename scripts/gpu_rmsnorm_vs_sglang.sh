@@ -41,7 +41,8 @@ if [[ $stages == *" peers "* ]]; then
     rm -f "$out/peers$run.json"
     PYTHONPATH="$peers:$PYTHONPATH" timeout "$limit" python3 \
       benchmarks/bench_rmsnorm_peers.py ${QUICK:+--quick} ${MODES:+--modes $MODES} \
-      ${SETS:+--sets $SETS} --json "$out/peers$run.json" --grids "$out/grids$run.log" > "$out/peers$run.log" 2>&1
+      ${SETS:+--sets $SETS} --json "$out/peers$run.json" --grids "$out/grids$run.log" \
+      > "$out/peers$run.log" 2>&1
     last=$((SECONDS - start))
     echo "peers run $run: $last s"
     grep -E "^  .*(<=|: .* / )" "$out/peers$run.log"

@@ -19,6 +19,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace jitk::device {
