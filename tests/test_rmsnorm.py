@@ -322,6 +322,10 @@ def _spill_check_source() -> str:
                     continue
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
                 lines.append(f"using {tune} = Tuning<{make_cpp_args(*norm._knob_values(knobs))}>;")
+                if knobs["two_vectors"]:  # its own kernel, in place of the candidate's
+                    kernels += [f"(void*)&rmsnorm_two_vectors_kernel<{hidden}, {name}, {fused}, "
+                                f"{tune}::kLateTrigger>" for fused in ("false", "true")]
+                    continue
                 widest = f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)"
                 shapes = ([(widest, "true"), (widest, "false"), ("1", "true"), ("1", "false")]
                           if i == 0 else [(widest, "true")])
@@ -536,6 +540,33 @@ def test_tried_knobs_match_reference(changes, hidden, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 512), (torch.float16, 7168),
+                                          (torch.float32, 2560), (torch.bfloat16, 16384)],
+                         ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("late_trigger", [False, True])
+def test_two_vectors_match_reference(dtype, hidden, late_trigger):
+    """two_vectors' own kernel in each dtype, from one warp a row (1024 bytes) to 1024
+    threads (32 KiB), both entry points, in and out of place, on fresh rows each run."""
+    bucket = (hidden, dtype, 1024)
+    kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "two_vectors": True,
+                                          "late_trigger": late_trigger})
+    weight = random(hidden, dtype=dtype)
+    for rows in (1, 5, 300):
+        x = random(rows, hidden, dtype=dtype, scale=3.0)
+        out = poisoned_like(x)
+        kernels.rmsnorm(x, weight, out, 1e-6)
+        assert_matches(out, reference(x, weight), dtype)
+        expected = reference(x, weight)
+        kernels.rmsnorm(x, weight, x, 1e-6)
+        assert_matches(x, expected, dtype)
+        x, residual = (random(rows, hidden, dtype=dtype, scale=3.0) for _ in range(2))
+        expected_sum = x + residual
+        kernels.fused_add_rmsnorm(x, residual, weight, 1e-6)
+        assert torch.equal(residual, expected_sum)
+        assert_matches(x, reference(expected_sum, weight), dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 256])
 def test_a_choice_without_pdl_gives_the_same_bits(rows):
     """PDL off (tried beside a GEMM) launches the same kernel: equal results, both ops."""
@@ -730,7 +761,7 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
     at_limit = len(norm._TRIED_AT_SHORT_LIMIT)
     assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) + at_limit
     assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG)
-    assert (len(short_candidates), len(long_candidates)) == (13, 10)
+    assert (len(short_candidates), len(long_candidates)) == (13, 11)
     # Block 0's weight prefetch is left out only at 256 rows, where cold weights did not miss
     # it; below, they did.
     below = space.candidates((4096, torch.bfloat16, 128))
@@ -752,13 +783,25 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space):
             str({**c, "pdl": pdl}) for c in alone for pdl in (True, False))
 
 
+def test_two_vectors_is_tried_past_256_rows_where_it_fits():
+    """Where rmsnorm.cuh's TwoVectors fits: a row of a multiple of 1024 bytes, up to 32 KiB."""
+    for hidden, dtype, fits in ((512, torch.bfloat16, True), (7168, torch.float16, True),
+                                (8192, torch.float32, True), (16384, torch.bfloat16, True),
+                                (128, torch.bfloat16, False), (3000, torch.float16, False),
+                                (16384, torch.float32, False), (32768, torch.bfloat16, False)):
+        two_vectors = {**norm._default_knobs((hidden, dtype)), "two_vectors": True}
+        assert (two_vectors in norm._candidates(hidden, dtype)) == fits, (hidden, dtype)
+        for rows, tried in ((256, False), (1024, fits), (4096, fits)):
+            assert norm._tried((hidden, dtype, rows), two_vectors) == tried, (hidden, rows)
+
+
 def test_tune_builds_two_modules_per_width_and_dtype():
     """The default's, and one that holds every other choice the tuner tries: both ops and
     every row bucket of a width share them."""
     modules = {("jitk.norm", 5120, torch.bfloat16, "default"),
                ("jitk.norm", 5120, torch.bfloat16, "candidates")}
-    # Beside a GEMM, each of the 18 choices without PDL too, in a module of their own.
-    for beside, choices, more in ((False, 18, set()), (True, 36, {
+    # Beside a GEMM, each of the 19 choices without PDL too, in a module of their own.
+    for beside, choices, more in ((False, 19, set()), (True, 38, {
             ("jitk.norm", 5120, torch.bfloat16, "candidates without PDL")})):
         keys, configs = set(), set()
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):

@@ -98,7 +98,7 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
-          "fill_sm": (False, True), "one_turn": (False, True)}
+          "fill_sm": (False, True), "one_turn": (False, True), "two_vectors": (False, True)}
 
 # What the tuner tries, as changes to the defaults (the full product is 1536 modules a width).
 # The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
@@ -121,9 +121,12 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # and the late launch (4096 fp16: 0.977 of SGLang under graph replay, 0.976 single), SGLang's
 # strategy on the short path (4096 bf16 in place: 0.968, 0.981), and 8 registers on the short
 # path with fill_sm (7168 fp16: 0.996, 0.990); at 1024, 8 registers with the loop and fill_sm
-# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). A set is 10 to 13 of
-# a width's 18 choices (with _TRIED_AT_SHORT_LIMIT), which share a module
-# (_candidate_kernels), so that tuning the benchmark's shapes stays within a minute.
+# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). Last, past 256 rows,
+# two_vectors, a kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), at the
+# widths it fits: 1024x7168 fp16 single calls 1.008 of SGLang in two processes, where the
+# choice above read 1.029 and 1.035. A set is 10 to 14 of a width's 19 choices (with
+# _TRIED_AT_SHORT_LIMIT), which share a module (_candidate_kernels), so that tuning the
+# benchmark's shapes stays within a minute.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -138,9 +141,10 @@ _TRIED_SHORT = ({**_SGLANG_LIKE, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PAT
                 {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN},
                 {"row_registers": 4, "row_first": True, **_LATE, **_ONE_TURN},
                 {"row_registers": 8, **_SHORT_PATH, **_FILL_SM, **_ONE_TURN})
+_TWO_VECTORS = {"two_vectors": True}
 _TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM},
                {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN},
-               {"row_registers": 8, **_FILL_SM})
+               {"row_registers": 8, **_FILL_SM}, _TWO_VECTORS)
 _SHORT_LAUNCH_ROWS = 256
 # At 256 rows, the largest short launch bucket, block 0's weight prefetch can cost single
 # calls more than it saves: at 256x12288 fp16 in place, the best of 32 products of the
@@ -161,16 +165,24 @@ def _default_knobs(bucket: tuple) -> dict:
     return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
             "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
             "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False,
-            "fill_sm": False, "one_turn": False}
+            "fill_sm": False, "one_turn": False, "two_vectors": False}
+
+
+def _applies(changes: dict, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether a choice changes the kernel at a width: two_vectors only where rmsnorm.cuh's
+    TwoVectors fits (a row a multiple of 1024 bytes, up to 32 KiB)."""
+    row_bytes = hidden * dtype.itemsize
+    return not changes.get("two_vectors") or (row_bytes % 1024 == 0 and row_bytes <= 32768)
 
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    rows = bucket[2]
+    hidden, dtype, rows = bucket[:3]
     tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
              *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
     default = _default_knobs(bucket)
-    return any(knobs == {**default, **changes} for changes in tried)
+    return any(knobs == {**default, **changes} for changes in tried
+               if _applies(changes, hidden, dtype))
 
 
 def _knob_values(knobs: dict) -> tuple:
@@ -189,7 +201,7 @@ def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict
     choices = [default]
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_AT_SHORT_LIMIT):
         knobs = {**default, **changes}
-        if knobs not in choices:
+        if _applies(changes, hidden, dtype) and knobs not in choices:
             choices.append(knobs)
     return tuple(knobs for knobs in ({**c, "pdl": pdl} for c in choices) if knobs != default)
 
