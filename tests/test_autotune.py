@@ -123,6 +123,27 @@ def test_candidates_start_with_the_default():
                                       {"threads": 256, "unroll": 1}, {"threads": 256, "unroll": 2}]
 
 
+def test_candidates_are_worked_out_once_a_bucket():
+    """`allowed` sees each combination once a bucket (and beside-ness), however often the
+    candidates are asked for; each answer is the caller's own to change."""
+    asked = []
+
+    def allowed(bucket, config):
+        asked.append((bucket, config["threads"], config["unroll"]))
+        return config["unroll"] == 2
+
+    space = autotune.TuningSpace({"threads": (128, 256), "unroll": (1, 2)}, bucket=len,
+                                 default=lambda bucket: {"threads": 128, "unroll": 1},
+                                 build=_build, allowed=allowed)
+    first = space.candidates((8,))
+    first[0]["threads"] = 0
+    assert space.candidates((8,)) == [{"threads": 128, "unroll": 1},
+                                      {"threads": 128, "unroll": 2}, {"threads": 256, "unroll": 2}]
+    assert len(asked) == 3  # every combination but the default, once
+    space.candidates((16,))
+    assert len(asked) == 6
+
+
 def test_space_declaration_errors():
     with pytest.raises(ValueError, match="knobs must map"):
         autotune.TuningSpace({"threads": ()}, bucket=len, default=dict, build=_build)

@@ -224,6 +224,7 @@ class TuningSpace:
     op: str = ""  # set by attach()
     calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
+    _candidates: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("bucket", "default", "build", "allowed"):
@@ -246,14 +247,19 @@ class TuningSpace:
 
     def candidates(self, bucket: tuple, beside: bool = False) -> list[dict]:
         """Every allowed combination of the knobs, today's default first; the beside_knobs
-        at other values than their default only `beside` the neighbour."""
-        default = self.default(bucket)
-        at_default = {name: default[name] for name in self.beside_knobs}
-        values = [(default[name],) if name in at_default and not beside else choices
-                  for name, choices in self.knobs.items()]
-        every = [dict(zip(self.knobs, combination)) for combination in itertools.product(*values)]
-        return [default, *(c for c in every
-                           if c != default and self.allowed(bucket, {**c, **at_default}))]
+        at other values than their default only `beside` the neighbour. Worked out once a
+        bucket: the product of RMSNorm's knobs is 3072 combinations, and `allowed` sees each."""
+        found = self._candidates.get((bucket, beside))
+        if found is None:
+            default = self.default(bucket)
+            at_default = {name: default[name] for name in self.beside_knobs}
+            values = [(default[name],) if name in at_default and not beside else choices
+                      for name, choices in self.knobs.items()]
+            every = (dict(zip(self.knobs, combination))
+                     for combination in itertools.product(*values))
+            found = self._candidates[bucket, beside] = [default, *(
+                c for c in every if c != default and self.allowed(bucket, {**c, **at_default}))]
+        return [dict(c) for c in found]  # the caller's to keep or change
 
     def job_key(self, bucket: tuple, config: dict) -> Hashable:
         """Candidates with equal keys share what `build` makes (see module_key)."""

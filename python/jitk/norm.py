@@ -177,12 +177,18 @@ def _applies(changes: dict, hidden: int, dtype: torch.dtype) -> bool:
 
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    hidden, dtype, rows = bucket[:3]
+    return _knob_values(knobs) in _tried_values(*bucket[:3])
+
+
+@functools.cache
+def _tried_values(hidden: int, dtype: torch.dtype, rows: int) -> frozenset[tuple]:
+    """The knob values of every choice the tuner times at a bucket: a set, since the tuning
+    space asks about each of its knobs' 3072 combinations."""
     tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
              *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
-    default = _default_knobs(bucket)
-    return any(knobs == {**default, **changes} for changes in tried
-               if _applies(changes, hidden, dtype))
+    default = _default_knobs((hidden, dtype))
+    return frozenset(_knob_values({**default, **changes}) for changes in tried
+                     if _applies(changes, hidden, dtype))
 
 
 def _knob_values(knobs: dict) -> tuple:
