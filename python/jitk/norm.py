@@ -100,7 +100,7 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
           "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
           "fill_sm": (False, True), "one_turn": (False, True), "two_vectors": (False, True)}
 
-# What the tuner tries, as changes to the defaults (the full product is 1536 modules a width).
+# What the tuner tries, as changes to the defaults (the full product is 3072 modules a width).
 # The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
 # two 16-byte vectors each; the next kernel let launch only at the end); the short critical
 # path (offsets before the wait, the row before the weight, the block sum read from shared

@@ -451,7 +451,9 @@ struct TwoVectors {
   static constexpr int kThreads = kHidden / (2 * kVecSize);
   static constexpr bool kFits =
       kHidden % (2 * kVecSize * kWarpThreads) == 0 && kThreads <= kMaxBlockThreads;
-  using Pack = device::Packed<T, kVecSize>;
+  using Pack = device::Packed<T, kVecSize>;  // as Tiling's, for combine
+  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
+  __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
 };
 
 // `sum` plus the squares of a vector's elements, added a pair at a time.
@@ -467,7 +469,7 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
     rmsnorm_two_vectors_kernel(const __grid_constant__ Params p) {
   using Layout = TwoVectors<kHidden, T>;
   using Pack = typename Layout::Pack;
-  constexpr int kThreads = Layout::kThreads, kN = Layout::kVecSize;
+  constexpr int kThreads = Layout::kThreads;
   constexpr int kWarps = kThreads / kWarpThreads;
   __shared__ float partial[kWarpThreads];  // each warp's sum, then warp 0's 1/rms per lane
   device::pdl_wait();
@@ -475,24 +477,17 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
   const int64_t row = blockIdx.x;
   auto* x = reinterpret_cast<Pack*>(static_cast<T*>(p.x) + row * p.x_stride);
   auto* y = reinterpret_cast<Pack*>(static_cast<T*>(p.y) + row * p.y_stride);
-  const auto* w = static_cast<const Pack*>(p.weight);
+  const auto* weight = static_cast<const Pack*>(p.weight);
   const unsigned first = threadIdx.x, second = threadIdx.x + kThreads;
-  Pack a = x[first], b = x[second];
-  const Pack wa = w[first], wb = w[second];
+  Pack v[2] = {x[first], x[second]};
+  const Pack w[2] = {weight[first], weight[second]};
   if constexpr (kFusedAdd) {  // y is the residual: the sum rounded, stored, normalised
-    const auto add = [](const Pack& u, const Pack& v) {
-      auto f = device::unpack<T, kN>(u);
-      const auto g = device::unpack<T, kN>(v);
-#pragma unroll
-      for (int i = 0; i < kN; ++i) f[i] += g[i];
-      return device::pack<T, kN>(f);
-    };
-    a = add(a, y[first]);
-    b = add(b, y[second]);
-    y[first] = a;
-    y[second] = b;
+    const Pack r[2] = {y[first], y[second]};
+    combine<Layout>(v, r, [](float a, float b) { return a + b; });
+    y[first] = v[0];
+    y[second] = v[1];
   }
-  float sum = add_squares(add_squares(0.0f, device::unpack<T, kN>(a)), device::unpack<T, kN>(b));
+  float sum = add_squares(add_squares(0.0f, Layout::unpack(v[0])), Layout::unpack(v[1]));
   sum = device::warp_sum(sum);
   const unsigned warp = threadIdx.x / kWarpThreads;
   float inv_rms;
@@ -509,16 +504,10 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
     __syncthreads();
     inv_rms = partial[warp];
   }
-  const auto scaled = [scale = scale_by(inv_rms)](const Pack& u, const Pack& v) {
-    auto f = device::unpack<T, kN>(u);
-    const auto g = device::unpack<T, kN>(v);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) f[i] = scale(f[i], g[i]);
-    return device::pack<T, kN>(f);
-  };
+  combine<Layout>(v, w, scale_by(inv_rms));
   Pack* out = kFusedAdd ? x : y;
-  out[first] = scaled(a, wa);
-  out[second] = scaled(b, wb);
+  out[first] = v[0];
+  out[second] = v[1];
   if constexpr (kLateTrigger) device::pdl_launch_dependents();
 }
 
