@@ -91,8 +91,17 @@ constexpr int widest_vec_size(int hidden, int max_bytes = 16) {
   return size;
 }
 
+// One access of a thread, as integer words until the arithmetic (jitk/packed.cuh): what
+// combine needs of a layout.
+template <typename T, int kVecSize>
+struct Access {
+  using Pack = device::Packed<T, kVecSize>;
+  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
+  __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
+};
+
 template <int kHidden_, typename T_, int kVecSize_, typename Tune>
-struct Tiling {
+struct Tiling : Access<T_, kVecSize_> {
   static constexpr int kHidden = kHidden_;
   using T = T_;
   static constexpr int kVecSize = kVecSize_;
@@ -118,11 +127,6 @@ struct Tiling {
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
   // Whether the last slot of some threads lies past the end of the row.
   static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
-
-  // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh).
-  using Pack = device::Packed<T, kVecSize>;
-  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
-  __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -446,14 +450,11 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, T
 // of SGLang in two processes, where the tuner's earlier choice read 1.029 and 1.035. Where a
 // row is a multiple of 1024 bytes up to 32 KiB (kFits), for plain rows of whole vectors.
 template <int kHidden, typename T>
-struct TwoVectors {
+struct TwoVectors : Access<T, 16 / static_cast<int>(sizeof(T))> {
   static constexpr int kVecSize = 16 / static_cast<int>(sizeof(T));
   static constexpr int kThreads = kHidden / (2 * kVecSize);
   static constexpr bool kFits =
       kHidden % (2 * kVecSize * kWarpThreads) == 0 && kThreads <= kMaxBlockThreads;
-  using Pack = device::Packed<T, kVecSize>;  // as Tiling's, for combine
-  __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
-  __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
 };
 
 // `sum` plus the squares of a vector's elements, added a pair at a time.
