@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
-from jitk.precompile import KERNEL_MODULES  # noqa: E402
+from jitk.tools.precompile import KERNEL_MODULES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a first call of each module does in a new process, timed around load_jit alone: the
@@ -32,7 +32,7 @@ TIMED = "\nimport time; t = time.perf_counter(); build(); print(label, time.perf
 
 def load_seconds(setup: str, cache: str) -> tuple[str, float]:
     env = {**os.environ, "JITK_CACHE_DIR": cache}
-    code = ("import torch, jitk.jit\n"
+    code = ("import torch, jitk.build.jit\n"
             "if torch.cuda.is_available(): torch.zeros(1, device='cuda')\n" + setup + TIMED)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=ROOT, check=True)

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import jitk  # noqa: E402
-from jitk import hicache  # noqa: E402
+from jitk.kernels import hicache  # noqa: E402
 
 MIB = 1 << 20
 HOST_POOL = 256 * 1024  # tokens

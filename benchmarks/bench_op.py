@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import jitk  # noqa: E402
-import jitk.api_log  # noqa: E402
-import jitk.norm  # noqa: E402
+import jitk.kernels.norm  # noqa: E402
+import jitk.tools.api_log  # noqa: E402
 
 EPS = 1e-6
 HIDDEN = 4096
@@ -38,7 +38,8 @@ def entry_point_before(input, weight, out=None, eps=EPS):
     """rmsnorm as it was before it became an operator (jitk 0.1.0 at af2236d)."""
     if out is None:
         out = input
-    jitk.norm._kernels(hidden_size_before(input), input.dtype).rmsnorm(input, weight, out, eps)
+    kernels = jitk.kernels.norm._kernels(hidden_size_before(input), input.dtype)
+    kernels.rmsnorm(input, weight, out, eps)
     return out
 
 
@@ -53,7 +54,7 @@ def host_time_rows() -> list[dict]:
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     weight = torch.randn(HIDDEN, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(x)
-    ffi = jitk.norm._kernels(HIDDEN, torch.bfloat16).rmsnorm
+    ffi = jitk.kernels.norm._kernels(HIDDEN, torch.bfloat16).rmsnorm
     operator = torch.ops.jitk.rmsnorm.default
     calls = {
         "tvm-ffi function": lambda: ffi(x, weight, out, EPS),
@@ -84,12 +85,12 @@ def host_time_rows() -> list[dict]:
 def logging_at(level: int):
     """Every op logs at `level` to /dev/null within the block; at level 0 again after."""
     os.environ.update(JITK_LOGLEVEL=str(level), JITK_LOGDEST=os.devnull)
-    jitk.api_log.reload()
+    jitk.tools.api_log.reload()
     try:
         yield
     finally:
         os.environ["JITK_LOGLEVEL"] = "0"
-        jitk.api_log.reload()
+        jitk.tools.api_log.reload()
 
 
 class DecoderBlock(torch.nn.Module):

@@ -39,7 +39,7 @@ from common import device_name, parse_args, print_table, write_json  # noqa: E40
 from persistent_cases import chain_items, chain_worker, test_worker  # noqa: E402
 
 import jitk  # noqa: E402
-from jitk.timing import captured_graph, median_us  # noqa: E402
+from jitk.tools.timing import captured_graph, median_us  # noqa: E402
 
 N, OPS, SHORT_OPS, BLOCKS = 4096, 180, 18, 8
 GEMM = 8192

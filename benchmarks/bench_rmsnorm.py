@@ -1,4 +1,4 @@
-"""RMSNorm: jitk.norm against torch.nn.functional.rms_norm, eager and under CUDA graph
+"""RMSNorm: jitk.kernels.norm against torch.nn.functional.rms_norm, eager and under CUDA graph
 replay, with the device copy bandwidth measured in the same run as the ceiling.
 
 GB/s counts the bytes read and written (input, output, weight; the residual too for the
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from jitk.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
+from jitk.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 
 EPS = 1e-6
 ROTATION_BYTES = 256 << 20  # inputs + outputs touched before a buffer comes round again

@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import jitk  # noqa: E402
-import jitk.norm  # noqa: E402  (registers the operators)
-from jitk.timing import gemm_neighbour  # noqa: E402
+import jitk.kernels.norm  # noqa: E402  (registers the operators)
+from jitk.tools.timing import gemm_neighbour  # noqa: E402
 
 ROWS = (1, 16, 77, 256, 1024, 4096)
 HIDDENS = (4096, 5120, 7168, 8192, 12288)

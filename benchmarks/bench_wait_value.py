@@ -35,8 +35,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from jitk import wait_value  # noqa: E402
-from jitk.wait_value import Event, stream_wait_value, stream_write_value  # noqa: E402
+from jitk.kernels import wait_value  # noqa: E402
+from jitk.kernels.wait_value import Event, stream_wait_value, stream_write_value  # noqa: E402
 
 SLEEP_CYCLES = 200_000  # ~100 us: B's wait is enqueued and in place before A signals
 WARMUP = 10

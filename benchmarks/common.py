@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from jitk.timing import captured_graph, median_us
+from jitk.tools.timing import captured_graph, median_us
 
 
 def parse_args(description: str) -> argparse.Namespace:

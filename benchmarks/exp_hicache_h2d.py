@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
-from jitk import hicache, load_jit  # noqa: E402
+from jitk import load_jit
+from jitk.kernels import hicache  # noqa: E402
 
 ROW = 1024
 HOST_POOL = 256 * 1024

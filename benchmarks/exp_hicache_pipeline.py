@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_hicache as bench  # noqa: E402
 import common  # noqa: E402
 
-from jitk import hicache, load_jit  # noqa: E402
+from jitk import load_jit
+from jitk.kernels import hicache  # noqa: E402
 
 ROW = 1024  # bytes per token per layer, K and V each
 MIB = 1 << 20

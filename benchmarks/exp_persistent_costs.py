@@ -46,9 +46,9 @@ from bench_persistent import (  # noqa: E402
 from common import device_name, parse_args, print_table, write_json  # noqa: E402
 from persistent_cases import chain_items, chain_worker, test_worker  # noqa: E402
 
-from jitk.jit import load_jit  # noqa: E402
+from jitk.build.jit import load_jit  # noqa: E402
 from jitk.persistent import CHAIN_OPS, IntArg, Op, TensorArg, Worker  # noqa: E402
-from jitk.timing import captured_graph, median_us  # noqa: E402
+from jitk.tools.timing import captured_graph, median_us  # noqa: E402
 
 SPIN_CYCLES = int(4e8)  # about 0.2 s at the H100's clocks: longer than 10 gated GEMMs
 
@@ -324,7 +324,7 @@ def graph_vs_worker_clocks(steps: int, rounds: int) -> list[dict]:
         return 0.0
 
     def jitk_kernel():
-        from jitk.green import sm_ids
+        from jitk.kernels.green import sm_ids
         sm_ids(16, side)
         return 0.0
 

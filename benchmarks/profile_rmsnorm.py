@@ -34,8 +34,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rmsnorm_peers as peers  # noqa: E402
 
-from jitk import load_jit, norm  # noqa: E402
-from jitk.timing import gemm_neighbour  # noqa: E402
+from jitk import load_jit  # noqa: E402
+from jitk.kernels import norm
+from jitk.tools.timing import gemm_neighbour  # noqa: E402
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
            "launch__occupancy_limit_registers", "launch__occupancy_limit_warps",
@@ -149,7 +150,7 @@ def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list
     """Every product of the values of the knobs in `vary` around `around` (changes to the
     default; None: the tuned choice), each built (in parallel) before it is returned."""
     from jitk import autotune
-    from jitk.__main__ import default_precompile_archs
+    from jitk.cli.main import default_precompile_archs
 
     if not vary:
         return []

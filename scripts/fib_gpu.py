@@ -145,7 +145,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);
 def timing_pair() -> tuple[Definition, Solution]:
     import torch
 
-    from jitk.norm import _rmsnorm
+    from jitk.kernels.norm import _rmsnorm
 
     example = (torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16),
                torch.empty(1, 4096, dtype=torch.bfloat16), 1e-6)
@@ -162,7 +162,7 @@ def build_once(builder_name: str) -> None:
     """In a child process: one build() call, its seconds printed as JSON."""
     from flashinfer_bench.compile.builders import TVMFFIBuilder
 
-    from jitk.fib_builder import JitkBuilder
+    from jitk.integrations.fib_builder import JitkBuilder
 
     builder = TVMFFIBuilder() if builder_name == "tvm-ffi" else JitkBuilder()
     definition, solution = timing_pair()
@@ -172,7 +172,7 @@ def build_once(builder_name: str) -> None:
 
 
 def build_timing() -> int:
-    from jitk import toolchain
+    from jitk.build.builder import toolchain
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fib-build-timing-") as scratch:

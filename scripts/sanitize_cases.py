@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import probes  # noqa: E402
 
-from jitk import hicache, norm, wait_value  # noqa: E402
+from jitk.kernels import hicache, norm, wait_value  # noqa: E402
 
 
 def case(name):

@@ -221,7 +221,7 @@ def case_stream_wait(small: bool) -> None:
     """Another stream waits for an item with jitk.stream_wait_value on its completion counter,
     then reads what the item wrote. (Not under compute-sanitizer, which runs one kernel at a
     time: the copy behind the wait would wait for the worker.)"""
-    from jitk.wait_value import stream_wait_value
+    from jitk.kernels.wait_value import stream_wait_value
     cell = torch.zeros(1, dtype=_I64, device="cuda")
     out = torch.zeros(1, dtype=_I64, device="cuda")
     side = torch.cuda.Stream()

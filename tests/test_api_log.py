@@ -14,9 +14,10 @@ from test_shipped_ops import calls, fake_cuda_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import jitk
-import jitk.norm
-from jitk import api_log, custom_op
-from jitk.__main__ import main
+import jitk.kernels.norm
+from jitk.cli.main import main
+from jitk.runtime import op as custom_op
+from jitk.tools import api_log
 
 body_calls = []  # (op, stdout so far) for each run of a test op's body
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jitk
-from jitk import autotune, timing
+from jitk.tools import autotune, timing
 
 BUILT = []  # (bucket, config) of every build the space below was asked for
 
@@ -352,17 +352,17 @@ def test_two_processes_recording_at_once_lose_no_entry(fresh_file):
 
 @pytest.mark.gpu
 def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh_file):
-    import jitk.norm  # noqa: F401 - registers the operator
+    import jitk.kernels.norm  # noqa: F401 - registers the operator
 
-    info = jitk.custom_op.find_op("jitk::rmsnorm")
+    info = jitk.runtime.op.find_op("jitk::rmsnorm")
     args, kwargs = info.tuning.sample_calls((16, 4096), torch.bfloat16, torch.device("cuda"))[0]
     bucket = info.tuning.bucket(*args, **kwargs)
     result = autotune.tune(info, args, kwargs)
     assert not result.failures and result.config in info.tuning.candidates(bucket)
     fastest = min(us for _, us in result.timings if us is not None)
     assert fastest <= result.us <= fastest * (1 + autotune.GRAPH_TIE)  # single calls break ties
-    script = ("import torch, jitk.norm, jitk\n"
-              "space = jitk.custom_op.find_op('jitk::rmsnorm').tuning\n"
+    script = ("import torch, jitk.kernels.norm, jitk\n"
+              "space = jitk.runtime.op.find_op('jitk::rmsnorm').tuning\n"
               f"print(sorted(space.config((4096, torch.bfloat16, {bucket[2]})).items()))\n")
     reused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300, check=True)
@@ -372,9 +372,9 @@ def test_tuning_rmsnorm_records_a_checked_winner_that_another_process_uses(fresh
 @pytest.mark.gpu
 def test_tuning_fused_add_rmsnorm_beside_a_gemm_tries_pdl_off_and_records_the_setting(
         fresh_file):
-    import jitk.norm  # noqa: F401 - registers the operator
+    import jitk.kernels.norm  # noqa: F401 - registers the operator
 
-    info = jitk.custom_op.find_op("jitk::fused_add_rmsnorm")
+    info = jitk.runtime.op.find_op("jitk::fused_add_rmsnorm")
     args, kwargs = info.tuning.sample_calls((16, 4096), torch.bfloat16, torch.device("cuda"))[0]
     bucket = info.tuning.bucket(*args, **kwargs)
     result = autotune.tune(info, args, kwargs, beside=True)
@@ -393,9 +393,9 @@ def test_tuning_fused_add_rmsnorm_beside_a_gemm_tries_pdl_off_and_records_the_se
 @pytest.mark.parametrize("direction", [1, 2])  # load-back, write-back
 def test_tuning_a_hicache_transfer_checks_every_candidate_and_the_call_runs_the_winner(
         fresh_file, direction):
-    from jitk import hicache
+    from jitk.kernels import hicache
 
-    info = jitk.custom_op.find_op("jitk::transfer_hicache_one_layer")
+    info = jitk.runtime.op.find_op("jitk::transfer_hicache_one_layer")
     args, kwargs = info.tuning.sample((1024, 1024, direction), torch.bfloat16,
                                       torch.device("cuda"))
     bucket = info.tuning.bucket(*args, **kwargs)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import jitk
-import jitk.jit
-from jitk import build, toolchain
-from jitk.cache import META_FILE, list_entries
+import jitk.build.jit
+from jitk.build.builder import builder as build
+from jitk.build.builder import toolchain
+from jitk.build.cache import META_FILE, list_entries
 
 AXPY = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"
 # A space, a shell variable, a colon (ninja's and make's separator), non-ASCII, a quote.
@@ -40,10 +41,10 @@ def test_threads_cold_building_different_modules_build_each_once(tmp_path, monke
         order = names[thread % 3:] + names[:thread % 3]  # the threads start on all three
         return [load_axpy(name) for name in order]
 
-    before = jitk.jit.build_count()
+    before = jitk.build.jit.build_count()
     with ThreadPoolExecutor(8) as pool:
         loaded = [f.result(timeout=300) for f in [pool.submit(load_all, t) for t in range(8)]]
-    assert jitk.jit.build_count() - before == 3
+    assert jitk.build.jit.build_count() - before == 3
     assert sorted(entry.module for entry in list_entries(tmp_path / "cache")) == names
     for modules in loaded:
         for module in modules:
@@ -89,9 +90,9 @@ def test_paths_with_spaces_dollars_colons_and_non_ascii_build(language, tmp_path
         assert "-ccbin" in (entry.path / "build.ninja").read_text()
         return
     write_odd_kernel(tmp_path, 8, odd_include)  # an edit of the header rebuilds
-    before = jitk.jit.build_count()
+    before = jitk.build.jit.build_count()
     assert load_odd(kernel, include, language).scaled(3) == 24
-    assert jitk.jit.build_count() == before + 1
+    assert jitk.build.jit.build_count() == before + 1
 
 
 def test_a_failure_before_any_compiler_runs_names_ninja_and_its_error(tmp_path):

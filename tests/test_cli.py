@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import jitk
-from jitk import clangd, precompile
-from jitk.__main__ import main as jitk_main
+from jitk.build.builder import clangd
+from jitk.cli.main import main as jitk_main
+from jitk.tools import precompile
 
 TESTS_DIR = Path(__file__).resolve().parent
 PROBE_MODULE = "precompile_probe"  # tests/precompile_probe.py
@@ -171,10 +172,11 @@ def test_kernels_are_declared_once_in_their_modules():
     """A kernel module's __all__ and precompile_configs() are all there is to register: jitk
     exports the one and precompile builds the other."""
     import jitk
-    from jitk import registry
+    from jitk.runtime import registry
 
     assert precompile.KERNEL_MODULES == tuple(registry.kernel_modules())
-    assert {"jitk.norm", "jitk.hicache", "jitk.wait_value"} <= set(precompile.KERNEL_MODULES)
+    shipped = {"jitk.kernels.norm", "jitk.kernels.hicache", "jitk.kernels.wait_value"}
+    assert shipped <= set(precompile.KERNEL_MODULES)
     for module_name, entry_points in registry.kernel_modules().items():
         module = importlib.import_module(module_name)
         assert set(entry_points) == set(module.__all__) - {"precompile_configs"}
@@ -192,8 +194,8 @@ def test_exit_codes_reach_the_shell(tmp_path):
 
 
 def test_demo_runs_or_says_it_is_missing(tmp_path):
-    if importlib.util.find_spec("jitk.demo") is not None:
-        pytest.skip("jitk.demo exists; its own tests run it")
+    if importlib.util.find_spec("jitk.cli.demo") is not None:
+        pytest.skip("jitk.cli.demo exists; its own tests run it")
     result = jitk_cli("demo", cwd=tmp_path)
     assert result.returncode == 1
     assert "no demo" in result.stderr

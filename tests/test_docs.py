@@ -204,7 +204,7 @@ def table_first_cells(page: Path, heading: str) -> list[str]:
 
 
 def test_logging_page_lists_every_level_and_setting_with_its_default():
-    from jitk import api_log
+    from jitk.tools import api_log
 
     page = GUIDE / "debugging_a_serving_process.md"
     assert table_first_cells(page, "Levels") == [str(level) for level in api_log.LEVELS]
@@ -219,7 +219,7 @@ def test_logging_page_lists_every_level_and_setting_with_its_default():
 
 
 def test_logging_page_shows_the_line_format_the_code_writes():
-    from jitk import api_log
+    from jitk.tools import api_log
 
     page = (GUIDE / "debugging_a_serving_process.md").read_text()
     shown = re.search(r"```\n(\[jitk pid .*?)```", page, flags=re.S).group(1).splitlines()

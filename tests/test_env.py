@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import jitk
-from jitk import cache, env, toolchain
+from jitk.build.builder import cache, toolchain
+from jitk.tools import env
 
 
 def run_env(*args, **settings):

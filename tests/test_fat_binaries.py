@@ -13,7 +13,9 @@ import time
 import pytest
 
 import jitk
-from jitk import build, cache, precompile, toolchain
+from jitk.build.builder import builder as build
+from jitk.build.builder import cache, toolchain
+from jitk.tools import precompile
 
 FLEET = "8.0 9.0 10.0 12.0"  # A100, H100/H200, B200, RTX Blackwell
 
@@ -33,13 +35,13 @@ FAKE_GPU_LOADER = textwrap.dedent("""\
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_name = lambda device=None: "a faked GPU"
     import jitk
-    import jitk.jit, jitk.precompile
+    import jitk.build.jit, jitk.tools.precompile
     if sys.argv[2] == "shipped":
-        for name in jitk.precompile.KERNEL_MODULES:
+        for name in jitk.tools.precompile.KERNEL_MODULES:
             importlib.import_module(name).precompile_configs()[0][1]()
     else:
         jitk.load_jit("twice", cuda_files=[sys.argv[2]], cuda_wrappers=[("f", "twice_host")])
-    print("loaded; built", jitk.jit.build_count())
+    print("loaded; built", jitk.build.jit.build_count())
 """)
 
 
@@ -124,11 +126,11 @@ def test_a_build_directory_is_rebuilt_for_other_architectures(tmp_path, monkeypa
 
     def load(archs):
         monkeypatch.setenv("JITK_CUDA_ARCH", archs)
-        before = jitk.jit.build_count()
+        before = jitk.build.jit.build_count()
         module = jitk.load_jit("twice", cuda_files=[kernel], cuda_wrappers=[("f", "twice_host")],
                                build_directory=build)
         assert module.f(4) == 8
-        return jitk.jit.build_count() - before, cache.read_meta(build)["archs"]
+        return jitk.build.jit.build_count() - before, cache.read_meta(build)["archs"]
 
     assert load("9.0") == (1, ["9.0"])
     assert load("9.0") == (0, ["9.0"])
@@ -169,7 +171,7 @@ def test_every_shipped_kernel_builds_for_the_whole_fleet(tmp_path):
 def test_fat_entry_runs_on_this_gpu(tmp_path):
     """On the device: a cache holding only a fat rmsnorm serves this GPU, and it computes."""
     cache_dir = tmp_path / "cache"
-    fill = run_python("import jitk.norm as n; n.precompile_configs()[1][1]()",
+    fill = run_python("import jitk.kernels.norm as n; n.precompile_configs()[1][1]()",
                       env=clean_env(cache_dir, JITK_CUDA_ARCH="8.0 9.0 10.0"))
     assert fill.returncode == 0, fill.stderr
     check = textwrap.dedent("""\
@@ -178,7 +180,7 @@ def test_fat_entry_runs_on_this_gpu(tmp_path):
         w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.rms_norm(x.float(), (4096,), w.float(), 1e-6)
         torch.testing.assert_close(jitk.rmsnorm(x, w).float(), ref, atol=2e-2, rtol=2e-2)
-        print("built", jitk.jit.build_count())
+        print("built", jitk.build.jit.build_count())
     """)
     served = run_python(check, env=clean_env(cache_dir, JITK_DISABLE_JIT="1"))
     assert served.returncode == 0, served.stderr

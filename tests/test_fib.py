@@ -14,8 +14,8 @@ from flashinfer_bench.compile import BuilderRegistry, BuildError  # noqa: E402
 
 import jitk  # noqa: E402
 import jitk.fib  # noqa: E402
-from jitk.__main__ import main  # noqa: E402
-from jitk.norm import COMMON_SIZES  # noqa: E402
+from jitk.cli.main import main  # noqa: E402
+from jitk.kernels.norm import COMMON_SIZES  # noqa: E402
 
 
 def _shifted_reference(x: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
@@ -68,7 +68,7 @@ def test_export_writes_definitions_and_solutions_that_flashinfer_bench_loads(tmp
 
 @pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
 def test_a_definitions_reference_computes_what_the_ops_reference_does(op):
-    info = jitk.custom_op.find_op(op)
+    info = jitk.runtime.op.find_op(op)
     example = jitk.fib._SHIPPED[info.name].examples()[0]
     run = run_of(jitk.fib._shipped_definition(info, example))
     hidden, dtype = example[0].shape[-1], example[0].dtype
@@ -86,7 +86,7 @@ def test_a_definitions_reference_computes_what_the_ops_reference_does(op):
 
 @pytest.mark.parametrize("op", ["transfer_hicache_one_layer", "transfer_hicache_one_layer_mla"])
 def test_a_kv_transfer_definition_copies_what_its_reference_does(op):
-    info = jitk.custom_op.find_op(op)
+    info = jitk.runtime.op.find_op(op)
     (example,) = jitk.fib._SHIPPED[info.name].examples()
     definition = jitk.fib._shipped_definition(info, example)
     assert definition.axes["num_tokens"].type == "var"
@@ -154,7 +154,7 @@ def registry(tmp_path_factory):
 
 
 def shipped_pair(op):
-    info = jitk.custom_op.find_op(op)
+    info = jitk.runtime.op.find_op(op)
     example = jitk.fib._SHIPPED[info.name].examples()[0]
     definition = jitk.fib._shipped_definition(info, example)
     return definition, jitk.fib.solution(info, example, definition.name)

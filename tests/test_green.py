@@ -11,7 +11,7 @@ import torch
 from errors import expect_error
 
 import jitk
-from jitk.green import _module, sm_ids
+from jitk.kernels.green import _module, sm_ids
 
 
 def test_module_builds():

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import jitk
-import jitk.jit
+import jitk.build.jit
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "developer_guide"
 EXAMPLE = GUIDE / "example"
@@ -64,7 +64,7 @@ def test_wrong_argument_type_names_the_parameter(example):
 
 def test_inside_the_package_by_file_name(tmp_path, monkeypatch):
     shutil.copy(EXAMPLE / "axpy.cuh", tmp_path / "axpy.cuh")
-    monkeypatch.setattr(jitk.jit, "KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(jitk.build.jit, "KERNEL_DIR", tmp_path)
     axpy = jitk.load_jit("axpy_in_package", cuda_files=["axpy.cuh"],
                          cuda_wrappers=[("axpy", "axpy::Axpy<fp32_t>::run")]).axpy
     with pytest.raises(RuntimeError, match="Device mismatch: expected cuda but got cpu"):

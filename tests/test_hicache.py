@@ -1,4 +1,4 @@
-"""HiCache KV transfers (jitk/csrc/hicache*.cuh through jitk.hicache).
+"""HiCache KV transfers (jitk/csrc/hicache*.cuh through jitk.kernels.hicache).
 
 CPU part: the modules build for sm_90; SGLang's call forms reach the C++ checks; every entry
 point refuses bad arguments with a message naming the argument and the rule, and refuses
@@ -20,7 +20,7 @@ import pytest
 import torch
 from errors import expect_error
 
-from jitk import hicache
+from jitk.kernels import hicache
 
 POISON = 0x7F
 
@@ -413,7 +413,7 @@ def test_sglang_call_forms_reach_the_cpp_checks(form, method):
 
 
 # "auto"'s decision table for host indices (pinned or not: read during the call either way),
-# from the H100 measurements in jitk.hicache's docstring: (bytes one copy-engine copy moves,
+# from the H100 measurements in jitk.kernels.hicache's docstring: (bytes one copy-engine copy moves,
 # whether the kernel can run) -> method. Never a path below half of the best: the kernel
 # (44-50 GB/s) below 64 KiB copies, where the copy engines give 1-34.
 AUTO_TABLE = [

@@ -13,9 +13,9 @@ import torch
 from errors import expect_error
 
 import jitk
-import jitk.jit
-from jitk import toolchain
-from jitk.cache import META_FILE, list_entries
+import jitk.build.jit
+from jitk.build.builder import toolchain
+from jitk.build.cache import META_FILE, list_entries
 
 KERNEL = textwrap.dedent("""\
     #include <jitk/utils.h>
@@ -260,8 +260,8 @@ def test_editing_an_included_user_header_rebuilds(tmp_path):
 
 def test_editing_a_jitk_header_rebuilds(tmp_path, monkeypatch):
     include = tmp_path / "include"
-    shutil.copytree(jitk.jit.INCLUDE_DIR, include)
-    monkeypatch.setattr(jitk.jit, "INCLUDE_DIR", include)
+    shutil.copytree(jitk.build.jit.INCLUDE_DIR, include)
+    monkeypatch.setattr(jitk.build.jit, "INCLUDE_DIR", include)
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
     kernel = write_kernel(tmp_path / "repo")
     load = lambda: jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])

@@ -329,14 +329,14 @@ def axpy_checked(alpha: float, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def test_registry_records_each_op():
-    info = jitk.custom_op.registered_ops()["jitk_test::axpy_checked"]
+    info = jitk.runtime.op.registered_ops()["jitk_test::axpy_checked"]
     assert info is axpy_checked.info and info.operator is axpy_checked.op
     assert info.mutates_args == ("y",) and info.reference is _axpy_reference
     assert info.tolerance == (1e-6, 1e-6) and list(info.signature.parameters) == \
         ["alpha", "x", "y"]
-    assert jitk.custom_op.find_op("axpy_checked") is info
+    assert jitk.runtime.op.find_op("axpy_checked") is info
     with pytest.raises(KeyError, match="no jitk op named 'nope'"):
-        jitk.custom_op.find_op("nope")
+        jitk.runtime.op.find_op("nope")
 
 
 def test_unwrapped_slot_is_the_body_itself():
@@ -356,7 +356,7 @@ def test_call_wrapper_sees_eager_and_dispatcher_calls_and_is_removed():
             return fn(*args, **kwargs)
         return logged
 
-    jitk.custom_op.add_call_wrapper(factory)
+    jitk.runtime.op.add_call_wrapper(factory)
     try:
         x, y = inputs()
         axpy_checked(1.0, x, y)
@@ -365,7 +365,7 @@ def test_call_wrapper_sees_eager_and_dispatcher_calls_and_is_removed():
                       fullgraph=True)(x, y)
         axpy(1.0, x, y)  # another op: left alone
     finally:
-        jitk.custom_op.remove_call_wrapper(factory)
+        jitk.runtime.op.remove_call_wrapper(factory)
     assert seen == ["jitk_test::axpy_checked"] * 3
     assert axpy_checked.__globals__["_jitk_fn"] is axpy_checked.info.fn
 
@@ -393,7 +393,7 @@ def test_reference_mode_switches_named_ops_and_warns_once(monkeypatch):
 def test_reference_env_selects_ops_in_a_fresh_process():
     import subprocess
     import sys
-    script = ("import warnings, torch, jitk, jitk.norm\n"
+    script = ("import warnings, torch, jitk, jitk.kernels.norm\n"
               "with warnings.catch_warnings(record=True) as w:\n"
               "    warnings.simplefilter('always')\n"
               "    x, wt = torch.randn(3, 8), torch.randn(8)\n"

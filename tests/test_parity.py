@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import jitk
-import jitk.hicache
-import jitk.norm
-import jitk.wait_value
+import jitk.kernels.hicache
+import jitk.kernels.norm
+import jitk.kernels.wait_value
 from jitk.testing import Case, ParityError, check_op, measure
 
 KERNEL = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"
@@ -104,7 +104,7 @@ SHIPPED = ["rmsnorm", "fused_add_rmsnorm", "transfer_hicache_one_layer",
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_op_has_a_reference_and_passes_its_cpu_check(name):
-    info = jitk.custom_op.find_op(f"jitk::{name}")
+    info = jitk.runtime.op.find_op(f"jitk::{name}")
     assert info.reference is not None and info.cases is not None
     # the reference takes the op's parameters, kinds and defaults
     assert [(p.name, p.kind, p.default) for p in inspect.signature(
@@ -123,7 +123,7 @@ def test_every_shipped_op_matches_its_reference_on_the_gpu(name):
 
 
 def _hicache_reference(name):
-    return jitk.custom_op.find_op(f"jitk::transfer_hicache_{name}").reference
+    return jitk.runtime.op.find_op(f"jitk::transfer_hicache_{name}").reference
 
 
 def test_hicache_references_move_what_sglang_moves():

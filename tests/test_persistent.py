@@ -19,7 +19,7 @@ import pytest
 import torch
 from errors import expect_error
 
-from jitk.jit import JitCompileError
+from jitk.build.jit import JitCompileError
 from jitk.persistent import (
     CHAIN_OPS,
     ITEM_WORDS,

@@ -1,4 +1,4 @@
-"""jitk.norm: rmsnorm and fused_add_rmsnorm (python/jitk/csrc/rmsnorm.cuh).
+"""jitk.kernels.norm: rmsnorm and fused_add_rmsnorm (python/jitk/csrc/rmsnorm.cuh).
 
 Without a GPU the module is built for sm_90 and every check of the host entry points runs:
 CPU tensors are refused, and tensors that only claim to live on a GPU (DLPack views of a
@@ -16,7 +16,7 @@ import torch
 import tvm_ffi
 
 import jitk
-from jitk import norm
+from jitk.kernels import norm
 
 HAS_GPU = torch.cuda.is_available()
 LOCATION = re.compile(r"rmsnorm\.cuh:\d+")
@@ -310,7 +310,7 @@ def _spill_check_source() -> str:
     """Every kernel a module of the benchmark's widths holds, instantiated alone: the default's
     four (plain rows or two runs, widest vectors or one element) and each candidate's plain-rows
     kernel, in both 16-bit dtypes, plain and fused."""
-    from jitk.cpp_args import make_cpp_args
+    from jitk.build.cpp_args import make_cpp_args
 
     lines, kernels = ["#include <rmsnorm.cuh>", "using namespace jitk::norm;"], []
     for hidden in sorted({hidden for _, hidden in norm._RMSNORM_SPACE.shapes}):
@@ -340,7 +340,8 @@ def test_no_kernel_spills_registers(tmp_path):
     widths, builds with ptxas refusing spills: under the 8-block register cap a small change of
     the body once had ptxas keep the weight in local memory, 2.7 times slower at 1024x5120 on an
     H100, and fill_sm's plan once left the short path 8-164 bytes short at four widths."""
-    from jitk import build, jit, toolchain
+    from jitk.build.builder import builder as build
+    from jitk.build.builder import jit, toolchain
 
     source = tmp_path / "every_rmsnorm_kernel.cu"
     source.write_text(_spill_check_source())
@@ -798,11 +799,11 @@ def test_two_vectors_is_tried_past_256_rows_where_it_fits():
 def test_tune_builds_two_modules_per_width_and_dtype():
     """The default's, and one that holds every other choice the tuner tries: both ops and
     every row bucket of a width share them."""
-    modules = {("jitk.norm", 5120, torch.bfloat16, "default"),
-               ("jitk.norm", 5120, torch.bfloat16, "candidates")}
+    modules = {("jitk.kernels.norm", 5120, torch.bfloat16, "default"),
+               ("jitk.kernels.norm", 5120, torch.bfloat16, "candidates")}
     # Beside a GEMM, each of the 19 choices without PDL too, in a module of their own.
     for beside, choices, more in ((False, 19, set()), (True, 38, {
-            ("jitk.norm", 5120, torch.bfloat16, "candidates without PDL")})):
+            ("jitk.kernels.norm", 5120, torch.bfloat16, "candidates without PDL")})):
         keys, configs = set(), set()
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
             for rows in (1, 16, 128, 256, 1024, 4096):
@@ -829,14 +830,14 @@ def test_a_choice_outside_the_candidates_gets_a_module_of_its_own():
     bucket = (5120, torch.bfloat16, 16)
     knobs = {**norm._default_knobs(bucket), "row_registers": 8, "register_cap": False}
     assert knobs not in norm._candidates(5120, torch.bfloat16)
-    assert norm._module_key(bucket, knobs) == ("jitk.norm", 5120, torch.bfloat16,
+    assert norm._module_key(bucket, knobs) == ("jitk.kernels.norm", 5120, torch.bfloat16,
                                                *norm._knob_values(knobs))
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])
 def test_tuning_samples_pass_every_argument(name):
     """A built kernel takes no defaults: the tuner's sample call names every parameter."""
-    info = jitk.custom_op.find_op(name)
+    info = jitk.runtime.op.find_op(name)
     for args, kwargs in info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu")):
         bound = info.signature.bind(*args, **kwargs)
         assert list(bound.arguments) == list(info.signature.parameters)
@@ -844,12 +845,12 @@ def test_tuning_samples_pass_every_argument(name):
 
 def test_rmsnorm_in_place_is_a_bucket_of_its_own():
     """rmsnorm is tuned and looked up apart in place; the fused form is in place always."""
-    info = jitk.custom_op.find_op("jitk::rmsnorm")
+    info = jitk.runtime.op.find_op("jitk::rmsnorm")
     calls = info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu"))
     buckets = [info.tuning.bucket(*args, **kwargs) for args, kwargs in calls]
     assert buckets == [(256, torch.float16, 4), (256, torch.float16, 4, "in place")]
     x, weight, out, eps = calls[0][0]
     assert info.tuning.bucket(x, weight, out=x, eps=eps) == buckets[1]
-    fused = jitk.custom_op.find_op("jitk::fused_add_rmsnorm").tuning
+    fused = jitk.runtime.op.find_op("jitk::fused_add_rmsnorm").tuning
     (args, kwargs), = fused.sample_calls((3, 256), torch.float16, torch.device("cpu"))
     assert fused.bucket(*args, **kwargs) == (256, torch.float16, 4)

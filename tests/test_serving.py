@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import jitk
-from jitk import cache, precompile
+from jitk.build.builder import cache
+from jitk.tools import precompile
 
 PACKAGE = Path(jitk.__file__).resolve().parent
 
@@ -128,8 +129,8 @@ def copy_package(destination: Path) -> Path:
 
 
 LOAD_SHIPPED = """
-import jitk, jitk.wait_value
-label, thunk = jitk.wait_value.precompile_configs()[0]
+import jitk, jitk.kernels.wait_value
+label, thunk = jitk.kernels.wait_value.precompile_configs()[0]
 thunk()
 print("loaded from", jitk.__file__)
 """

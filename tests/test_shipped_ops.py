@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import jitk
-import jitk.hicache
-import jitk.norm
-import jitk.wait_value
+import jitk.kernels.hicache
+import jitk.kernels.norm
+import jitk.kernels.wait_value
 
 HIDDEN = 256
 ROW = 128  # elements per KV row: 256 bytes in bfloat16
@@ -305,7 +305,7 @@ def test_opcheck_every_operator():
 
 FLAG_SCRIPT = textwrap.dedent("""\
     import time, torch
-    import jitk.wait_value  # registers the operators
+    import jitk.kernels.wait_value  # registers the operators
     wait = torch.ops.jitk.stream_wait_value.default
     write = torch.ops.jitk.stream_write_value.default
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")

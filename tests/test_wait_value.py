@@ -1,4 +1,4 @@
-"""Stream wait / write value (jitk.wait_value).
+"""Stream wait / write value (jitk.kernels.wait_value).
 
 CPU part: the module builds for sm_90 without linking the CUDA driver, and every entry point
 refuses a bad flag, value or op with a message that says what is wrong and where. GPU part
@@ -27,9 +27,10 @@ import torch
 import wait_value_deadlock
 from errors import expect_error
 
-from jitk import streams, wait_value
-from jitk.cache import list_entries
-from jitk.wait_value import Event, stream_wait_value, stream_write_value
+from jitk.build.cache import list_entries
+from jitk.kernels import wait_value
+from jitk.kernels.wait_value import Event, stream_wait_value, stream_write_value
+from jitk.runtime import streams
 
 KERNEL_FILE = "wait_value.cuh"
 WATCHDOG_S = 30.0  # a passing test releases every wait within a second or two

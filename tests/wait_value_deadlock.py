@@ -26,7 +26,7 @@ SCENARIOS = ("waiter-first", "writer-first")
 def main(scenario: str) -> int:
     import torch
 
-    from jitk import wait_value
+    from jitk.kernels import wait_value
 
     flag = torch.tensor([0], dtype=torch.int32, device="cuda")  # a copy: launches no kernel
     data = torch.empty(1 << 20, device="cuda")

@@ -4,8 +4,15 @@
     jitk.rmsnorm(x, weight)                          # kernels, built on first use
     module = jitk.load_jit("mine", *jitk.make_cpp_args(128, torch.bfloat16), ...)
 
-Importing jitk imports its kernel modules (jitk/registry.py finds them), which define the
-operators torch.ops.jitk.*: a saved torch.export program that names them loads after
+The package stands in floors, each importing only from those below it (tests/test_layout.py
+holds it to that): base (version, errors, settings) -> build (toolchain, cache, locks,
+load_jit; no torch) -> runtime (the op layer, the family registry, streams) -> tools
+(logging, replay, parity testing, tuning, precompile, timing) -> kernels/<family> ->
+integrations (FlashInfer-Bench) -> cli. This module and the public names beside it
+(jitk.persistent, jitk.testing, jitk.autotune, jitk.fib, jitk.api_log) stand on top.
+
+Importing jitk imports its kernel families (jitk/runtime/registry.py lists them), which define
+the operators torch.ops.jitk.*: a saved torch.export program that names them loads after
 `import jitk`. Their kernels are built on first use. Only `python -m jitk` skips this while
 it imports the package, so that `python -m jitk cache` does not pay for torch; the commands
 that need the kernels import them."""
@@ -14,26 +21,33 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
-import os
 import sys
 import warnings
 
-__version__ = "0.1.0"
+from jitk.base import NUMPY_WARNING
+from jitk.base import __version__ as __version__
+from jitk.base.errors import JitkError as JitkError
 
-# The toolkit's own names; each kernel module's entry points are added by registry.py.
+# The toolkit's own names (module under jitk); each family's entry points come from the
+# registry.
 _CORE = {
-    "load_jit": "jit", "disable_jit": "jit",
-    "JitCompileError": "jit", "JitCacheMissError": "jit", "JitLockError": "lock",
-    "JitCacheTrustError": "trust",
-    "make_cpp_args": "cpp_args", "CppArgs": "cpp_args",
-    "ToolchainError": "toolchain",
-    "op": "custom_op", "reference_mode": "custom_op", "Tolerance": "custom_op",
+    "load_jit": "build.jit", "disable_jit": "build.jit",
+    "JitCompileError": "build.jit", "JitCacheMissError": "build.jit",
+    "JitLockError": "build.lock", "JitCacheTrustError": "build.trust",
+    "make_cpp_args": "build.cpp_args", "CppArgs": "build.cpp_args",
+    "ToolchainError": "build.toolchain",
+    "op": "runtime.op", "reference_mode": "runtime.op", "Tolerance": "runtime.op",
+    "ArgumentError": "base.errors", "ArgumentTypeError": "base.errors",
+    "SettingError": "base.errors",
 }
+# Public modules under their short names (each file beside this one makes the same alias).
+_MODULES = {"persistent": "kernels.persistent", "testing": "tools.testing",
+            "autotune": "tools.autotune", "fib": "integrations.fib",
+            "api_log": "tools.api_log"}
 
 
 def _exports() -> dict[str, str]:
-    from .registry import exports
+    from jitk.runtime.registry import exports
 
     return {**_CORE, **{name: module.removeprefix("jitk.") for name, module in exports().items()}}
 
@@ -41,16 +55,18 @@ def _exports() -> dict[str, str]:
 def __getattr__(name: str):
     if name == "__all__":
         return sorted(_exports())
-    module = _CORE.get(name) or _exports().get(name)
+    if name in _MODULES:
+        return importlib.import_module(f"jitk.{name}")
+    module = _exports().get(name)
     if module is None:
         raise AttributeError(f"module 'jitk' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(f"jitk.{module}"), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_exports()])
+    return sorted([*globals(), *_exports(), *_MODULES])
 
 
 def _running_the_command_line() -> bool:
@@ -61,21 +77,16 @@ def _running_the_command_line() -> bool:
             and argv[argv.index("-m") + 1:][:1] == [__name__])
 
 
-# torch warns at import when numpy is missing; jitk never needs numpy, so where importing
-# jitk (or running its commands) imports torch, it keeps that warning quiet.
-NUMPY_WARNING = "Failed to initialize NumPy"
-
 # Where torch is installed (a process may block it: tvm-ffi and load_jit work without it).
 if not _running_the_command_line() and importlib.util.find_spec("torch") is not None:
-    from .registry import kernel_modules
+    from jitk.runtime.registry import kernel_modules
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NUMPY_WARNING, UserWarning)
+        importlib.import_module("jitk.tools.api_log")  # every op's calls logged as set
         for _module in kernel_modules():
             importlib.import_module(_module)
 
-if os.environ.get("JITK_VERBOSE", "0") not in ("", "0"):
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("jitk").addHandler(_handler)
-    logging.getLogger("jitk").setLevel(logging.INFO)
+from jitk.base import settings as _settings  # noqa: E402
+
+_settings.apply_verbose()

@@ -549,9 +549,3 @@ def reference_mode(ops: object = "all"):
         _reference_stack.pop()
         refresh_all()
 
-
-# Call logging (JITK_LOGLEVEL, jitk/api_log.py) wraps every op through the hook above; at
-# level 0 it leaves the slot alone.
-from . import api_log  # noqa: E402
-
-add_call_wrapper(api_log.call_wrapper)

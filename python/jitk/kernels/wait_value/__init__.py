@@ -93,7 +93,6 @@ waits. JITK_WAIT_VALUE_SPIN=1 asks for the fallback everywhere.
 from __future__ import annotations
 
 import functools
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -101,9 +100,10 @@ from typing import NamedTuple
 
 import torch
 
-from .custom_op import op
-from .jit import load_jit
-from .streams import cuda_device, current_stream
+from jitk.base import settings
+from jitk.build.jit import load_jit
+from jitk.runtime.op import op
+from jitk.runtime.streams import cuda_device, current_stream
 
 __all__ = ["Event", "precompile_configs", "stream_wait_value", "stream_write_value"]
 
@@ -127,7 +127,7 @@ _FALLBACK_REASONS = {
 _warned: set[int] = set()
 
 # Tests set this to run the fallback on a GPU that does not need it.
-_force_spin = os.environ.get("JITK_WAIT_VALUE_SPIN") == "1"
+_force_spin = settings.flag("JITK_WAIT_VALUE_SPIN")
 
 # A flag's values, by its dtype; a flag of another dtype is refused by the C++ checks.
 _BITS = {torch.int32: 32, torch.int64: 64}
@@ -178,8 +178,9 @@ def _note(path: int) -> None:
     """Warns once per reason when a call had to use the spin kernel."""
     if path in _FALLBACK_REASONS and path not in _warned:
         _warned.add(path)
-        warnings.warn(f"jitk.wait_value: {_FALLBACK_REASONS[path]}, so waits and writes use a "
-                      "spin kernel, which holds an SM while it waits; see the module docstring "
+        reason = _FALLBACK_REASONS[path]
+        warnings.warn(f"jitk.stream_wait_value: {reason}, so waits and writes use a spin "
+                      "kernel, which holds an SM while it waits; see the module docstring "
                       "(Fallback)", RuntimeWarning, stacklevel=3)
 
 
@@ -226,7 +227,7 @@ def _write_reference(flag: torch.Tensor, value: int = 1) -> None:
 def _flag_cases(write: bool) -> list:
     """Flags of both widths on the GPU and pinned on the host; for waits, every comparison
     with a value the flag passes already (a parity check must not hang)."""
-    from .testing import Case
+    from jitk.tools.testing import Case
 
     # (op, flag's value, value compared)
     passing = (("eq", 7, 7), ("geq", 5, 3), ("geq", -(2**31), 2**31 - 1), ("and", 6, 2),

@@ -15,23 +15,25 @@ import importlib
 import json
 import multiprocessing
 import os
-import re
-import shlex
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import registry, toolchain
+from jitk.base import settings
+from jitk.base.errors import JitkError
 
 # The kernel modules shipped with jitk, as they declare themselves.
+from jitk.build import toolchain
+from jitk.runtime import registry
+
 KERNEL_MODULES = tuple(registry.kernel_modules())
 # More modules with precompile_configs(), e.g. a project's own kernels: "pkg.a,pkg.b".
 MODULES_ENV = "JITK_PRECOMPILE_MODULES"
 
 
-class PrecompileError(RuntimeError):
+class PrecompileError(JitkError, RuntimeError):
     """A kernel module could not be imported or has no precompile_configs()."""
 
 
@@ -65,12 +67,20 @@ class Outcome:
 
 
 def short_name(module: str) -> str:
-    return module.removeprefix("jitk.")
+    return registry.family_of(module)
+
+
+def module_named(name: str) -> str:
+    """A module as a command line may name it: a shipped family by its short name ("norm"),
+    by its module ("jitk.kernels.norm") or by its module before the kernels had a floor of
+    their own ("jitk.norm"); any other module as it is."""
+    family = name.removeprefix("jitk.")
+    return registry.module_of(family) if family in registry.FAMILIES else name
 
 
 def registered_modules() -> list[str]:
     """KERNEL_MODULES, then those named in $JITK_PRECOMPILE_MODULES."""
-    extra = [name for name in re.split(r"[,;\s]+", os.environ.get(MODULES_ENV, "")) if name]
+    extra = [name for name in settings.get(MODULES_ENV) if name]
     return list(dict.fromkeys([*KERNEL_MODULES, *extra]))
 
 
@@ -126,15 +136,6 @@ def make_tasks(labels: dict[str, list[str]], archs: list[str]) -> list[Task]:
             for index, label in enumerate(module_labels)]
 
 
-def call_command(call: dict, archs: tuple[str, ...]) -> str:
-    """The shell command that builds the entry of a recorded load_jit call (its arguments as
-    JSON values, as load_jit records them for a miss): the same call, for the same
-    architectures."""
-    arch = f" --arch {shlex.quote(';'.join(archs))}" if archs else ""
-    text = json.dumps(call, separators=(",", ":"))
-    return f"python -m jitk precompile{arch} --call {shlex.quote(text)}"
-
-
 def read_call(text: str) -> dict:
     """A recorded call, checked for its form (load_jit checks the values themselves)."""
     rule = ('a JSON object {"name_parts": [...], ...} with load_jit\'s keyword arguments, as '
@@ -166,20 +167,20 @@ def is_cuda_call(text: str) -> bool:
 
 
 def _replay(text: str) -> object:
-    from .jit import load_jit
+    from jitk.build.jit import load_jit
 
     call = read_call(text)
     return load_jit(*call.pop("name_parts"), **call)
 
 
-def _init_worker(arch: str) -> None:
+def init_worker(arch: str) -> None:
     if arch:  # "" builds host code only
         os.environ[toolchain.ARCH_ENV] = arch
     os.environ.pop("JITK_DISABLE_JIT", None)  # precompiling is building, asked for by name
 
 
 @contextlib.contextmanager
-def _workers_see_no_gpu() -> Iterator[None]:
+def workers_see_no_gpu() -> Iterator[None]:
     """Workers only build. With no GPU visible, load_jit skips its check that the library
     runs on this machine's GPU, so code for other architectures can be built too. It must
     be in the environment the workers start with: once CUDA is initialised, hiding devices
@@ -197,7 +198,7 @@ def _workers_see_no_gpu() -> Iterator[None]:
 
 def _run_in_worker(task: Task) -> tuple[float, bool, str | None]:
     """Runs one task; returns its seconds, whether it built, and its error if any."""
-    from .jit import build_count
+    from jitk.build.jit import build_count
 
     started = time.perf_counter()
     builds_before = build_count()
@@ -223,9 +224,9 @@ def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list
     context = multiprocessing.get_context("spawn")
     for arch in dict.fromkeys(task.arch for task in tasks):
         group = [task for task in tasks if task.arch == arch]
-        with _workers_see_no_gpu(), ProcessPoolExecutor(
+        with workers_see_no_gpu(), ProcessPoolExecutor(
                 max_workers=min(jobs, len(group)), mp_context=context,
-                initializer=_init_worker, initargs=(arch,)) as pool:
+                initializer=init_worker, initargs=(arch,)) as pool:
             futures = {pool.submit(_run_in_worker, task): task
                        for task in group}
             for future in as_completed(futures):

@@ -15,10 +15,13 @@ import pwd
 import stat
 from pathlib import Path
 
+from jitk.base import settings
+from jitk.base.errors import JitkError
+
 TRUSTED_GROUP_ENV = "JITK_CACHE_TRUSTED_GROUP"
 
 
-class JitCacheTrustError(RuntimeError):
+class JitCacheTrustError(JitkError, RuntimeError):
     """A cache, entry or library that others than the user (and whom they trust) could have
     written: jitk refuses to load from it or build into it."""
 
@@ -36,7 +39,7 @@ def _group_id(name: str) -> int:
 
 def trusted_group() -> int | None:
     """The group id named by $JITK_CACHE_TRUSTED_GROUP, or None when it is not set."""
-    name = os.environ.get(TRUSTED_GROUP_ENV, "").strip()
+    name = settings.get(TRUSTED_GROUP_ENV)
     return _group_id(name) if name else None
 
 

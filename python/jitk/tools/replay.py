@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from . import api_log
-from .custom_op import OpInfo, find_op
+from jitk.base.errors import JitkError
+from jitk.runtime.op import OpInfo, find_op
+from jitk.tools import api_log
 
 __all__ = ["Comparison", "DumpError", "load_call", "replay"]
 
 
-class DumpError(ValueError):
+class DumpError(JitkError, ValueError):
     """The folder is not a readable jitk dump."""
 
 

@@ -35,9 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import trust
-from .lock import SUFFIX as LOCK_SUFFIX
-from .lock import JitLockError, lock_folder, lock_path, release, try_lock
+from jitk.base import settings
+from jitk.build import trust
+from jitk.build.lock import SUFFIX as LOCK_SUFFIX
+from jitk.build.lock import JitLockError, lock_folder, lock_path, release, try_lock
 
 logger = logging.getLogger("jitk")
 
@@ -59,7 +60,7 @@ FOREIGN_COPY_SECONDS = 3600
 
 def cache_root() -> Path:
     """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jitk").expanduser()
+    root = Path(settings.get(CACHE_ENV)).expanduser()
     if root.exists() and not root.is_dir():
         raise ValueError(f"{CACHE_ENV}={str(root)!r} is a file; it must name a folder (jitk "
                          "makes it if it is missing)")
@@ -224,7 +225,7 @@ def _abandoned(private: Path) -> bool:
 
 def staging_root() -> Path:
     """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
-    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir()).expanduser()
+    return Path(settings.get(STAGING_ENV) or tempfile.gettempdir()).expanduser()
 
 
 def _staging_prefix(entry: Path) -> str:

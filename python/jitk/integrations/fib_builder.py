@@ -24,9 +24,9 @@ from flashinfer_bench.compile import Builder, BuildError, Runnable, RunnableMeta
 from flashinfer_bench.data import Definition, Solution, SupportedBindings, SupportedLanguages
 from flashinfer_bench.env import get_fib_cache_path
 
-from . import toolchain
-from .build import JitCompileError
-from .jit import JitCacheMissError, load_jit
+from jitk.build import toolchain
+from jitk.build.builder import JitCompileError
+from jitk.build.jit import JitCacheMissError, load_jit
 
 __all__ = ["JitkBuilder"]
 

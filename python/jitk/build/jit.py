@@ -19,15 +19,19 @@ import json
 import logging
 import os
 import re
+import shlex
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import tvm_ffi
 
-from . import cache, loader, precompile, toolchain, trust
-from .build import BuildSpec, JitCompileError, build_and_publish
-from .lock import build_lock, lock_timeout
+from jitk.base import settings
+from jitk.base.errors import JitkError
+from jitk.build import cache, loader, toolchain, trust
+
+from jitk.build.builder import BuildSpec, JitCompileError, build_and_publish
+from jitk.build.lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 
@@ -35,7 +39,7 @@ logger = logging.getLogger("jitk")
 
 PACKAGE_DIR = cache.PACKAGE_DIR
 INCLUDE_DIR = PACKAGE_DIR / "include"
-KERNEL_DIR = PACKAGE_DIR / "csrc"
+KERNEL_DIR = PACKAGE_DIR / "kernels"  # a folder a family
 
 DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
 DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
@@ -51,7 +55,7 @@ _disabled_depth = 0  # how many disable_jit() blocks are open, in any thread
 _builds = 0  # modules this process has built
 
 
-class JitCacheMissError(RuntimeError):
+class JitCacheMissError(JitkError, RuntimeError):
     """A module is not in the cache (or its entry cannot be used) while JIT compilation is
     disabled (JITK_DISABLE_JIT=1 or jitk.disable_jit())."""
 
@@ -71,10 +75,8 @@ def disable_jit() -> Iterator[None]:
 
 
 def jit_disabled() -> bool:
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"{DISABLE_ENV}={value!r}: expected 1 (never compile) or 0")
-    return _disabled_depth > 0 or value in ("1", "true", "yes", "on")
+    disabled = settings.flag(DISABLE_ENV)  # a bad value fails even inside disable_jit()
+    return _disabled_depth > 0 or disabled
 
 
 def build_count() -> int:
@@ -117,11 +119,22 @@ def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: st
     return items
 
 
+def _shipped(path: Path) -> Path:
+    """A relative kernel file name, the package's own: a path under jitk/kernels
+    ("norm/rmsnorm.cuh"), or the bare name of a file that one family holds ("rmsnorm.cuh")."""
+    found = KERNEL_DIR / path
+    if not found.exists() and len(path.parts) == 1:
+        held = sorted(KERNEL_DIR.glob(f"*/{path.name}"))
+        if len(held) == 1:
+            return held[0]
+    return found
+
+
 def _resolve_sources(files: object, parameter: str) -> list[Path]:
     resolved = []
     for file in _listed(files, parameter, (str, os.PathLike), "paths (str or os.PathLike)"):
         path = Path(file)
-        found = path if path.is_absolute() else KERNEL_DIR / path
+        found = path if path.is_absolute() else _shipped(path)
         if found.is_dir():
             raise IsADirectoryError(f"load_jit({parameter}=...): '{found}' is a folder; give "
                                     "the kernel files in it, each by its path")
@@ -134,7 +147,8 @@ def _resolve_sources(files: object, parameter: str) -> list[Path]:
 
 
 def _as_given(path: Path) -> str:
-    """A resolved kernel file as load_jit takes it: a name in jitk/csrc, else absolute."""
+    """A resolved kernel file as load_jit takes it: a path under jitk/kernels, else
+    absolute."""
     return str(path.relative_to(KERNEL_DIR)) if path.is_relative_to(KERNEL_DIR) else str(path)
 
 
@@ -200,6 +214,15 @@ def _cache_key(material: dict, sources: list[Path]) -> str:
 
 
 # ------------------------------------------------------------------------------ loading
+def precompile_command(call: dict, archs: tuple[str, ...]) -> str:
+    """The shell command that builds the entry of a recorded load_jit call (its arguments as
+    JSON values, as load_jit records them for a miss): the same call, for the same
+    architectures."""
+    arch = f" --arch {shlex.quote(';'.join(archs))}" if archs else ""
+    text = json.dumps(call, separators=(",", ":"))
+    return f"python -m jitk precompile{arch} --call {shlex.quote(text)}"
+
+
 def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
                 problem: str | None) -> JitCacheMissError:
     why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
@@ -209,7 +232,7 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
         f"{', '.join(toolchain.sm_name(a) for a in spec.archs) or 'host only'}) is needed, "
         f"but {why} ({spec.entry}) and JIT compilation is disabled ({DISABLE_ENV}=1 or "
         f"jitk.disable_jit()). Fill the cache where compiling is allowed with this entry: "
-        f"`{precompile.call_command(call, spec.archs)}` (or, for a kernel module's common "
+        f"`{precompile_command(call, spec.archs)}` (or, for a kernel module's common "
         "configurations, `python -m jitk precompile`).")
 
 
@@ -322,7 +345,8 @@ def load_jit(
     """Build (or find in the cache) and load a module.
 
     name_parts (str or int) are joined with '_' into the module name; the parts after the
-    first are its template arguments. Files are names in jitk/csrc or absolute paths; C++
+    first are its template arguments. Files are absolute paths, or names of the package's
+    own kernel files ("rmsnorm.cuh", "norm/rmsnorm.cuh"); C++
     files are compiled by the host compiler, CUDA files by nvcc. Each wrapper
     (export_name, cpp_callable) exports `cpp_callable` (a function or a template
     instantiation's static member, e.g. "MyKernel<128, bf16_t>::run") as `export_name`.

@@ -64,11 +64,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import api_log
-from .autotune import TuningSpace
-from .cpp_args import make_cpp_args
-from .custom_op import Tolerance, op
-from .hicache_reference import (
+from jitk.build.cpp_args import make_cpp_args
+from jitk.build.jit import load_jit
+from jitk.kernels.hicache.reference import (
     _all_layer_cases,
     _all_layer_mla_reference,
     _all_layer_reference,
@@ -83,8 +81,10 @@ from .hicache_reference import (
     _staged_mla_reference,
     _staged_reference,
 )
-from .jit import load_jit
-from .streams import current_stream
+from jitk.runtime.op import Tolerance, op
+from jitk.runtime.streams import current_stream
+from jitk.tools import api_log
+from jitk.tools.autotune import TuningSpace
 
 __all__ = [
     "can_use_hicache_jit_kernel",
@@ -167,7 +167,7 @@ def _copy_entries() -> _Entries:
 
 # ------------------------------------------------------------------------- argument checks
 # Types are the operator layer's to check (jitk.op, from the annotations); values are here
-# and in jitk.hicache_reference (what the references read too).
+# and in jitk.kernels.hicache.reference (what the references read too).
 def _optional(value: int | None, name: str, least: int) -> int:
     return _NOT_GIVEN if value is None else _int(value, name, least)
 

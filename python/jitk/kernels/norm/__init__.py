@@ -29,12 +29,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import api_log
-from .autotune import TuningSpace
-from .cpp_args import make_cpp_args
-from .custom_op import Tolerance, op
-from .jit import load_jit
-from .timing import gemm_neighbour
+from jitk.build.cpp_args import make_cpp_args
+from jitk.build.jit import load_jit
+from jitk.runtime.op import Tolerance, op
+from jitk.tools import api_log
+from jitk.tools.autotune import TuningSpace
+from jitk.tools.timing import gemm_neighbour
 
 __all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
 
@@ -249,11 +249,11 @@ def _module_key(bucket: tuple, knobs: dict) -> tuple:
     each holds both entry points."""
     hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
-        return ("jitk.norm", hidden, dtype, "default")
+        return ("jitk.kernels.norm", hidden, dtype, "default")
     if _candidate_index(bucket, knobs) is not None:
-        return ("jitk.norm", hidden, dtype, "candidates" if knobs["pdl"] else
+        return ("jitk.kernels.norm", hidden, dtype, "candidates" if knobs["pdl"] else
                 "candidates without PDL")
-    return ("jitk.norm", hidden, dtype, *_knob_values(knobs))
+    return ("jitk.kernels.norm", hidden, dtype, *_knob_values(knobs))
 
 
 def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
@@ -401,7 +401,7 @@ def _layouts(rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -
 
 
 def _cases(entry: str) -> list:
-    from .testing import Case
+    from jitk.tools.testing import Case
 
     cases = []
     for dtype in _SUPPORTED_DTYPES:

@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from . import hicache, norm, toolchain, wait_value
-from .jit import JitCacheMissError, JitCompileError
-from .lock import JitLockError
-from .timing import median_us
+from jitk.build import toolchain
+from jitk.build.jit import JitCacheMissError, JitCompileError
+from jitk.build.lock import JitLockError
+from jitk.kernels import hicache, norm, wait_value
+from jitk.tools.timing import median_us
 
 # What keeps a kernel from being built or loaded, as opposed to the validation error the
 # demo shows on purpose.

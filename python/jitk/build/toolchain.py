@@ -13,13 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jitk.base.errors import JitkError
+
 logger = logging.getLogger("jitk")
 
 ARCH_ENV = "JITK_CUDA_ARCH"
 _ARCH_PATTERN = re.compile(r"^(\d+)\.(\d+)([af]?)$")
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(JitkError, RuntimeError):
     """The CUDA toolkit, a compiler or the target architecture could not be determined."""
 
 

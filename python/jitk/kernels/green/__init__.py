@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .jit import load_jit
-from .streams import cuda_device
+from jitk.build.jit import load_jit
+from jitk.runtime.streams import cuda_device
 
 __all__ = ["SmSplit", "precompile_configs", "split_sms"]
 

@@ -1,4 +1,4 @@
-"""What jitk.hicache's transfers mean, in plain torch: the meaning of the arguments the kernels
+"""What the HiCache transfers mean, in plain torch: the meaning of the arguments the kernels
 and the references share (element_dim, what one index names), a reference per op (the parity
 harness and JITK_REFERENCE run them) and the parity cases (jitk.testing)."""
 
@@ -12,7 +12,7 @@ import torch
 
 # ---------------------------------------------------------------------------- arguments
 # Types are the operator layer's to check (jitk.op, from the annotations); values are checked
-# here and in jitk.hicache.
+# here and in jitk.kernels.hicache.
 def _int(value: int, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"hicache: {name} must be at least {least}, got {value}")
@@ -32,7 +32,7 @@ def _slots_per_index(page_size: int | None, index_granularity: str) -> int:
 
 
 # ---------------------------------------------------------------------------- references
-# Plain torch, as jitk.hicache's docstrings define the transfers (the parity harness and
+# Plain torch, as jitk.kernels.hicache's docstrings define the transfers (the parity harness and
 # reference mode run them), with the ops' parameters and defaults. A run of slots that leaves
 # its cache, or straddles a paged cache's pages, is skipped, as the kernel skips it. One small
 # function per op; the argument checks stay the kernels', except what the references read to
@@ -271,7 +271,7 @@ _ONE_LAYER = (("host->gpu", "gpu", "host", None, "token", 0, False, False),
 
 
 def _one_layer_cases(mla: bool) -> list:
-    from .testing import Case
+    from jitk.tools.testing import Case
 
     def make(device, dst_at, src_at, page_size, granularity, paged, out_of_range,
              host_indices):
@@ -297,7 +297,7 @@ def _pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 
 
 def _all_layer_cases(mla: bool) -> list:
-    from .testing import Case
+    from jitk.tools.testing import Case
 
     def make(device, page_size: int | None, granularity: str, paged: bool):
         layers, row, run = 3, 256 if mla else 128, page_size or 1  # bf16 elements
@@ -333,7 +333,7 @@ def _all_layer_cases(mla: bool) -> list:
 
 
 def _staged_cases(mla: bool) -> list:
-    from .testing import Case
+    from jitk.tools.testing import Case
 
     def make(device, page_size: int, staged_pages: int):
         layers, row, count = 3, 256 if mla else 128, 5  # 5 pages of bf16 rows

@@ -21,7 +21,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import trust
+from jitk.base import settings
+from jitk.base.errors import JitkError
+from jitk.build import trust
 
 TIMEOUT_ENV = "JITK_LOCK_TIMEOUT"
 LOCK_DIR_ENV = "JITK_LOCK_DIR"
@@ -31,29 +33,19 @@ SUFFIX = ".lock"
 MODE = 0o664
 
 
-class JitLockError(RuntimeError):
+class JitLockError(JitkError, RuntimeError):
     """A build lock could not be created, or was held by another process for too long."""
 
 
 def lock_timeout() -> float:
     """$JITK_LOCK_TIMEOUT in seconds: the longest jitk waits for a build, another process's
     or its own."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds "
-                         f"(how long to wait for a build; default {DEFAULT_TIMEOUT:g})")
-    return seconds
+    return settings.get(TIMEOUT_ENV)
 
 
 def lock_folder(root: Path) -> Path:
     """Where the build locks of the cache at `root` are: $JITK_LOCK_DIR, else `root`."""
-    folder = os.environ.get(LOCK_DIR_ENV, "").strip()
+    folder = settings.get(LOCK_DIR_ENV)
     return Path(folder).expanduser() if folder else root
 
 

@@ -35,8 +35,9 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from . import cache, loader, toolchain
-from .lock import lock_timeout
+from jitk.base.errors import JitkError
+from jitk.build import cache, loader, toolchain
+from jitk.build.lock import lock_timeout
 
 logger = logging.getLogger("jitk")
 
@@ -49,7 +50,7 @@ _NOT_DECISIVE = re.compile(r"^(ninja: build stopped|FAILED:|\[\d+/\d+\])"
                            r"|^\d+ errors? detected")
 
 
-class JitCompileError(RuntimeError):
+class JitCompileError(JitkError, RuntimeError):
     """The compiler rejected a module. `errors` holds the lines that say why (compiler
     errors with file:line, nvcc's fatal lines, the linker's), `command` the failing command
     line and `log` the whole build output."""
@@ -58,7 +59,7 @@ class JitCompileError(RuntimeError):
         self.module, self.command, self.errors, self.log = module, command, errors, log
         shown = "\n".join(errors) if errors else log.strip()[-4000:]
         super().__init__(
-            f"jitk failed to compile module '{module}':\n{shown}\n\ncommand: {command}"
+            f"jitk: failed to compile module '{module}':\n{shown}\n\ncommand: {command}"
         )
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import toolchain
+from jitk.base.errors import JitkError
+from jitk.build import toolchain
 
 CONFIG_NAME = ".clangd"
 # A .clangd holding this line was written by jitk and may be rewritten by it.
@@ -17,7 +18,7 @@ MARKER = "# jitk-clangd: written by `python -m jitk`; delete this line to keep y
 DEFAULT_ARCH = "9.0"
 
 
-class ForeignConfigError(RuntimeError):
+class ForeignConfigError(JitkError, RuntimeError):
     """A .clangd that jitk did not write is in the way."""
 
 
@@ -37,7 +38,7 @@ def include_dirs() -> list[Path]:
     """jitk's headers, then tvm-ffi's and DLPack's (the same folder in a wheel: kept once)."""
     from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path
 
-    from .jit import INCLUDE_DIR
+    from jitk.build.jit import INCLUDE_DIR
 
     dirs = [INCLUDE_DIR, Path(find_include_path()), Path(find_dlpack_include_path())]
     return list(dict.fromkeys(d.resolve() for d in dirs))

@@ -11,7 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from . import __version__, cache, toolchain
+from jitk.base import __version__
+from jitk.build import cache, toolchain
 
 KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
         "driver", "gpus", "target_archs", "cache", "settings")

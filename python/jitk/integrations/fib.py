@@ -1,0 +1,406 @@
+"""FlashInfer-Bench (pip install jitk[fib]): jitk ops as Definitions, jitk's kernels as
+Solutions, and jitk as the builder of CUDA Solutions.
+
+    jitk.fib.install_builder()                    # flashinfer-bench builds cuda Solutions with jitk
+    definition = jitk.fib.definition(info, x, w, out, 1e-6, axes=..., const=...)
+    python -m jitk fib export OUT_DIR [OP ...]    # every shipped op's Definitions and Solutions
+
+A Definition is made from one example call of an op that has a reference: each tensor
+parameter's dimensions become axes, named by `axes` (else '<parameter>_<dimension>'),
+const with the example's size where the instantiation fixes it (`const`), var elsewhere;
+the tensors the op only reads are inputs, those it writes are outputs ('<name>_out' where
+it also reads them, its own name where it only writes them: `write_only`); non-tensor
+arguments are fixed at the example's values. Its reference is the op's reference made
+self-contained: the source of the reference and of the module's functions it calls, and a
+`run` that takes the inputs and returns the outputs, as FlashInfer-Bench calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import textwrap
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from jitk.base.errors import JitkError
+from jitk.build.jit import KERNEL_DIR
+from jitk.runtime.op import OpInfo, find_op
+
+__all__ = ["FibUnavailableError", "definition", "export", "install_builder", "solution"]
+
+AUTHOR = "jitk"
+
+
+class FibUnavailableError(JitkError, ImportError):
+    """flashinfer-bench is not installed."""
+
+
+def _op(op: OpInfo | str) -> OpInfo:
+    """An OpInfo, or the op of a name; jitk's kernel modules are imported first, so that
+    their ops are registered."""
+    if isinstance(op, OpInfo):
+        return op
+    from jitk.runtime import registry
+
+    for module in registry.kernel_modules():
+        importlib.import_module(module)
+    return find_op(op)
+
+
+def _require_fib() -> types.ModuleType:
+    try:
+        import flashinfer_bench
+    except ImportError as error:
+        raise FibUnavailableError(f"jitk.fib needs flashinfer-bench ({error}): pip install "
+                                  "'jitk[fib]'") from None
+    return flashinfer_bench
+
+
+def install_builder() -> object:
+    """Puts jitk's builder first in flashinfer-bench's BuilderRegistry, so that cuda and cpp
+    Solutions with the tvm-ffi binding are built by jitk.load_jit; returns the builder. Call
+    it at the top level of the script: flashinfer-bench's benchmark workers are spawned
+    processes, which import that script again and so install it too."""
+    _require_fib()
+    from flashinfer_bench.compile import BuilderRegistry
+
+    from jitk.integrations.fib_builder import JitkBuilder
+
+    registry = BuilderRegistry.get_instance()
+    # flashinfer-bench 0.1.2 has no call to add a builder: its list is the registry's own.
+    for builder in registry._builders:
+        if isinstance(builder, JitkBuilder):
+            return builder
+    builder = JitkBuilder()
+    registry._builders.insert(0, builder)
+    return builder
+
+
+# ------------------------------------------------------------------------ Definitions
+_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _dtype(tensor: torch.Tensor, where: str) -> str:
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"{where} is {tensor.dtype}, which a FlashInfer-Bench Definition "
+                         "cannot describe")
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global names a function's code uses, its comprehensions' and lambdas' included."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [*code.co_names, *(name for inner in nested for name in _names(inner))]
+
+
+def _called_functions(fn: Callable, seen: dict[str, str], modules: dict[str, str]) -> None:
+    """The source of fn and of every function of its module that it calls, in call order
+    (callees first), into `seen`; the modules they use (name -> module) into `modules`."""
+    scope = fn.__globals__
+    for name in _names(fn.__code__):
+        called = scope.get(name)
+        if isinstance(called, types.ModuleType):
+            modules[name] = called.__name__
+        elif (isinstance(called, types.FunctionType) and called.__module__ == fn.__module__
+                and name not in seen):
+            _called_functions(called, seen, modules)
+    seen.setdefault(fn.__name__, textwrap.dedent(inspect.getsource(fn)))
+
+
+def _reference_source(info: OpInfo, inputs: list[str], outputs: dict[str, str],
+                      arguments: dict, shapes: dict[str, str]) -> str:
+    """Python source with `run(<inputs>)` returning the outputs, through the op's reference."""
+    reference = info.reference
+    if not isinstance(reference, types.FunctionType) or reference.__name__ == "<lambda>":
+        raise ValueError(f"{info.name}: the reference must be a def function to be exported "
+                         f"as source, got {reference!r}")
+    sources: dict[str, str] = {}
+    modules = {"torch": "torch"}
+    _called_functions(reference, sources, modules)
+    body = []
+    for name in outputs:
+        if name in inputs:  # read and written: the reference writes a copy
+            body.append(f"    {name} = {name}.clone()")
+        else:
+            value = arguments[name]
+            body.append(f"    {name} = torch.empty({shapes[name]}, dtype=torch."
+                        f"{str(value.dtype).removeprefix('torch.')}, device={inputs[0]}.device)")
+    passed = ", ".join(f"{name}={name}" if name in inputs or name in outputs
+                       else f"{name}={arguments[name]!r}" for name in arguments)
+    body.append(f"    {reference.__name__}({passed})")
+    body.append(f"    return {', '.join(outputs)}")
+    run = f"def run({', '.join(inputs)}):\n" + "\n".join(body) + "\n"
+    imports = "".join(f"import {module}\n" if module == name else f"import {module} as {name}\n"
+                      for name, module in sorted(modules.items()))
+    return imports + "\n\n" + "\n\n".join(sources.values()) + "\n\n" + run
+
+
+def definition(info: OpInfo | str, *args: object, axes: dict[str, Iterable[str]] | None = None,
+               const: Iterable[str] = (), write_only: Iterable[str] = (),
+               name: str | None = None, op_type: str | None = None,
+               description: str | None = None, **kwargs: object) -> object:
+    """The Definition (a flashinfer_bench.data.Definition) of `info`'s op for the example
+    call (*args, **kwargs); see the module docstring."""
+    fib = _require_fib()
+    info = _op(info)
+    if info.reference is None:
+        raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
+                         "Definition needs")
+    bound = info.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    axes, const, write_only = dict(axes or {}), set(const), set(write_only)
+    tensors = {key: value for key, value in arguments.items() if isinstance(value, torch.Tensor)}
+    for key in [*axes, *write_only]:
+        if key not in tensors:
+            raise ValueError(f"{info.name}: '{key}' is not a tensor parameter of this call "
+                             f"(tensors: {', '.join(tensors)})")
+    if any(isinstance(v, list | tuple) and any(isinstance(i, torch.Tensor) for i in v)
+           for v in arguments.values()):
+        raise ValueError(f"{info.name}: lists of tensors have no Definition form")
+    sizes: dict[str, int] = {}
+    shapes: dict[str, list[str]] = {}
+    for key, tensor in tensors.items():
+        names = list(axes.get(key, [f"{key}_{i}" for i in range(tensor.dim())]))
+        if len(names) != tensor.dim():
+            raise ValueError(f"{info.name}: axes['{key}'] names {len(names)} dimensions, the "
+                             f"example tensor has {tensor.dim()}")
+        for axis, size in zip(names, tensor.shape):
+            if sizes.setdefault(axis, size) != size:
+                raise ValueError(f"{info.name}: axis '{axis}' is {sizes[axis]} in one tensor "
+                                 f"and {size} in '{key}'")
+        shapes[key] = names
+    if unknown := const - set(sizes):
+        raise ValueError(f"{info.name}: const names unknown axes {', '.join(sorted(unknown))}")
+    inputs = [key for key in tensors if key not in write_only]
+    if not inputs:
+        raise ValueError(f"{info.name}: a Definition needs at least one input tensor")
+    written = [key for key in info.mutates_args if key in tensors]
+    if not written:
+        raise ValueError(f"{info.name} writes no tensor argument; a Definition needs outputs")
+    outputs = {key: (f"{key}_out" if key in inputs else key) for key in written}
+    shape_code = {key: "(" + "".join(
+        (f"{sizes[axis]}, " if axis in const else f"{_bound_dim(axis, inputs, shapes)}, ")
+        for axis in shapes[key]) + ")" for key in written}
+    source = _reference_source(info, inputs, outputs, arguments, shape_code)
+    spec = lambda key: {"shape": shapes[key], "dtype": _dtype(tensors[key], key)}
+    fixed = {key: value for key, value in arguments.items() if key not in tensors}
+    return fib.data.Definition(
+        name=name or f"{info.label}_" + "_".join(f"{a}{sizes[a]}" for a in sorted(const)),
+        op_type=op_type or info.label,
+        axes={axis: {"type": "const", "value": size} if axis in const else {"type": "var"}
+              for axis, size in sizes.items()},
+        inputs={key: spec(key) for key in inputs},
+        outputs={outputs[key]: spec(key) for key in written},
+        reference=source, tags=[f"jitk:{info.name}"],
+        description=description or f"jitk op {info.name}" + (
+            f" with {', '.join(f'{k}={v!r}' for k, v in fixed.items())}" if fixed else ""))
+
+
+def _bound_dim(axis: str, inputs: list[str], shapes: dict[str, list[str]]) -> str:
+    for key in inputs:
+        if axis in shapes[key]:
+            return f"{key}.shape[{shapes[key].index(axis)}]"
+    raise ValueError(f"axis '{axis}' of an output appears in no input; make it const")
+
+
+# ------------------------------------------------------------------ jitk's own kernels
+@dataclasses.dataclass(frozen=True)
+class _Shipped:
+    """How a shipped op reads as a Definition, and its kernel as a Solution."""
+
+    op_type: str
+    axes: dict[str, tuple[str, ...]]
+    const: tuple[str, ...]
+    write_only: tuple[str, ...]
+    examples: Callable[[], list[tuple]]  # example calls' arguments
+    suffix: Callable[[tuple], str]  # the Definition's name after jitk_<op>_, per example
+    entry: Callable[[tuple], str] | None  # the Solution's main.cuh; None: no Solution
+
+
+def _dtype_suffix(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _rmsnorm_examples() -> list[tuple]:
+    """(input, weight, out, eps) of one row for each common size; the Definitions' batch
+    size is var, so one row stands for any."""
+    from jitk.kernels.norm import COMMON_SIZES
+
+    return [(torch.empty(1, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype),
+             torch.empty(1, hidden, dtype=dtype), 1e-6) for hidden, dtype in COMMON_SIZES]
+
+
+def _fused_add_rmsnorm_examples() -> list[tuple]:
+    """(input, residual, weight, eps), as _rmsnorm_examples."""
+    return [(input, torch.empty_like(input), weight, eps)
+            for input, weight, _, eps in _rmsnorm_examples()]
+
+
+def _cpp_type(tensor: torch.Tensor) -> str:
+    from jitk.build.cpp_args import make_cpp_args
+
+    return str(make_cpp_args(tensor.dtype))
+
+
+_SOLUTION_HEAD = """\
+// jitk's {kernel} as a FlashInfer-Bench Solution: destination-passing, built by jitk
+// (jitk.fib.install_builder()), whose include path has the <jitk/...> headers.
+#include <jitk/utils.cuh>
+
+#include "rmsnorm.cuh"
+"""
+
+
+def _rmsnorm_entry(example: tuple) -> str:
+    x, eps = example[0], example[-1]
+    kernel = f"jitk::norm::RMSNorm<{x.shape[-1]}, jitk::{_cpp_type(x)}>"
+    return _SOLUTION_HEAD.format(kernel=kernel) + f"""
+inline void run(jitk::TensorView input, jitk::TensorView weight, jitk::TensorView out) {{
+  {kernel}::run(input, weight, out, {eps!r});
+}}
+"""
+
+
+def _fused_add_rmsnorm_entry(example: tuple) -> str:
+    x, eps = example[0], example[-1]
+    kernel = f"jitk::norm::RMSNorm<{x.shape[-1]}, jitk::{_cpp_type(x)}>"
+    return _SOLUTION_HEAD.format(kernel=kernel) + f"""
+// The kernel works in place; the outputs are separate buffers here, so the inputs are copied
+// into them first (two device copies that the in-place jitk.fused_add_rmsnorm does not make).
+inline void copy_into(jitk::TensorView out, jitk::TensorView in) {{
+  jitk::RuntimeCheck(out.numel() == in.numel() && out.dtype() == in.dtype(),
+                     "an output does not match its input");
+  const auto bytes = static_cast<size_t>(in.numel()) * (in.dtype().bits / 8);
+  jitk::RuntimeDeviceCheck(cudaMemcpyAsync(
+      static_cast<char*>(out.data_ptr()) + out.byte_offset(),
+      static_cast<const char*>(in.data_ptr()) + in.byte_offset(), bytes,
+      cudaMemcpyDeviceToDevice, jitk::current_stream(in.device())));
+}}
+
+inline void run(jitk::TensorView input, jitk::TensorView residual, jitk::TensorView weight,
+                jitk::TensorView input_out, jitk::TensorView residual_out) {{
+  copy_into(input_out, input);
+  copy_into(residual_out, residual);
+  {kernel}::run_fused_add(input_out, residual_out, weight, {eps!r});
+}}
+"""
+
+
+def _hicache_examples(caches: int) -> Callable[[], list[tuple]]:
+    """One-layer transfers of 8 KV heads of 128 (K and V) or of MLA's 576-wide latent row,
+    bfloat16, from a 64-slot cache into a 32-slot one; the index count is var."""
+    def examples() -> list[tuple]:
+        row = (8, 128) if caches == 2 else (576,)
+        dst = [torch.empty(32, *row, dtype=torch.bfloat16) for _ in range(caches)]
+        src = [torch.empty(64, *row, dtype=torch.bfloat16) for _ in range(caches)]
+        indices = torch.empty(16, dtype=torch.int64)
+        return [(*dst, indices, *src, indices.clone())]
+
+    return examples
+
+
+def _hicache_axes(caches: int) -> dict[str, tuple[str, ...]]:
+    row = ("heads", "head_dim") if caches == 2 else ("latent_dim",)
+    names = ("k_cache", "v_cache") if caches == 2 else ("cache",)
+    return {**{f"{n}_dst": ("dst_slots", *row) for n in names},
+            **{f"{n}_src": ("src_slots", *row) for n in names},
+            "indices_dst": ("num_tokens",), "indices_src": ("num_tokens",)}
+
+
+_SHIPPED = {
+    "jitk::rmsnorm": _Shipped(
+        op_type="rmsnorm",
+        axes={"input": ("batch_size", "hidden_size"), "weight": ("hidden_size",),
+              "out": ("batch_size", "hidden_size")},
+        const=("hidden_size",), write_only=("out",), examples=_rmsnorm_examples,
+        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}", entry=_rmsnorm_entry),
+    "jitk::fused_add_rmsnorm": _Shipped(
+        op_type="rmsnorm",
+        axes={"input": ("batch_size", "hidden_size"), "residual": ("batch_size", "hidden_size"),
+              "weight": ("hidden_size",)},
+        const=("hidden_size",), write_only=(), examples=_fused_add_rmsnorm_examples,
+        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}",
+        entry=_fused_add_rmsnorm_entry),
+    # The KV transfers' Definitions describe the copy by index lists; their kernel needs
+    # pinned host caches and CUDA streams, which a Solution's workload does not give it, so
+    # they export no Solution. The all-layer transfers take raw pointer tables and the
+    # stream flag ops move no data: no Definition describes them.
+    "jitk::transfer_hicache_one_layer": _Shipped(
+        op_type="kv_transfer", axes=_hicache_axes(2), const=("heads", "head_dim"),
+        write_only=(), examples=_hicache_examples(2),
+        suffix=lambda e: f"{e[0].shape[1]}x{e[0].shape[2]}_{_dtype_suffix(e[0])}", entry=None),
+    "jitk::transfer_hicache_one_layer_mla": _Shipped(
+        op_type="kv_transfer", axes=_hicache_axes(1), const=("latent_dim",),
+        write_only=(), examples=_hicache_examples(1),
+        suffix=lambda e: f"{e[0].shape[1]}_{_dtype_suffix(e[0])}", entry=None),
+}
+
+
+def _shipped_definition(info: OpInfo, example: tuple) -> object:
+    shipped = _SHIPPED[info.name]
+    return definition(info, *example, axes=shipped.axes, const=shipped.const,
+                      write_only=shipped.write_only, op_type=shipped.op_type,
+                      name=f"jitk_{info.label}_{shipped.suffix(example)}")
+
+
+def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object:
+    """The Solution (flashinfer_bench.data.Solution) of a shipped op's jitk kernel for the
+    instantiation of the example call."""
+    fib = _require_fib()
+    info = _op(info)
+    if info.name not in _SHIPPED or _SHIPPED[info.name].entry is None:
+        raise KeyError(f"{info.name} is not one of jitk's kernels with a Solution "
+                       f"({', '.join(n for n, s in _SHIPPED.items() if s.entry)})")
+    return fib.data.Solution(
+        name=f"{definition_name}_jitk", definition=definition_name, author=AUTHOR,
+        spec=fib.data.BuildSpec(language="cuda", binding="tvm-ffi", target_hardware=["cuda"],
+                                entry_point="main.cuh::run", dependencies=["jitk"]),
+        sources=[fib.data.SourceFile(path="main.cuh", content=_SHIPPED[info.name].entry(example)),
+                 fib.data.SourceFile(path="rmsnorm.cuh",
+                                     content=(KERNEL_DIR / "norm" / "rmsnorm.cuh").read_text())],
+        description=f"jitk's kernel for {info.name}, built by jitk.fib.install_builder()")
+
+
+def _selected(names: Iterable[str] | None) -> list[OpInfo]:
+    """The named ops (default: jitk's kernels that have Definitions), each checked."""
+    chosen = [_op(name) for name in names or _SHIPPED]
+    for info in chosen:
+        if info.reference is None:
+            raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
+                             "Definition needs")
+        if info.name not in _SHIPPED:
+            raise ValueError(f"{info.name}: export covers {', '.join(_SHIPPED)}; for another "
+                             "op with a reference, call jitk.fib.definition(op, "
+                             "*example_args, ...)")
+    return chosen
+
+
+def export(out_dir: Path | str, ops: Iterable[str] | None = None) -> list[Path]:
+    """Writes OUT_DIR/definitions/<op>/<definition>.json for each shipped op's example
+    shapes (or each named op) and OUT_DIR/solutions/<op>/<definition>_jitk.json for jitk's
+    kernels; returns the paths. An unknown name raises KeyError; an op without a reference,
+    or a user op (whose example shapes jitk does not know: call definition() for it),
+    ValueError."""
+    _require_fib()
+    out_dir = Path(out_dir)
+    written = []
+    for info in _selected(ops):
+        for example in _SHIPPED[info.name].examples():
+            made = _shipped_definition(info, example)
+            models = [("definitions", made)]
+            if _SHIPPED[info.name].entry is not None:
+                models.append(("solutions", solution(info, example, made.name)))
+            for kind, model in models:
+                path = out_dir / kind / info.label / f"{model.name}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(model.model_dump(mode="json"), indent=2) + "\n")
+                written.append(path)
+    return written

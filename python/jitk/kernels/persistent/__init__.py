@@ -1,0 +1,499 @@
+"""A persistent worker: thread blocks launched once that run work items pushed from the host.
+
+    from jitk.persistent import Worker, Op, TensorArg, IntArg, FloatArg, CHAIN_OPS
+    worker = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS)   # builds once per op table
+    worker.start(blocks=8)                                          # one launch, 8 SMs
+    t = worker.push("scale", x=a, y=b, factor=0.5)                  # returns a ticket
+    u = worker.push("add", x=b, b=c, y=d, after=t)                  # runs after item t
+    worker.wait(u, timeout=1.0)
+    worker.stop(timeout=5.0)
+
+The ops are C++ structs (see <jitk/persistent.cuh>), each declared here as an `Op` with its
+arguments in the order of its `Args` struct, one 8-byte word each: a tensor (its data pointer),
+an int (int64_t) or a float (double). Every argument is checked on the host before the item
+reaches the queue (dtype, device, shape, contiguity), and the worker checks at build time that
+each op's `Args` is as large as its declaration. A shape entry is an int (exact size), a str
+(a size shared by the item's tensors, e.g. "n"; an IntArg of that name defaults to it) or None.
+
+Pushing: `push` and `push_many` write items into a ring in pinned host memory and publish them
+with one release (the memory-model notes are in persistent.cuh); no CUDA call is made. Tickets
+count from 0 in push order. `after=t` makes an item wait for item t (inside the worker, for at
+most `dependency_timeout`); `push_many(..., chain=True)` makes each item wait for the one
+before. `prepare()` checks and packs a batch once, for pushing many times. A full ring blocks
+the pusher for at most `timeout`, then raises QueueFullError. Ops can push follow-up work from
+the GPU (TableContext::push), on a second ring in GPU memory that the host does not track.
+
+Completion: `wait(t)` polls item t's completion counter in pinned memory; `done_flag(t)` is that
+counter as a 1-element int64 tensor, so a stream can wait for item t with
+`jitk.stream_wait_value(worker.done_flag(t), t, op="geq")`. The counter is released at GPU
+scope: what the op wrote to GPU memory is visible to the work that follows on this GPU (other
+items, a stream waiting on the counter, a copy the host starts after wait()); an op whose
+results the host reads in host memory fences at system scope itself (persistent.cuh).
+
+An op that fails (BlockContext::fail), a dependency that times out, an unknown op or a copy of
+items from the host ring that times out (its block then exits) set the worker's error, which
+`wait` and `stop` raise as WorkerError; an op that faults kills the CUDA context, which they
+raise too (the process then needs a restart, as after any fault).
+
+Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exit, then to
+abort, and raises TimeoutError if it is still running; every wait has a timeout.
+
+What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
+threads each, mostly waiting) for as long as it runs, so a kernel that fills the GPU gets
+that many fewer SMs, and on the whole GPU any resident kernel slows a GPU-filling kernel
+beside it (a bf16 8192^3 GEMM on an H100: 7% beside one spinning thread, 8-10% beside a worker
+of 1 block, 13-17% beside a worker of 8). Started on `jitk.split_sms(8).own`, with the other
+kernels on `.rest`, the worker costs that GEMM nothing measurable (+0.3%); the GEMM then pays
+only for the SMs it lost (15% for this shape: docs/developer_guide/persistent_kernels.md). A
+worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy module
+loading (the default) loads a kernel at its first launch, and CUDA warns that this loading may
+wait for the GPU's running work, which a resident worker never finishes (jitk.kernels.wait_value's
+docstring measured such hangs behind stream waits): run every kernel you will use beside the
+worker once before `start()`, as the tests and the benchmark do. `start()` itself loads the
+worker's kernel first. """
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from jitk.base.errors import JitkError
+from jitk.build.jit import load_jit
+from jitk.runtime.streams import cuda_device
+
+__all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
+           "WorkerError"]
+
+# persistent.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
+ITEM_WORDS, ARG_WORDS = 16, 12
+LAYOUT = (ITEM_WORDS * 8, 0, 8, 16, 24, ARG_WORDS * 8, 256)
+_OP_WORD, _AFTER_WORD, _ARGS_WORD = 1, 2, 3
+_STATE_HEADER_WORDS = 16
+# HostWord and Stop of persistent.cuh.
+_STOP, _ERROR, _ERROR_TICKET, _ERROR_DETAIL, _HOST_WORDS = 0, 1, 2, 3, 8
+_DRAIN, _ABORT = 1, 2
+_ERRORS = {
+    1: "item {ticket} names op {detail}, which the worker's table does not have",
+    2: "item {ticket} waited for item {detail} longer than dependency_timeout; it did not run",
+    3: "an op of item {ticket} found the device ring full for longer than dependency_timeout; "
+       "its follow-up (device ticket {detail}) was not pushed",
+    4: "the op of item {ticket} failed with code {detail} (BlockContext::fail)",
+    5: "the TMA copy of {detail} item(s) from item {ticket} on, from the host ring into a "
+       "worker block's shared memory, did not complete within dependency_timeout; that block "
+       "stopped (the others may still run those items)",
+}
+_INT64 = (-(2**63), 2**63 - 1)
+IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
+_POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
+_SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin 50 slices of 20 us, then sleep
+
+
+class WorkerError(JitkError, RuntimeError):
+    """The worker reported an error (an op failed, a dependency timed out) or faulted."""
+
+
+class QueueFullError(JitkError, TimeoutError):
+    """The ring had no room for the pushed items within the push's timeout."""
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int | str | None, ...]
+
+
+@dataclass(frozen=True)
+class IntArg:
+    name: str
+
+
+@dataclass(frozen=True)
+class FloatArg:
+    name: str
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a worker's table: `name` in push(), the C++ struct `cpp`, its `Args` words."""
+    name: str
+    cpp: str
+    args: tuple[TensorArg | IntArg | FloatArg, ...]
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.args]
+        if len(names) != len(set(names)):
+            raise ValueError(f"Op '{self.name}': argument names repeat: {names}")
+        if len(self.args) > ARG_WORDS:
+            raise ValueError(f"Op '{self.name}' has {len(self.args)} arguments; an item holds "
+                             f"{ARG_WORDS} words")
+
+
+_BF16 = torch.bfloat16
+# The ops of jitk/csrc/persistent_chain.cuh (rows of n bf16 elements).
+CHAIN_OPS = (
+    Op("rmsnorm", "jitk::persistent::chain::RMSNorm",
+       (TensorArg("x", _BF16, ("n",)), TensorArg("w", _BF16, ("n",)),
+        TensorArg("y", _BF16, ("n",)), IntArg("n"), FloatArg("eps"))),
+    Op("scale", "jitk::persistent::chain::Scale",
+       (TensorArg("x", _BF16, ("n",)), TensorArg("y", _BF16, ("n",)), IntArg("n"),
+        FloatArg("factor"))),
+    Op("add", "jitk::persistent::chain::Add",
+       (TensorArg("x", _BF16, ("n",)), TensorArg("b", _BF16, ("n",)),
+        TensorArg("y", _BF16, ("n",)), IntArg("n"))),
+)
+
+_EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::arg_bytes",
+            "layout": "jitk::persistent::layout", "publish": "jitk::persistent::publish",
+            "load_word": "jitk::persistent::load_word", "poll_done": "jitk::persistent::poll_done",
+            "store_word": "jitk::persistent::store_word"}
+
+
+@functools.cache
+def _module(name: str, files: tuple[str, ...], table: str):
+    wrappers = [(e, table + c if c.startswith("::") else c) for e, c in _EXPORTS.items()]
+    return load_jit("persistent", name, cuda_files=list(files), cuda_wrappers=wrappers)
+
+
+@dataclass
+class Batch:
+    """Items checked and packed once (Worker.prepare), to push any number of times."""
+    words: torch.Tensor  # int64 [n * ITEM_WORDS]; dependencies relative to the batch
+    tensors: list[torch.Tensor]  # kept alive while the items may run
+    count: int
+    address: int = field(init=False)  # of words: what publish() takes, fetched once
+
+    def __post_init__(self) -> None:
+        self.address = self.words.data_ptr()
+
+
+class Worker:
+    """A worker over one op table; see the module docstring."""
+
+    def __init__(self, name: str, cuda_files: Sequence[str], ops: Sequence[Op], *,
+                 capacity: int = 1024, device: torch.device | str | int = "cuda") -> None:
+        if not isinstance(capacity, int) or capacity < 16 or capacity & (capacity - 1):
+            raise ValueError(f"capacity must be a power of two >= 16, got {capacity!r}")
+        ops = tuple(ops)
+        if not ops or not all(isinstance(op, Op) for op in ops):
+            raise TypeError("ops must be a non-empty sequence of jitk.persistent.Op")
+        self.device = cuda_device(device, "Worker(device=...)")
+        self.capacity = capacity
+        self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
+        self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
+        if len(self._ops) != len(ops):
+            raise ValueError(f"op names repeat: {[op.name for op in ops]}")
+        table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
+        self._kernels = _module(name, tuple(map(str, cuda_files)), table)
+        layout = tuple(self._kernels.layout(i) for i in range(len(LAYOUT)))
+        if layout != LAYOUT:
+            raise RuntimeError(f"persistent.cuh's item layout {layout} is not persistent.py's "
+                               f"{LAYOUT}")
+        for index, op in enumerate(ops):
+            size = self._kernels.arg_bytes(index)
+            if size != 8 * len(op.args):
+                raise ValueError(f"Op '{op.name}' declares {len(op.args)} arguments "
+                                 f"({8 * len(op.args)} bytes), but {op.cpp}::Args is {size} "
+                                 "bytes: declare one 8-byte word (pointer, int64_t, double) "
+                                 "per argument, in order")
+        self._lock = threading.Lock()
+        self._running = self._stopping = False
+
+    # ------------------------------------------------------------------ packing
+    def prepare(self, items: Iterable[tuple[str, dict]], *, chain: bool = False) -> Batch:
+        """Checks and packs (op, {argument: value}) pairs; with chain=True each item waits for
+        the one before it."""
+        words, tensors = [], []
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple | list) and len(item) == 2
+                    and isinstance(item[1], dict)):
+                raise TypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
+                                f"{item!r:.80}")
+            words += self._pack(item[0], item[1], i - 1 if chain and i > 0 else -1, tensors)
+        if not words:
+            raise ValueError("no items to push")
+        count = len(words) // ITEM_WORDS
+        if count > self.capacity:
+            raise ValueError(f"{count} items do not fit the ring of {self.capacity}")
+        packed = torch.frombuffer(bytearray(struct.pack(f"<{len(words)}q", *words)),
+                                  dtype=torch.int64)
+        return Batch(packed, tensors, count)
+
+    def _pack(self, op_name: str, args: dict, after: int, tensors: list) -> list[int]:
+        try:
+            index, op = self._ops[op_name]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown op {op_name!r}; this worker has "
+                             f"{', '.join(self._ops)}") from None
+        if unknown := args.keys() - self._arg_names[op_name]:
+            raise TypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it takes "
+                            f"{[a.name for a in op.args]}")
+        sizes: dict[str, int] = {}
+        words = [0, index, after]
+        for arg in op.args:  # tensors first bind the shared sizes that ints may default to
+            if isinstance(arg, TensorArg):
+                tensors.append(self._check_tensor(op_name, arg, args.get(arg.name), sizes))
+        for arg in op.args:
+            value = args.get(arg.name)
+            if isinstance(arg, TensorArg):
+                words.append(value.data_ptr())
+            elif isinstance(arg, IntArg):
+                words.append(_int_word(op_name, arg.name, value, sizes.get(arg.name)))
+            else:
+                words.append(_float_word(op_name, arg.name, value))
+        return words + [0] * (ITEM_WORDS - len(words))
+
+    def _check_tensor(self, op: str, arg: TensorArg, value: object,
+                      sizes: dict[str, int]) -> torch.Tensor:
+        # Messages are built only on failure: this runs for every tensor of every push.
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: '{arg.name}' must be a tensor, got {type(value).__name__}")
+        if value.dtype != arg.dtype:
+            raise TypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
+        shape = value.shape
+        if len(shape) != len(arg.shape):
+            raise ValueError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
+                             f"{arg.shape}, got shape {tuple(shape)}")
+        for dim, (rule, size) in enumerate(zip(arg.shape, shape)):
+            expected = sizes.setdefault(rule, size) if isinstance(rule, str) else rule
+            if expected is not None and size != expected:
+                what = f"'{rule}' = {expected} (bound by an earlier tensor)" \
+                    if isinstance(rule, str) else expected
+                raise ValueError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
+                                 f"{size}")
+        if not value.is_contiguous():
+            raise ValueError(f"{op}: '{arg.name}' must be contiguous, got strides "
+                             f"{value.stride()}")
+        if value.device != self.device:
+            raise ValueError(f"{op}: '{arg.name}' must be on the worker's device "
+                             f"{self.device}, got {value.device}")
+        return value
+
+    # ------------------------------------------------------------------ running
+    def start(self, blocks: int = 8, *, dependency_timeout: float = 1.0,
+              idle_poll_us: float = IDLE_POLL_US,
+              stream: torch.cuda.Stream | None = None) -> Worker:
+        """Launches `blocks` worker blocks (one SM each) on a stream of their own: `stream`,
+        which the worker then holds until it stops (a green context's stream keeps the worker
+        on that context's SMs), or a new one. `idle_poll_us` bounds an idle block's sleep
+        between looks for new work (each a PCIe read of the ring): longer costs the GPU's
+        other kernels less and a new item more latency."""
+        if self._running:
+            raise RuntimeError("this worker is already running; stop() it first")
+        if not isinstance(blocks, int) or blocks < 1:
+            raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+        if not 0 < dependency_timeout <= 3600:
+            raise ValueError(f"dependency_timeout must be in (0, 3600] seconds, got "
+                             f"{dependency_timeout!r}")
+        if not 0.032 <= idle_poll_us <= 1000:
+            raise ValueError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
+        if stream is not None and (not isinstance(stream, torch.cuda.Stream)
+                                   or stream.device != self.device):
+            raise ValueError(f"stream must be a torch.cuda.Stream on the worker's device "
+                             f"{self.device}, got {stream!r}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a worker cannot start inside CUDA graph capture: it would be "
+                               "captured as a node that never finishes, not launched")
+        limit = self._kernels.max_blocks(self.device.index)  # also loads the kernel
+        if blocks > limit:
+            raise ValueError(f"blocks={blocks} cannot all be resident at once on "
+                             f"{self.device}: it holds at most {limit} worker blocks (256 "
+                             "threads each); blocks that never start would leave items waiting")
+        cap = self.capacity
+        self._ring = torch.full((cap * ITEM_WORDS,), -1, dtype=torch.int64, pin_memory=True)
+        self._done = torch.full((cap,), -1, dtype=torch.int64, pin_memory=True)
+        self._done_address = self._done.data_ptr()
+        self._ring_address = self._ring.data_ptr()
+        self._host_words = torch.zeros(_HOST_WORDS, dtype=torch.int64, pin_memory=True)
+        self._host_words_address = self._host_words.data_ptr()
+        state = torch.full((_STATE_HEADER_WORDS + (2 + ITEM_WORDS) * cap,), -1,
+                           dtype=torch.int64, device=self.device)
+        state[:_STATE_HEADER_WORDS] = 0
+        self._state = state
+        self._keep: deque[tuple[int, Batch]] = deque()
+        self._next = 0
+        self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
+        self._ended = torch.cuda.Event()
+        self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
+                             int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
+                             self._stream.cuda_stream)
+        self._ended.record(self._stream)
+        self._running, self._stopping = True, False
+        return self
+
+    def push(self, op: str, *, after: int | None = None, timeout: float = 10.0,
+             **args: object) -> int:
+        """Checks and enqueues one item; returns its ticket."""
+        self._require_running("push")
+        tensors: list[torch.Tensor] = []
+        words = self._pack(op, args, -1, tensors)
+        batch = Batch(torch.frombuffer(bytearray(struct.pack("<16q", *words)),
+                                       dtype=torch.int64), tensors, 1)
+        return self._publish(batch, after, timeout)[0]
+
+    def push_many(self, items: Batch | Iterable[tuple[str, dict]], *, after: int | None = None,
+                  chain: bool = False, timeout: float = 10.0) -> range:
+        """Enqueues a batch (prepared, or (op, args) pairs) with one release; returns its
+        tickets. `after` is the first item's dependency."""
+        self._require_running("push")
+        batch = items if isinstance(items, Batch) else self.prepare(items, chain=chain)
+        return self._publish(batch, after, timeout)
+
+    def _publish(self, batch: Batch, after: int | None, timeout: float) -> range:
+        deadline = time.monotonic() + timeout
+        # An untimed try first: a timed acquire costs more, and the lock is free almost always.
+        if not (self._lock.acquire(blocking=False) or self._lock.acquire(timeout=timeout)):
+            raise QueueFullError(f"another thread held the queue for {timeout} s")
+        try:
+            if self._stopping:
+                raise RuntimeError("cannot push: the worker is stopping")
+            first = self._next
+            if after is not None and not (isinstance(after, int) and 0 <= after < first):
+                raise ValueError(f"after must be the ticket of an item already pushed (0 to "
+                                 f"{first - 1}), got {after!r}")
+            while not self._kernels.publish(self._ring_address, self._done_address,
+                                            self.capacity, batch.address, batch.count, first,
+                                            -1 if after is None else after):
+                self.raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise QueueFullError(f"the ring of {self.capacity} items had no room for "
+                                         f"{batch.count} more within {timeout} s")
+                time.sleep(_POLL_S)
+            self._keep_until_reused(first, batch)
+            self._next = first + batch.count
+        finally:
+            self._lock.release()
+        return range(first, first + batch.count)
+
+    def _keep_until_reused(self, first: int, batch: Batch) -> None:
+        """Holds the batch (its tensors) alive while any of its items may still run. publish()
+        found every ticket before first + count - capacity done (it checks each slot it
+        reuses; earlier pushes checked the rest), so batches that end before it are let go."""
+        self._keep.append((first + batch.count - 1, batch))
+        done_before = first + batch.count - self.capacity
+        while self._keep[0][0] < done_before:
+            self._keep.popleft()
+
+    def done_flag(self, ticket: int) -> torch.Tensor:
+        """Item `ticket`'s completion counter (pinned int64, 1 element): it is >= ticket once
+        the item is done, for jitk.stream_wait_value(flag, ticket, op="geq")."""
+        slot = self._slot_of(ticket)
+        return self._done[slot:slot + 1]
+
+    def wait(self, ticket: int, timeout: float = 10.0) -> None:
+        """Returns once item `ticket` is done; raises WorkerError if the worker reported an
+        error or stopped first, TimeoutError after `timeout` seconds."""
+        slot = self._slot_of(ticket)
+        deadline = time.monotonic() + timeout
+        counter, error = self._done_address + 8 * slot, self._host_words_address + 8 * _ERROR
+        spins = 0
+        # Spins in C++ (which sees the counter change within about 0.1 us; a Python loop of
+        # loads took about 1 us a look) in bounded slices, then sleeps between looks.
+        while (state := self._kernels.poll_done(counter, ticket, error, _SPIN_NS)) == 0:
+            spins += 1
+            if self._has_ended():
+                raise WorkerError(f"the worker stopped before item {ticket} ran")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"item {ticket} was not done within {timeout} s")
+            if spins > _SPINS_BEFORE_SLEEP:
+                time.sleep(_POLL_S)
+        if state < 0:
+            self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raises WorkerError if the worker has recorded an error."""
+        code = self._kernels.load_word(self._host_words_address + 8 * _ERROR)
+        if code:
+            ticket = self._host_words[_ERROR_TICKET].item()
+            detail = self._host_words[_ERROR_DETAIL].item()
+            message = _ERRORS.get(code, "unknown error code {code} (item {ticket}, detail "
+                                        "{detail})")
+            raise WorkerError("persistent worker: " + message.format(code=code, ticket=ticket,
+                                                                     detail=detail))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Lets the worker finish every item pushed, then exit; aborts it (items left unrun)
+        if that takes over `timeout`. Raises TimeoutError if it is still running after another
+        second, WorkerError if it failed."""
+        if not self._running:
+            return
+        # Under the pushers' lock: every item pushed before the drain order is published before
+        # it, and none after. A pusher stuck on a full ring holds the lock at most its timeout.
+        locked = self._lock.acquire(timeout=timeout)
+        self._stopping = True
+        if locked:
+            self._lock.release()
+        self._kernels.store_word(self._host_words, _STOP, _DRAIN)
+        try:
+            if not self._wait_ended(timeout):
+                self._kernels.store_word(self._host_words, _STOP, _ABORT)
+                if not self._wait_ended(1.0):
+                    raise TimeoutError(f"the worker did not exit within {timeout} + 1 s (an op "
+                                       "still running?); call stop() again later: its blocks "
+                                       "hold their SMs until it exits")
+                self._running = False
+                self.raise_if_failed()  # an error recorded on the way explains the wait better
+                raise TimeoutError(f"the worker did not finish its items within {timeout} s "
+                                   "and was aborted; items pushed may not have run")
+        except WorkerError:
+            self._running = False
+            raise
+        self._running = False
+        self.raise_if_failed()
+
+    def _has_ended(self) -> bool:
+        try:
+            return self._ended.query()
+        except RuntimeError as fault:  # the query reports a faulted kernel
+            raise WorkerError(f"the worker faulted: {fault}") from fault
+
+    def _wait_ended(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._has_ended():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+
+    def _slot_of(self, ticket: int) -> int:
+        self._require_running("wait")
+        if not isinstance(ticket, int) or not 0 <= ticket < self._next:
+            raise ValueError(f"ticket must be one that was pushed (0 to {self._next - 1}), got "
+                             f"{ticket!r}")
+        return ticket % self.capacity
+
+    def _require_running(self, what: str) -> None:
+        if not self._running:
+            raise RuntimeError(f"cannot {what}: the worker is not running (start() it)")
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _int_word(op: str, name: str, value: object, bound: int | None) -> int:
+    if value is None and bound is not None:
+        return bound
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{op}: '{name}' must be an int, got {type(value).__name__}")
+    if bound is not None and value != bound:
+        raise ValueError(f"{op}: '{name}' = {value} but the tensors' '{name}' is {bound}")
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise ValueError(f"{op}: '{name}' = {value} does not fit an int64")
+    return value
+
+
+def _float_word(op: str, name: str, value: object) -> int:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{op}: '{name}' must be a float, got {type(value).__name__}")
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]

@@ -1,0 +1,449 @@
+"""Call logging for every jitk op: which kernel ran, with what (JITK_LOGLEVEL).
+
+    JITK_LOGLEVEL=3 python serve.py          # every op call's arguments, before its launch
+
+Levels: 0 (default) nothing, and the call path is untouched; 1 the op's name and how many
+times it was called; 3 every argument (a tensor's shape, dtype, strides, device and data
+pointer; scalars as they are) and what the op body notes about the kernel it chose; 5 adds
+each tensor's min, max, mean and NaN and Inf counts, before the call for the inputs and after
+it for what the call wrote (this synchronizes with the device); 10 adds a dump of the call's
+tensors to JITK_DUMP_DIR, which `python -m jitk replay DUMP` runs again.
+
+A call's lines are written and flushed before the op runs, so the last lines of a crashed
+process name the call that crashed it. Levels above 3 fall back to 3 inside CUDA graph
+capture (statistics and copies cannot run there), with one notice; nothing is logged while
+torch.compile traces. The settings are read when an op is defined; `reload()` applies
+changed ones to every op.
+
+An op body tells the log what it chose (instantiation, method, tuned configuration) with
+`note()`, written below the call's arguments, before the launch:
+
+    if api_log.noting:                      # free when logging is off
+        api_log.note(kernel=f"RMSNorm<{hidden}, {dtype}>")
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import itertools
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from jitk.runtime.op import add_call_wrapper, refresh_all
+
+__all__ = ["note", "noting", "reload"]
+
+LEVEL_ENV = "JITK_LOGLEVEL"
+DEST_ENV = "JITK_LOGDEST"
+DUMP_DIR_ENV = "JITK_DUMP_DIR"
+DUMP_MAX_GB_ENV = "JITK_DUMP_MAX_GB"
+DUMP_MAX_COUNT_ENV = "JITK_DUMP_MAX_COUNT"
+DUMP_INCLUDE_ENV = "JITK_DUMP_INCLUDE"
+DUMP_EXCLUDE_ENV = "JITK_DUMP_EXCLUDE"
+
+LEVELS = (0, 1, 3, 5, 10)
+ARGUMENTS, STATISTICS, DUMPS = 3, 5, 10
+DEFAULT_DUMP_DIR = "jitk_dumps"
+DEFAULT_DUMP_MAX_GB = 20.0
+DEFAULT_DUMP_MAX_COUNT = 1000
+
+# A dump's files (python -m jitk replay reads them).
+CALL_FILE, INPUTS_FILE, OUTPUTS_FILE = "call.json", "inputs.safetensors", "outputs.safetensors"
+DUMP_FORMAT = 1
+
+# True while logging at level 3 or more is on: the time for an op body to note().
+noting = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    level: int = 0
+    dest: str = "stdout"
+    dump_dir: Path = Path(DEFAULT_DUMP_DIR)
+    dump_max_bytes: int = int(DEFAULT_DUMP_MAX_GB * 2**30)
+    dump_max_count: int = DEFAULT_DUMP_MAX_COUNT
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+
+def _number(environ: dict, name: str, default: float, kind: type) -> float:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < math.inf:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {expected} >= 0, got {text!r}")
+    return value
+
+
+def _patterns(environ: dict, name: str) -> tuple[str, ...]:
+    patterns = tuple(p.strip() for p in environ.get(name, "").split(","))
+    if any(not p for p in patterns) and patterns != ("",):
+        raise ValueError(f"{name} is a comma-separated list of op-name patterns (e.g. "
+                         f"'jitk::rmsnorm,mylib::*'), got an empty item in "
+                         f"{environ[name]!r}")
+    return tuple(p for p in patterns if p)
+
+
+def settings_from(environ: dict) -> Settings:
+    """The logging settings of an environment; a bad value raises ValueError naming it."""
+    text = environ.get(LEVEL_ENV, "").strip() or "0"
+    if text not in {str(level) for level in LEVELS}:
+        raise ValueError(f"{LEVEL_ENV} must be one of {', '.join(map(str, LEVELS))}, "
+                         f"got {environ[LEVEL_ENV]!r}")
+    level = int(text)
+    if level >= DUMPS:
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{LEVEL_ENV}={level} dumps tensors as safetensors, which is not "
+                             "installed: pip install safetensors (or jitk[fib])") from None
+    dest = environ.get(DEST_ENV, "").strip() or "stdout"
+    return Settings(
+        level=level, dest=dest,
+        dump_dir=Path(environ.get(DUMP_DIR_ENV, "").strip() or DEFAULT_DUMP_DIR),
+        dump_max_bytes=int(_number(environ, DUMP_MAX_GB_ENV, DEFAULT_DUMP_MAX_GB, float)
+                           * 2**30),
+        dump_max_count=int(_number(environ, DUMP_MAX_COUNT_ENV, DEFAULT_DUMP_MAX_COUNT, int)),
+        include=_patterns(environ, DUMP_INCLUDE_ENV),
+        exclude=_patterns(environ, DUMP_EXCLUDE_ENV))
+
+
+@functools.cache
+def settings() -> Settings:
+    return settings_from(os.environ)
+
+
+# ---------------------------------------------------------------------------- the output
+class _Output:
+    """Where lines go: stdout and stderr are looked up at each write (so a redirection
+    later in the program is followed); a path is opened once, for appending."""
+
+    def __init__(self, dest: str) -> None:
+        self.dest, self.file, self.lock = dest, None, threading.Lock()
+
+    def stream(self) -> TextIO:
+        if self.dest == "stdout":
+            return sys.stdout
+        if self.dest == "stderr":
+            return sys.stderr
+        if self.file is None:
+            path = Path(self.dest.replace("%i", str(os.getpid())))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - process-long
+                atexit.register(self.file.close)  # closed at exit, not left to the collector
+            except OSError as error:
+                raise OSError(f"{DEST_ENV}={self.dest!r}: cannot open {path} for the jitk "
+                              f"call log: {error.strerror}") from None
+        return self.file
+
+    def write(self, lines: list[str]) -> None:
+        with self.lock:  # one call's lines stay together
+            stream = self.stream()
+            stream.write("".join(line + "\n" for line in lines))
+            stream.flush()
+
+
+@functools.cache
+def _output(dest: str) -> _Output:
+    return _Output(dest)
+
+
+# ----------------------------------------------------------------------- the formatting
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_tensor(tensor: torch.Tensor) -> str:
+    """'Tensor(shape=(4, 128), dtype=bfloat16, strides=(128, 1), device=cuda:0,
+    data_ptr=0x7f00...)'; tensors without storage (fake, meta) say so instead of an address."""
+    address = f"0x{tensor.data_ptr():x}" if _has_data(tensor) else "none (no storage)"
+    return (f"Tensor(shape={tuple(tensor.shape)}, dtype={_dtype_name(tensor.dtype)}, "
+            f"strides={tuple(tensor.stride())}, device={tensor.device}, data_ptr={address})")
+
+
+def describe_value(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return describe_tensor(value)
+    if isinstance(value, list | tuple):
+        items = ", ".join(describe_value(v) for v in value)
+        return f"[{items}]"
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    return f"{type(value).__name__} {value!r}"
+
+
+def statistics(tensor: torch.Tensor) -> str:
+    """min, max, mean and the NaN and Inf counts, computed in float64 (synchronizes)."""
+    if not _has_data(tensor):
+        return "no data (a fake or meta tensor)"
+    if tensor.numel() == 0:
+        return "empty"
+    values = tensor.detach().to(torch.float64)
+    finite = values[torch.isfinite(values)]
+    nan = int(torch.isnan(values).sum())
+    inf = int(torch.isinf(values).sum())
+    if finite.numel() == 0:
+        return f"no finite values, nan={nan}, inf={inf}"
+    return (f"min={finite.min().item():.6g}, max={finite.max().item():.6g}, "
+            f"mean={finite.mean().item():.6g}, nan={nan}, inf={inf}")
+
+
+def _has_data(tensor: torch.Tensor) -> bool:
+    """Whether the tensor has memory to read: plain tensors, not fake, functional or meta."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta"
+
+
+def _tensors(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
+    """name -> tensor for every tensor argument; a list's items are name.0, name.1, ..."""
+    found = {}
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, list | tuple):
+            found.update({f"{name}.{i}": v for i, v in enumerate(value)
+                          if isinstance(v, torch.Tensor)})
+    return found
+
+
+def _returned(result: object) -> dict[str, torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return {"result": result}
+    if isinstance(result, tuple):
+        return {f"result.{i}": v for i, v in enumerate(result) if isinstance(v, torch.Tensor)}
+    return {}
+
+
+# ----------------------------------------------------------------------------- notes
+_current = threading.local()  # .lines: the running logged call's output, on this thread
+
+
+def note(**fields: object) -> None:
+    """Tell the log what this op call chose, e.g. note(kernel="RMSNorm<4096, bf16_t>",
+    method="copy_engine"). Written (and flushed) at once, below the call's arguments, when
+    the running op call is logged at level 3 or more; otherwise nothing happens. Guard it
+    with `if api_log.noting:` on a hot path, so the text is not even formatted."""
+    output = getattr(_current, "output", None)
+    if output is None or not fields:
+        return
+    output.write(["  note: " + ", ".join(f"{key}={value}" for key, value in fields.items())])
+
+
+# ----------------------------------------------------------------------------- dumps
+class _Dumps:
+    """The budget of level 10's dumps, shared by every op of the process."""
+
+    def __init__(self, config: Settings) -> None:
+        self.config, self.count, self.bytes = config, 0, 0
+        self.lock, self.refused = threading.Lock(), False
+
+    def wanted(self, name: str) -> bool:
+        matches = lambda patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        if self.config.include and not matches(self.config.include):
+            return False
+        return not matches(self.config.exclude)
+
+    def reserve(self, size: int) -> str | None:
+        """None if a dump of `size` bytes fits the limits (and counts it), else why not."""
+        with self.lock:
+            if self.count >= self.config.dump_max_count:
+                why = f"{DUMP_MAX_COUNT_ENV}={self.config.dump_max_count} dumps written"
+            elif self.bytes + size > self.config.dump_max_bytes:
+                why = (f"{DUMP_MAX_GB_ENV}={self.config.dump_max_bytes / 2**30:g} would be "
+                       "exceeded")
+            else:
+                self.count += 1
+                self.bytes += size
+                return None
+            first, self.refused = not self.refused, True
+            return why if first else ""
+
+
+def _contiguous_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+
+
+def _argument_record(value: object) -> dict:
+    """How call.json records an argument: a tensor (its data in the safetensors files, under
+    its name), a list of tensors (name.0, name.1, ...), or a JSON value."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": True}
+    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+        return {"tensors": len(value)}
+    return {"value": _scalar_record(value)}
+
+
+def _scalar_record(value: object) -> object:
+    """A non-tensor argument as JSON: dtypes and devices as tagged strings."""
+    if isinstance(value, torch.dtype):
+        return {"dtype": _dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, list | tuple):
+        return [_scalar_record(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value
+
+
+# ----------------------------------------------------------------------------- the wrapper
+_capture_notice = threading.Event()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _LoggedCall:
+    """An op's body with its calls logged at `config.level`."""
+
+    def __init__(self, name: str, fn: Callable, signature: inspect.Signature,
+                 mutated: tuple[str, ...], config: Settings, dumps: _Dumps) -> None:
+        self.name, self.fn, self.signature, self.mutated = name, fn, signature, mutated
+        self.config, self.dumps, self.calls = config, dumps, itertools.count(1)
+        self.output = _output(config.dest)
+        self.module = getattr(fn, "__module__", None)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if torch.compiler.is_compiling():
+            return self.fn(*args, **kwargs)
+        number = next(self.calls)
+        level = self.config.level
+        header = f"[jitk pid {os.getpid()} {time.strftime('%H:%M:%S')}] {self.name} call {number}"
+        if level < ARGUMENTS:
+            self.output.write([header])
+            return self.fn(*args, **kwargs)
+        arguments = self.signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        values = arguments.arguments
+        lines = [header]
+        if level > ARGUMENTS and _capturing():
+            if not _capture_notice.is_set():
+                _capture_notice.set()
+                lines.append(f"  (CUDA graph capture: {LEVEL_ENV}={level} logs as level 3 "
+                             "while capturing; said once)")
+            level = ARGUMENTS
+        if level >= STATISTICS:
+            lines.append(f"  ({LEVEL_ENV}={level}: statistics synchronize the device)")
+        tensors = _tensors(values)
+        for name, value in values.items():
+            lines.append(f"  {name}: {describe_value(value)}")
+            if level >= STATISTICS:
+                lines += [f"    {key} stats: {statistics(t)}" for key, t in tensors.items()
+                          if key == name or key.startswith(name + ".")]
+        self.output.write(lines)
+        dump = self._dump_inputs(number, values, tensors) if level >= DUMPS else None
+        outer, _current.output = getattr(_current, "output", None), self.output
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException as error:
+            if dump is not None:
+                self._finish_dump(dump, {}, error)
+            raise
+        finally:
+            _current.output = outer  # an op called from another's body
+        if level >= STATISTICS:
+            written = {**{k: t for k, t in tensors.items() if k.split(".")[0] in self.mutated},
+                       **_returned(result)}
+            self.output.write([f"  after {self.name} call {number}: {key} stats: "
+                               f"{statistics(t)}" for key, t in written.items()])
+            if dump is not None:
+                self._finish_dump(dump, written)
+        return result
+
+    def _dump_inputs(self, number: int, values: dict, tensors: dict[str, torch.Tensor]
+                     ) -> tuple[Path, dict] | None:
+        """Writes the call and its inputs, before the launch (a crash leaves them), if this
+        call is dumped; _finish_dump adds the outputs."""
+        if not self.dumps.wanted(self.name) or not all(map(_has_data, tensors.values())):
+            return None
+        size = 2 * sum(t.numel() * t.element_size() for t in tensors.values())
+        refused = self.dumps.reserve(size)
+        if refused is not None:
+            if refused:
+                self.output.write([f"  (no more dumps: {refused}; said once)"])
+            return None
+        call = {
+            "format": DUMP_FORMAT, "op": self.name, "module": self.module, "call": number,
+            "pid": os.getpid(), "mutated": list(self.mutated),
+            "arguments": {name: _argument_record(value) for name, value in values.items()},
+            "tensors": {key: {"shape": list(t.shape), "strides": list(t.stride()),
+                              "dtype": _dtype_name(t.dtype), "device": str(t.device)}
+                        for key, t in tensors.items()},
+            "outputs": None,  # None until the call returns
+        }
+        safe = self.name.replace("::", ".")
+        folder = self.config.dump_dir / f"{safe}_pid{os.getpid()}_call{number:06d}"
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(_contiguous_copies(tensors), str(folder / INPUTS_FILE))
+        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+        self.output.write([f"  dumping to {folder}"])
+        return folder, call
+
+    def _finish_dump(self, dump: tuple[Path, dict], written: dict[str, torch.Tensor],
+                     error: BaseException | None = None) -> None:
+        from safetensors.torch import save_file
+
+        folder, call = dump
+        save_file(_contiguous_copies(written), str(folder / OUTPUTS_FILE))
+        call["outputs"] = sorted(written)
+        if error is not None:
+            call["raised"] = f"{type(error).__name__}: {error}"
+        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+
+
+_DUMPS: dict[Settings, _Dumps] = {}
+
+
+def wrap(name: str, fn: Callable, signature: inspect.Signature, mutated: tuple[str, ...],
+         config: Settings | None = None) -> Callable | None:
+    """`fn` with its calls logged, or None when logging is off (level 0)."""
+    config = config or settings()
+    if config.level == 0:
+        return None
+    dumps = _DUMPS.setdefault(config, _Dumps(config))
+    return _LoggedCall(name, fn, signature, mutated, config, dumps)
+
+
+def call_wrapper(info, fn: Callable) -> Callable | None:
+    """jitk.op's call wrapper (custom_op.add_call_wrapper): every op's calls logged."""
+    global noting
+    noting = settings().level >= ARGUMENTS
+    return wrap(info.name, fn, info.signature, info.mutates_args)
+
+
+def reload() -> None:
+    """Read the JITK_LOGLEVEL, JITK_LOGDEST and JITK_DUMP_* settings again and apply them
+    to every op; a bad value raises ValueError naming its variable, and changes nothing."""
+    global noting
+    settings_from(os.environ)  # fails before anything changes
+    settings.cache_clear()
+    noting = settings().level >= ARGUMENTS
+    refresh_all()
+
+
+# Every op's calls go through the wrapper from the moment this module is imported (the
+# package's __init__ and every shipped kernel family import it); at level 0 it leaves the
+# slot alone.
+add_call_wrapper(call_wrapper)

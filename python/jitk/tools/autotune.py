@@ -1,0 +1,499 @@
+"""Launch choices per shape, timed on the live GPU and kept in a file beside the build cache.
+
+A kernel module declares an op's TuningSpace (its knobs and their choices, how the op's
+arguments map to a shape bucket, today's defaults, and how to build one choice) and calls
+`space.lookup(bucket)` on its call path: a dict lookup, cached per bucket. What a lookup
+finds, in order: a choice made in this process, the tuning file's entry for this GPU and
+these versions, today's default. Tuning happens only when asked: `python -m jitk tune`,
+`jitk.autotune.tune(...)`, or JITK_AUTOTUNE=1 (a lookup that misses tunes then, on fresh
+tensors shaped like the call's).
+
+`tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
+in turn, candidate after candidate, ROUNDS times, each round queued whole while the GPU
+sleeps, so that the host's launches stay off the clock; each candidate's figure is its
+median. Candidates within GRAPH_TIE of the fastest are a tie that single calls break: the
+one whose larger ratio to the fastest, under graph replay or as a single call, is smallest.
+Before a candidate may win, its results are checked against the op's reference
+(jitk.testing). Beside a neighbour (`tune(..., beside=True)`, `python -m jitk tune
+--beside`), each call runs after the kernel a model runs before the op (the space's
+`neighbour`, a GEMM for the norms), and the neighbour's own time, taken in the same round,
+is taken off: the choice is made where the op runs in a model rather than after itself,
+and knobs whose cost shows only there (the space's `beside_knobs`, PDL) are tried too.
+
+The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
+GPU name and SM count, driver, and the jitk, apache-tvm-ffi and torch versions. Entries for
+another environment are left in the file and ignored (one warning says how many); a file
+that cannot be read is ignored with one warning. Writes merge with what is there, under a
+lock held at most $JITK_LOCK_TIMEOUT seconds, and replace the file atomically.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.metadata
+import itertools
+import json
+import os
+import statistics
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from jitk.base import __version__, settings
+from jitk.build.cache import cache_root
+from jitk.build.lock import build_lock, lock_path
+from jitk.runtime.op import OpInfo, find_op, op_info
+from jitk.tools.testing import compare_with_reference, copied_arguments
+from jitk.tools.timing import captured_graph, trimmed_mean
+
+__all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
+
+FILE_NAME = "autotune.json"
+FORMAT = 1
+AUTOTUNE_ENV = "JITK_AUTOTUNE"
+CALLS_PER_GRAPH, ROUNDS = 20, 7
+# A round of runs is queued behind a GPU sleep of this many cycles a run (~50 us at 2 GHz,
+# several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS times
+# while the host turns out slower.
+SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
+# Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which single calls
+# break: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of SINGLE_PAUSE_CYCLES,
+# as a call alone on the GPU, each a trimmed mean (timing.trimmed_mean says why not the
+# median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
+# bench_rmsnorm_peers.py's graph replay, and one of them ~0.2 us faster as a single call. The
+# winner gives up least in either mode: with the lowest single call alone winning, 4096-row
+# RMSNorms kept choices 0.2-1.5% slower under graph replay (slower than SGLang by 0.2-0.6%,
+# over the benchmark's 0.1-0.3% noise) for single calls 0.1-0.8% faster (inside their
+# 0.4-1.4% noise); with this rule they read 0.990-1.000 of SGLang in two pooled runs.
+GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
+# Beside a neighbour, each figure is a difference of two timings: more rounds for its median.
+BESIDE_ROUNDS = 15
+
+
+def tuning_file() -> Path:
+    return cache_root() / FILE_NAME
+
+
+def _driver_version() -> str:
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except (OSError, AttributeError):
+        return "none"
+
+
+_ENVIRONMENT: dict | None = None
+
+
+def environment() -> dict:
+    """What a tuned choice holds for: this process's current GPU and versions."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            gpu, sms = props.name, props.multi_processor_count
+        else:
+            gpu, sms = "none", 0
+        _ENVIRONMENT = {"gpu": gpu, "sms": sms, "driver": _driver_version(),
+                        "jitk": __version__, "tvm_ffi": importlib.metadata.version(
+                            "apache-tvm-ffi"), "torch": torch.__version__}
+    return _ENVIRONMENT
+
+
+# ---------------------------------------------------------------------------- the file
+def _key(op: str, bucket: Sequence) -> str:
+    return f"{op} {json.dumps(list(bucket))}"
+
+
+def _read(path: Path) -> tuple[list[dict], str | None]:
+    """The file's entries, and why it was ignored (None when it was read)."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [], None
+    except (OSError, ValueError) as error:
+        return [], f"cannot be read ({error})"
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return [], f"is not a jitk tuning file of format {FORMAT}"
+    entries = document.get("entries")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and {"op", "bucket", "environment", "config"} <= e.keys()
+            for e in entries):
+        return [], "has malformed entries"
+    return entries, None
+
+
+def _identity(entry: dict) -> str:
+    return json.dumps([entry["op"], entry["bucket"], entry["environment"]], sort_keys=True)
+
+
+def record(entries: Iterable[dict], path: Path | None = None) -> None:
+    """Merges `entries` into the file: under its lock, over what other processes wrote
+    (an entry of the same op, bucket and environment is replaced), then an atomic rename."""
+    path = path or tuning_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(lock_path(path), path):
+        merged = {_identity(e): e for e in _read(path)[0]}
+        merged.update({_identity(e): e for e in entries})
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"format": FORMAT, "entries": list(merged.values())},
+                                      indent=1, sort_keys=True))
+        os.replace(staging, path)
+    _STORE.clear()  # read again on the next lookup
+
+
+class _Store:
+    """The file's entries for this environment, read once: {key: config}."""
+
+    def __init__(self) -> None:
+        self._configs: dict[str, dict] | None = None
+
+    def clear(self) -> None:
+        self._configs = None
+
+    def config(self, op: str, bucket: Sequence) -> dict | None:
+        if self._configs is None:
+            self._configs = self._load(tuning_file())
+        return self._configs.get(_key(op, bucket))
+
+    @staticmethod
+    def _load(path: Path) -> dict[str, dict]:
+        entries, problem = _read(path)
+        if problem:
+            warnings.warn(f"jitk.autotune: the tuning file {path} {problem}; it is ignored "
+                          "and today's defaults apply (`python -m jitk tune` writes it anew)",
+                          stacklevel=4)
+            return {}
+        here = environment()
+        mine = [e for e in entries if e["environment"] == here]
+        if len(mine) < len(entries):
+            others = {json.dumps(e["environment"], sort_keys=True) for e in entries} - {
+                json.dumps(here, sort_keys=True)}
+            warnings.warn(f"jitk.autotune: {len(entries) - len(mine)} of {len(entries)} entries "
+                          f"in {path} were tuned for another GPU or other versions "
+                          f"({'; '.join(sorted(others))[:300]}), not this one ({here}); they "
+                          "are ignored", stacklevel=4)
+        return {_key(e["op"], e["bucket"]): e["config"] for e in mine}
+
+
+_STORE = _Store()
+
+
+# ---------------------------------------------------------------------------- the space
+@dataclasses.dataclass(eq=False)
+class TuningSpace:
+    """An op's launch choices.
+
+    knobs:   name -> the values to try (JSON values: int, bool, str).
+    bucket:  a function of the op's arguments -> the shape bucket, a tuple of JSON values
+             (e.g. (hidden, "bfloat16", rows rounded up to a power of two)).
+    default: bucket -> today's knob values (a dict over every knob).
+    build:   (bucket, knob values) -> a function of the op's arguments that runs them.
+    allowed: (bucket, knob values) -> whether to try that combination (default: all).
+    outputs: the op's parameters it only writes, poisoned before each candidate's check.
+    calls:   a cache the op's body may keep by any exact key (e.g. (shape, dtype)) -> what
+             lookup returned, so a call skips working out its bucket; emptied whenever a
+             choice changes.
+    sample:  (shape, dtype, device) -> (args, kwargs) of a call of that shape, or a list of
+             them where a shape spans buckets (rmsnorm: out of place and in place), for
+             `python -m jitk tune --shapes`; `shapes` are the ones it tunes by default.
+    module_key: (bucket, knob values) -> what identifies the module `build` makes, so that
+             `python -m jitk tune` builds each once (buckets, or ops, that share a module
+             share a key); default: every (op, bucket, knob values) its own.
+    neighbour: (the op's args, kwargs) -> a function that runs, on tensors of its own, the
+             kernel a model runs before the op (a norm: a GEMM), for tuning beside it.
+    beside_knobs: knobs kept at their default but when tuning beside the neighbour: their
+             gain or cost shows only between different kernels (PDL). `allowed` sees them
+             at their default.
+    """
+
+    knobs: Mapping[str, Sequence]
+    bucket: Callable[..., tuple]
+    default: Callable[[tuple], dict]
+    build: Callable[[tuple, dict], Callable]
+    allowed: Callable[[tuple, dict], bool] = lambda bucket, config: True
+    outputs: tuple[str, ...] = ()
+    sample: Callable[[tuple, torch.dtype, torch.device], tuple | list] | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    module_key: Callable[[tuple, dict], Hashable] | None = None
+    neighbour: Callable[..., Callable[[], object]] | None = None
+    beside_knobs: tuple[str, ...] = ()
+    op: str = ""  # set by attach()
+    calls: dict = dataclasses.field(default_factory=dict, repr=False)
+    _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
+    _candidates: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("bucket", "default", "build", "allowed"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"TuningSpace: '{name}' must be a function")
+        if not self.knobs or not all(isinstance(v, Sequence) and v for v in self.knobs.values()):
+            raise ValueError("TuningSpace: knobs must map each knob's name to a non-empty "
+                             f"sequence of values, got {dict(self.knobs)!r}")
+        unknown = set(self.beside_knobs) - set(self.knobs)
+        if unknown:
+            raise ValueError(f"TuningSpace: beside_knobs names no knob: {sorted(unknown)}")
+        if self.beside_knobs and self.neighbour is None:
+            raise ValueError("TuningSpace: beside_knobs need a neighbour to be tuned beside")
+
+    def attach(self, op: Callable | OpInfo | str) -> TuningSpace:
+        """Records this space as the op's (OpInfo.tuning); returns self."""
+        info = op_info(op, "autotune")
+        self.op, info.tuning = info.name, self
+        return self
+
+    def candidates(self, bucket: tuple, beside: bool = False) -> list[dict]:
+        """Every allowed combination of the knobs, today's default first; the beside_knobs
+        at other values than their default only `beside` the neighbour. Worked out once a
+        bucket: the product of RMSNorm's knobs is 3072 combinations, and `allowed` sees each."""
+        found = self._candidates.get((bucket, beside))
+        if found is None:
+            default = self.default(bucket)
+            at_default = {name: default[name] for name in self.beside_knobs}
+            values = [(default[name],) if name in at_default and not beside else choices
+                      for name, choices in self.knobs.items()]
+            every = (dict(zip(self.knobs, combination))
+                     for combination in itertools.product(*values))
+            found = self._candidates[bucket, beside] = [default, *(
+                c for c in every if c != default and self.allowed(bucket, {**c, **at_default}))]
+        return [dict(c) for c in found]  # the caller's to keep or change
+
+    def job_key(self, bucket: tuple, config: dict) -> Hashable:
+        """Candidates with equal keys share what `build` makes (see module_key)."""
+        if self.module_key is not None:
+            return self.module_key(bucket, config)
+        return self.op, _key(self.op, _jsonable(bucket)), json.dumps(config, sort_keys=True)
+
+    def lookup(self, bucket: tuple) -> Callable:
+        """The function for a bucket: what this process chose, else the file's, else the
+        default; with JITK_AUTOTUNE=1, a bucket the file lacks is tuned at its first call."""
+        chosen = self._chosen.get(bucket)
+        if chosen is None:
+            config = self._recorded_config(bucket)
+            if config is None and autotune_requested() and torch.cuda.is_available():
+                return self._tuned_at_first_call(bucket)
+            chosen = self._chosen[bucket] = self.build(bucket, config or self.default(bucket))
+        return chosen
+
+    def _recorded_config(self, bucket: tuple) -> dict | None:
+        """The file's choice for the bucket, if it is one of this space's (a file written
+        by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
+        config = _STORE.config(self.op, _jsonable(bucket))
+        if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
+                              and all(config[k] in v for k, v in self.knobs.items())):
+            return config
+        warnings.warn(f"jitk.autotune: the tuning file's choice for {self.op} at "
+                      f"{_jsonable(bucket)} ({config!r}) is not in this jitk's space "
+                      f"({dict(self.knobs)!r}); the default applies", stacklevel=3)
+        return None
+
+    def _tuned_at_first_call(self, bucket: tuple) -> Callable:
+        def first_call(*args: object, **kwargs: object) -> object:
+            if bucket not in self._chosen:  # tuned on copies: the caller's tensors stay
+                copies = copied_arguments((args, kwargs))
+                tune(self.op, *copies)
+            return self._chosen[bucket](*args, **kwargs)
+
+        return first_call
+
+    def sample_calls(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> list:
+        """The (args, kwargs) of each call `sample` makes of the shape."""
+        calls = self.sample(shape, dtype, device)
+        return calls if isinstance(calls, list) else [calls]
+
+    def config(self, bucket: tuple) -> dict:
+        """The knob values a lookup of `bucket` uses now (not tuning)."""
+        return self._recorded_config(bucket) or self.default(bucket)
+
+    def forget(self) -> None:
+        """Drops the choices cached in this process (after the file changed)."""
+        self._chosen.clear()
+        self.calls.clear()
+
+    def recorded(self) -> list[tuple[list, dict]]:
+        """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
+        versions it was tuned on: what `precompile` builds."""
+        return [(e["bucket"], e["config"]) for e in _read(tuning_file())[0]
+                if e["op"] == self.op and isinstance(e["config"], dict)
+                and e["config"].keys() == self.knobs.keys()]
+
+
+def autotune_requested() -> bool:
+    return settings.flag(AUTOTUNE_ENV)
+
+
+def _jsonable(bucket: tuple) -> list:
+    return [str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for v in bucket]
+
+
+# ---------------------------------------------------------------------------- tuning
+def _build_candidate(op: str, bucket: tuple, config: dict) -> None:
+    from jitk.runtime import registry
+
+    for module in registry.kernel_modules():  # registers the shipped ops
+        importlib.import_module(module)
+    find_op(op).tuning.build(bucket, config)
+
+
+def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> None:
+    """Builds each (op, bucket, knob values) into the cache in parallel worker processes,
+    so that tuning only loads. Workers see no GPU and build for `arch`."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from jitk.tools.precompile import init_worker, workers_see_no_gpu
+
+    with workers_see_no_gpu(), ProcessPoolExecutor(
+            max_workers=max(1, min(workers, len(jobs))), mp_context=get_context("spawn"),
+            initializer=init_worker, initargs=(arch,)) as pool:
+        for future in [pool.submit(_build_candidate, *job) for job in jobs]:
+            future.result()
+
+
+@dataclasses.dataclass
+class Result:
+    """One tuned bucket: the winner, every candidate's median under graph replay (None:
+    failed the reference check, with the reason in `failures`), and the single-call trimmed
+    means of the candidates that tied under graph replay (empty when none did); `beside`:
+    timed after the space's neighbour, its own time taken off."""
+
+    op: str
+    bucket: list
+    config: dict
+    us: float
+    default_us: float
+    timings: list[tuple[dict, float | None]]
+    failures: dict[str, str]
+    tie: list[tuple[dict, float]]
+    beside: bool = False
+
+
+def _time_rounds(runs: list[Callable[[], object]], per_run: int, rounds: int,
+                 pause_cycles: int = 0) -> list[list[float]]:
+    """us per call of each run (a graph's replay of `per_run` calls, or one call) in each
+    round: the runs interleaved over `rounds`. The order rotates from round to round, so
+    that no run always follows the same one; with `pause_cycles`, each run waits behind a GPU
+    sleep of its own. A round is queued whole while the GPU sleeps; when the GPU woke before
+    the host had queued it, the round is taken again behind a longer sleep. The events so
+    time the device's work alone: a replay of 20 short calls runs faster than the host
+    launches the next one."""
+    samples: list[list[float]] = [[] for _ in runs]
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in runs]
+    woke = torch.cuda.Event()
+    sleep = SLEEP_CYCLES_PER_RUN * len(runs)
+    for round_ in range(rounds):
+        order = [(round_ + i) % len(runs) for i in range(len(runs))]
+        for _ in range(MAX_SLEEP_DOUBLINGS + 1):
+            torch.cuda._sleep(sleep)  # private but long-standing: torch's own tests use it
+            woke.record()
+            for i in order:
+                if pause_cycles:
+                    torch.cuda._sleep(pause_cycles)
+                marks[i][0].record()
+                runs[i]()
+                marks[i][1].record()
+            queued_in_time = not woke.query()
+            marks[order[-1]][1].synchronize()
+            if queued_in_time:
+                break
+            sleep *= 2
+        else:
+            raise RuntimeError(f"tune: the host did not queue {len(runs)} runs within a GPU "
+                               f"sleep of {sleep // 2} cycles")
+        for sample, (start, end) in zip(samples, marks):
+            sample.append(start.elapsed_time(end) * 1e3 / per_run)
+    return samples
+
+
+def _time_less(runs: list[Callable[[], object]], alone: Callable[[], object] | None,
+               per_run: int, rounds: int, pause_cycles: int = 0) -> list[list[float]]:
+    """_time_rounds of `runs`; with `alone` (the neighbour by itself, run as they run it),
+    each sample less its time in the same round."""
+    if alone is None:
+        return _time_rounds(runs, per_run, rounds, pause_cycles)
+    *samples, neighbour = _time_rounds([*runs, alone], per_run, rounds, pause_cycles)
+    return [[us - base for us, base in zip(sample, neighbour)] for sample in samples]
+
+
+def _fastest(calls: list[Callable[[], object]], graph_us: list[float],
+             neighbour: Callable[[], object] | None = None) -> tuple[int, dict]:
+    """The index of the winner, and {index: single-call us} of the tie it broke (empty when
+    one candidate was fastest under graph replay by more than GRAPH_TIE). `calls` run the
+    neighbour first when there is one."""
+    graph_min = min(graph_us)
+    tie = [i for i, us in enumerate(graph_us) if us <= graph_min * (1 + GRAPH_TIE)]
+    if len(tie) == 1:
+        return tie[0], {}
+    single_us = {i: trimmed_mean(sample) for i, sample in zip(tie, _time_less(
+        [calls[i] for i in tie], neighbour, 1, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES))}
+    single_min = min(single_us.values())
+    if min(graph_min, single_min) <= 0:  # beside a neighbour, a difference: no ratio then
+        return min(tie, key=lambda i: (single_us[i], graph_us[i])), single_us
+
+    def cost(i: int) -> tuple:  # the larger ratio to the fastest, then graph replay's
+        graph, single = graph_us[i] / graph_min, single_us[i] / single_min
+        return max(graph, single), graph
+    return min(tie, key=cost), single_us
+
+
+def tune(op: Callable | OpInfo | str, args: tuple, kwargs: Mapping | None = None, *,
+         save: bool = True, beside: bool = False, calls: int = CALLS_PER_GRAPH,
+         rounds: int | None = None) -> Result:
+    """Tunes the bucket of `op(*args, **kwargs)` on the GPU, with these arguments (an op
+    that writes its arguments writes them repeatedly): every candidate is checked against
+    the reference, then timed (`beside`: each call after the space's neighbour, whose own
+    time is taken off); the fastest correct one is used from now on in this process and,
+    with `save`, recorded in the tuning file."""
+
+    info = op_info(op, "autotune")
+    space = info.tuning
+    if not isinstance(space, TuningSpace):
+        raise ValueError(f"tune: {info.name} declares no tuning space")
+    if beside and space.neighbour is None:
+        raise ValueError(f"tune: {info.name}'s tuning space names no neighbour to be timed "
+                         "beside (TuningSpace.neighbour)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("tune: needs a CUDA GPU (none is visible)")
+    kwargs = dict(kwargs or {})
+    bucket = space.bucket(*args, **kwargs)
+    candidates = space.candidates(bucket, beside)
+    runs, failures = [], {}
+    for config in candidates:
+        fn = space.build(bucket, config)
+        problem = compare_with_reference(info, fn, args, kwargs, space.outputs)
+        if problem:
+            failures[json.dumps(config, sort_keys=True)] = problem
+        else:
+            runs.append((config, fn))
+    if not runs:
+        raise RuntimeError(f"tune: no candidate of {info.name} at {bucket} matches its "
+                           f"reference: {failures}")
+    neighbour = space.neighbour(args, kwargs) if beside else None
+    calls_of = [lambda fn=fn: fn(*args, **kwargs) for _, fn in runs]
+    if neighbour is not None:
+        calls_of = [lambda call=call: (neighbour(), call()) for call in calls_of]
+    graphs = [captured_graph(call, calls) for call in calls_of]
+    alone = captured_graph(neighbour, calls) if neighbour is not None else None
+    times = [statistics.median(sample) for sample in _time_less(
+        [graph.replay for graph in graphs], None if alone is None else alone.replay, calls,
+        rounds or (BESIDE_ROUNDS if beside else ROUNDS))]
+    del graphs, alone
+    best, single_us = _fastest(calls_of, times, neighbour)
+    default = json.dumps(candidates[0], sort_keys=True)
+    timed = {json.dumps(c, sort_keys=True): t for (c, _), t in zip(runs, times)}
+    result = Result(info.name, _jsonable(bucket), runs[best][0], times[best],
+                    timed.get(default, float("nan")),
+                    [(c, timed.get(json.dumps(c, sort_keys=True))) for c in candidates],
+                    failures, [(runs[i][0], us) for i, us in single_us.items()], beside)
+    space._chosen[bucket] = runs[best][1]
+    space.calls.clear()
+    if save:
+        record([{"op": info.name, "bucket": result.bucket, "environment": environment(),
+                 "config": result.config, "us": round(result.us, 4),
+                 "default_us": round(result.default_us, 4), "beside": beside}])
+    return result
