@@ -172,7 +172,7 @@ def build_once(builder_name: str) -> None:
 
 
 def build_timing() -> int:
-    from jitk.build.builder import toolchain
+    from jitk.build import toolchain
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fib-build-timing-") as scratch:

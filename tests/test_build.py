@@ -15,8 +15,8 @@ import torch
 
 import jitk
 import jitk.build.jit
-from jitk.build.builder import builder as build
-from jitk.build.builder import toolchain
+from jitk.build import builder as build
+from jitk.build import toolchain
 from jitk.build.cache import META_FILE, list_entries
 
 AXPY = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"

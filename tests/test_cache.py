@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import jitk
-from jitk.build.builder import cache, lock
+from jitk.build import cache, lock
 
 KERNEL = "#include <cstdint>\nint64_t twice(int64_t x) { return 2 * x; }\n"
 
@@ -94,7 +94,7 @@ def test_read_only_cache_loads_what_it_holds_and_refuses_builds_at_once(kernel, 
     other = kernel.with_name("other.cuh")
     other.write_text(KERNEL)
     miss = load_in_child(other, cache_dir, "other", prefix=tuple(prefix), timeout=60)
-    assert "error JitLockError jitk cannot create the build lock" in miss.stdout, miss.stdout
+    assert "error JitLockError jitk: cannot create the build lock" in miss.stdout, miss.stdout
     assert "Read-only file system" in miss.stdout and str(cache_dir) in miss.stdout
     assert float(miss.stdout.split("seconds ")[1]) < 5
     assert snapshot(cache_dir) == before
@@ -128,7 +128,7 @@ def test_a_lock_that_cannot_be_created_fails_at_once_naming_path_and_reason(kern
 HOLD = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from jitk.build.builder import lock
+    from jitk.build import lock
     fd = lock.try_lock(Path(sys.argv[1]))
     print("held" if fd is not None else "busy", flush=True)
     time.sleep(60)
@@ -273,7 +273,7 @@ def test_a_killed_build_leaves_no_compiler_running(tmp_path):
 CLEAR_LOOP = textwrap.dedent("""\
     import sys
     from pathlib import Path
-    from jitk.build.builder import cache
+    from jitk.build import cache
     stop, ready, rounds, failures = Path(sys.argv[1]), Path(sys.argv[2]), 0, []
     while not stop.exists():
         failures += cache.clear()[1]
@@ -406,7 +406,7 @@ def test_prune_counts_versions_per_architecture_and_keeps_each_last_one(tmp_path
 PUBLISHING = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from jitk.build.builder import cache, lock
+    from jitk.build import cache, lock
     entry = Path(sys.argv[1])
     fd = lock.try_lock(lock.lock_path(entry))
     print(cache.copy_in(cache.new_staging(entry), entry), flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import jitk
-from jitk.build.builder import cache, lock, trust
+from jitk.build import cache, lock, trust
 
 KERNEL = "#include <cstdint>\nint64_t get(int64_t x) {{ return x + {value}; }}\n"
 # Each of these loads only once in this process under its own module name: a library that
@@ -232,7 +232,7 @@ HOST_LOADER = textwrap.dedent("""\
     import json, os, random, socket, sys
     sys.modules["torch"] = None
     import jitk
-    from jitk.build.builder import jit
+    from jitk.build import jit
     failures = []
     for i in random.sample(range(len(sys.argv) - 1), len(sys.argv) - 1):
         try:
@@ -250,7 +250,7 @@ HOST_LOADER = textwrap.dedent("""\
 PRUNER = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from jitk.build.builder import cache
+    from jitk.build import cache
     root, stop = Path(sys.argv[1]), Path(sys.argv[2])
     removed, failures = 0, []
     (root.parent / "pruner-ready").touch()  # importing jitk (and torch) takes seconds

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import jitk
-from jitk.build.builder import clangd
+from jitk.build import clangd
 from jitk.cli.main import main as jitk_main
 from jitk.tools import precompile
 

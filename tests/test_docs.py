@@ -17,7 +17,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # Files the guide invents to show a message's form; no such file exists anywhere.
 ILLUSTRATIVE_FILES = {"my.cuh", "file.cuh", "my_kernel.cuh"}
 # Where a quoted `name.cuh:line` may live.
-SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE / "include" / "jitk", ROOT / "tests" / "csrc",
+KERNEL_DIRS = sorted(p.parent for p in (PACKAGE / "kernels").glob("*/*.cuh"))
+SOURCE_DIRS = [PACKAGE / "include" / "jitk", *KERNEL_DIRS, ROOT / "tests" / "csrc",
                ROOT / "docs" / "developer_guide" / "example"]
 
 
@@ -88,7 +89,7 @@ def test_python_names_exist(page):
 
 def cpp_identifiers() -> set[str]:
     words: set[str] = set()
-    for directory in SOURCE_DIRS[:2]:
+    for directory in SOURCE_DIRS[:1 + len(KERNEL_DIRS)]:
         for source in directory.iterdir():
             words.update(re.findall(r"\w+", source.read_text()))
     return words
@@ -185,7 +186,7 @@ def test_readme_says_what_the_in_place_kernels_overwrite():
 def test_guide_names_the_torch_library_calls_jitk_op_makes():
     guide = (ROOT / "docs" / "developer_guide" / "adding_a_kernel.md").read_text()
     section = guide.split("## 3. A PyTorch operator", 1)[1].split("\n## ", 1)[0]
-    code = (PACKAGE / "custom_op.py").read_text()
+    code = (PACKAGE / "runtime" / "op.py").read_text()
     for call in ("define", "impl", "register_fake"):
         assert f"`{call}`" in section and f"{call}(" in code
     assert "custom_op`" not in section.split("What changes:")[0]
@@ -239,7 +240,7 @@ def test_fib_page_example_and_quoted_error_hold():
 
     page = (GUIDE / "flashinfer_bench.md").read_text()
     quoted = re.search(r"BuildError: (jitk failed to compile Solution )'\w+':", page).group(1)
-    assert f'"{quoted}' in (PACKAGE / "fib_builder.py").read_text()
+    assert f'"{quoted}' in (PACKAGE / "integrations" / "fib_builder.py").read_text()
     example = re.search(r"```python\n(definition = .*?)```", page, flags=re.S).group(1)
     x, out = torch.empty(2, 4096, dtype=torch.bfloat16), torch.empty(2, 4096, dtype=torch.bfloat16)
     namespace = {"jitk": jitk, "x": x, "weight": torch.empty(4096, dtype=torch.bfloat16),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import jitk
-from jitk.build.builder import cache, toolchain
+from jitk.build import cache, toolchain
 from jitk.tools import env
 
 

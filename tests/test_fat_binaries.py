@@ -13,8 +13,8 @@ import time
 import pytest
 
 import jitk
-from jitk.build.builder import builder as build
-from jitk.build.builder import cache, toolchain
+from jitk.build import builder as build
+from jitk.build import cache, toolchain
 from jitk.tools import precompile
 
 FLEET = "8.0 9.0 10.0 12.0"  # A100, H100/H200, B200, RTX Blackwell

@@ -1,4 +1,4 @@
-"""HiCache KV transfers (jitk/csrc/hicache*.cuh through jitk.kernels.hicache).
+"""HiCache KV transfers (jitk/kernels/hicache/*.cuh through jitk.kernels.hicache).
 
 CPU part: the modules build for sm_90; SGLang's call forms reach the C++ checks; every entry
 point refuses bad arguments with a message naming the argument and the rule, and refuses
@@ -639,7 +639,7 @@ def test_a_call_naming_no_knob_runs_the_tuned_launch(tuning_file, monkeypatch):
 
 def test_every_kernel_source_is_hashed_into_the_module_key():
     # hicache.cuh includes hicache_layout.cuh: both must be listed, so an edit rebuilds.
-    kernel_dir = Path(hicache.__file__).parent / "csrc"
+    kernel_dir = Path(hicache.__file__).parent
     for name in ("hicache.cuh", "hicache_copy.cuh"):
         included = [line.split('"')[1] for line in (kernel_dir / name).read_text().splitlines()
                     if line.startswith('#include "')]

@@ -14,7 +14,7 @@ from errors import expect_error
 
 import jitk
 import jitk.build.jit
-from jitk.build.builder import toolchain
+from jitk.build import toolchain
 from jitk.build.cache import META_FILE, list_entries
 
 KERNEL = textwrap.dedent("""\
@@ -79,7 +79,7 @@ def test_make_cpp_args_rejects_what_has_no_cpp_form():
 
 # ------------------------------------------------------------------------------ arguments
 def test_load_jit_argument_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"'.*csrc/nope.cuh' not found \(a path that "
+    with pytest.raises(FileNotFoundError, match=r"'.*kernels/nope.cuh' not found \(a path that "
                        "is not absolute names a file in the jitk package; give an absolute "
                        "path for your own"):
         jitk.load_jit("x", cuda_files=["nope.cuh"], cuda_wrappers=[("f", "f")])

@@ -1,4 +1,4 @@
-"""jitk.kernels.norm: rmsnorm and fused_add_rmsnorm (python/jitk/csrc/rmsnorm.cuh).
+"""jitk.kernels.norm: rmsnorm and fused_add_rmsnorm (python/jitk/kernels/norm/rmsnorm.cuh).
 
 Without a GPU the module is built for sm_90 and every check of the host entry points runs:
 CPU tensors are refused, and tensors that only claim to live on a GPU (DLPack views of a
@@ -340,8 +340,8 @@ def test_no_kernel_spills_registers(tmp_path):
     widths, builds with ptxas refusing spills: under the 8-block register cap a small change of
     the body once had ptxas keep the weight in local memory, 2.7 times slower at 1024x5120 on an
     H100, and fill_sm's plan once left the short path 8-164 bytes short at four widths."""
-    from jitk.build.builder import builder as build
-    from jitk.build.builder import jit, toolchain
+    from jitk.build import builder as build
+    from jitk.build import jit, toolchain
 
     source = tmp_path / "every_rmsnorm_kernel.cu"
     source.write_text(_spill_check_source())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import jitk
-from jitk.build.builder import cache
+from jitk.build import cache
 from jitk.tools import precompile
 
 PACKAGE = Path(jitk.__file__).resolve().parent

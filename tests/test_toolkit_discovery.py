@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import jitk
-from jitk.build.builder import toolchain
+from jitk.build import toolchain
 
 
 def fake_toolkit(root):

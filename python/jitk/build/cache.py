@@ -49,7 +49,7 @@ FORMAT = 2  # of an entry; part of every cache key
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 OWN_DIR = ".jitk"  # a build_directory's lock and private copies
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jitk/, the package
 # Stands for PACKAGE_DIR in keys and recorded paths, so that a cache filled by one
 # installation of jitk is hit by another one of the same version elsewhere.
 PACKAGE_MARK = "<jitk>"

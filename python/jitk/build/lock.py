@@ -59,7 +59,7 @@ def _open(path: Path) -> int:
         path.parent.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())  # a new cache
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, MODE)
     except OSError as error:
-        raise JitLockError(f"jitk cannot create the build lock {path}: {error.strerror} "
+        raise JitLockError(f"jitk: cannot create the build lock {path}: {error.strerror} "
                            f"(errno {error.errno}); building needs a writable cache (set "
                            f"JITK_CACHE_DIR), or fill this one where it is writable") from None
 
@@ -93,7 +93,7 @@ def try_lock(path: Path) -> int | None:
         return None
     except OSError as error:
         os.close(fd)
-        raise JitLockError(f"jitk cannot lock {path}: {error.strerror}") from None
+        raise JitLockError(f"jitk: cannot lock {path}: {error.strerror}") from None
     if not _still_at(fd, path):
         os.close(fd)
         return try_lock(path)

@@ -275,7 +275,7 @@ def _located(program: str, setting: str) -> str:
     kept: ccache, for one, tells compilers apart by the name it is started as."""
     found = shutil.which(program)
     if found is None:
-        raise ToolchainError(f"jitk cannot find {program!r} ({setting}): not an executable "
+        raise ToolchainError(f"jitk: cannot find {program!r} ({setting}): not an executable "
                              f"file or a program on PATH; install it or set {setting}")
     return os.path.abspath(found)
 
@@ -285,7 +285,7 @@ def ninja() -> str:
     """The ninja that runs builds: the one on PATH, else the one beside this Python (pip's)."""
     found = shutil.which("ninja") or shutil.which("ninja", path=os.path.dirname(sys.executable))
     if found is None:
-        raise ToolchainError("jitk builds with ninja, which is neither on PATH nor beside "
+        raise ToolchainError("jitk: builds with ninja, which is neither on PATH nor beside "
                              f"{sys.executable} (pip install ninja)")
     return os.path.abspath(found)
 

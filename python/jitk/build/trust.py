@@ -104,4 +104,4 @@ def check(path: Path, what: str, status: os.stat_result | None = None) -> None:
     trusted; `what` names it in the message ("the cache", "the library")."""
     reason = problem(status or os.stat(path))
     if reason:
-        raise JitCacheTrustError(f"jitk will not use {what} {path}: {reason}.")
+        raise JitCacheTrustError(f"jitk: will not use {what} {path}: {reason}.")

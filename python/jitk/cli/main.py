@@ -26,8 +26,8 @@ import time
 import warnings
 from pathlib import Path
 
-from jitk import NUMPY_WARNING
-from jitk.base.errors import JitkError
+from jitk.base import NUMPY_WARNING
+from jitk.base.errors import PREFIX, JitkError
 from jitk.build import cache, clangd, toolchain
 from jitk.build.lock import JitLockError
 from jitk.tools import env, precompile
@@ -593,11 +593,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UsageError as error:
-        parser.exit(EXIT_USAGE, f"jitk: error: {error}\n")
+        parser.exit(EXIT_USAGE, f"jitk: error: {_said(error)}\n")
     except (CommandError, precompile.PrecompileError, toolchain.ToolchainError,
             JitLockError, ValueError) as error:  # ValueError: a bad JITK_* setting
-        print(f"jitk: error: {error}", file=sys.stderr)
+        print(f"jitk: error: {_said(error)}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _said(error: Exception) -> str:
+    """An error's message without the "jitk: " every jitk error starts with (the command
+    line writes its own)."""
+    return str(error).removeprefix(PREFIX)
 
 
 if __name__ == "__main__":

@@ -72,13 +72,13 @@ def install_builder() -> object:
 
     from jitk.integrations.fib_builder import JitkBuilder
 
-    registry = BuilderRegistry.get_instance()
+    builders = BuilderRegistry.get_instance()
     # flashinfer-bench 0.1.2 has no call to add a builder: its list is the registry's own.
-    for builder in registry._builders:
+    for builder in builders._builders:
         if isinstance(builder, JitkBuilder):
             return builder
     builder = JitkBuilder()
-    registry._builders.insert(0, builder)
+    builders._builders.insert(0, builder)
     return builder
 
 

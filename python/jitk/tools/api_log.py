@@ -212,7 +212,7 @@ def _has_data(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta"
 
 
-def _tensors(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
+def tensors_of(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
     """name -> tensor for every tensor argument; a list's items are name.0, name.1, ..."""
     found = {}
     for name, value in arguments.items():
@@ -224,7 +224,7 @@ def _tensors(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
     return found
 
 
-def _returned(result: object) -> dict[str, torch.Tensor]:
+def returned_tensors(result: object) -> dict[str, torch.Tensor]:
     if isinstance(result, torch.Tensor):
         return {"result": result}
     if isinstance(result, tuple):
@@ -344,7 +344,7 @@ class _LoggedCall:
             level = ARGUMENTS
         if level >= STATISTICS:
             lines.append(f"  ({LEVEL_ENV}={level}: statistics synchronize the device)")
-        tensors = _tensors(values)
+        tensors = tensors_of(values)
         for name, value in values.items():
             lines.append(f"  {name}: {describe_value(value)}")
             if level >= STATISTICS:
@@ -363,7 +363,7 @@ class _LoggedCall:
             _current.output = outer  # an op called from another's body
         if level >= STATISTICS:
             written = {**{k: t for k, t in tensors.items() if k.split(".")[0] in self.mutated},
-                       **_returned(result)}
+                       **returned_tensors(result)}
             self.output.write([f"  after {self.name} call {number}: {key} stats: "
                                f"{statistics(t)}" for key, t in written.items()])
             if dump is not None:

@@ -115,9 +115,9 @@ def _arguments(call: dict, inputs: dict[str, torch.Tensor], device: str | None) 
 
 
 def _written(call: dict, arguments: dict, result: object) -> dict[str, torch.Tensor]:
-    tensors = api_log._tensors(arguments)
+    tensors = api_log.tensors_of(arguments)
     return {**{k: t for k, t in tensors.items() if k.split(".")[0] in call["mutated"]},
-            **api_log._returned(result)}
+            **api_log.returned_tensors(result)}
 
 
 def _compare(what: str, info: OpInfo, run: Callable[[dict], object], call: dict,

@@ -67,19 +67,19 @@ import torch
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
 from jitk.kernels.hicache.reference import (
-    _all_layer_cases,
-    _all_layer_mla_reference,
-    _all_layer_reference,
-    _cache,
-    _element_dim,
-    _int,
-    _one_layer_cases,
-    _one_layer_mla_reference,
-    _one_layer_reference,
-    _slots_per_index,
-    _staged_cases,
-    _staged_mla_reference,
-    _staged_reference,
+    all_layer_cases,
+    all_layer_mla_reference,
+    all_layer_reference,
+    checked_int,
+    make_cache,
+    one_layer_cases,
+    one_layer_mla_reference,
+    one_layer_reference,
+    resolved_element_dim,
+    slots_per_index,
+    staged_cases,
+    staged_mla_reference,
+    staged_reference,
 )
 from jitk.runtime.op import Tolerance, op
 from jitk.runtime.streams import current_stream
@@ -169,7 +169,7 @@ def _copy_entries() -> _Entries:
 # Types are the operator layer's to check (jitk.op, from the annotations); values are here
 # and in jitk.kernels.hicache.reference (what the references read too).
 def _optional(value: int | None, name: str, least: int) -> int:
-    return _NOT_GIVEN if value is None else _int(value, name, least)
+    return _NOT_GIVEN if value is None else checked_int(value, name, least)
 
 
 def _element_size(size: int, source: str) -> int:
@@ -186,7 +186,7 @@ def _element_size(size: int, source: str) -> int:
 def _unroll(unroll: object) -> int:
     if unroll is None:
         return DEFAULT_UNROLL
-    value = _int(unroll, "unroll", 1)
+    value = checked_int(unroll, "unroll", 1)
     if value not in UNROLLS:
         raise ValueError(f"hicache: unroll must be one of {UNROLLS}, got {value}")
     return value
@@ -194,11 +194,11 @@ def _unroll(unroll: object) -> int:
 
 def _pages(page_size: object, index_granularity: object) -> tuple[int, int]:
     """(the page_size hint, the slots one index names) after checking both."""
-    hint = _int(1 if page_size is None else page_size, "page_size", 1)
+    hint = checked_int(1 if page_size is None else page_size, "page_size", 1)
     if index_granularity not in INDEX_GRANULARITIES:
         raise ValueError(f"hicache: index_granularity must be one of {INDEX_GRANULARITIES}, "
                          f"got {index_granularity!r}")
-    return hint, _slots_per_index(hint, index_granularity)
+    return hint, slots_per_index(hint, index_granularity)
 
 
 def _method(method: object, indices: torch.Tensor, copy_bytes: Callable[[], int],
@@ -296,7 +296,7 @@ def _instantiation(method: str, element_size: int, unroll: int, quota: int) -> d
 
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
-    reference=_one_layer_reference, tolerance=_EXACT, cases=lambda: _one_layer_cases(False),
+    reference=one_layer_reference, tolerance=_EXACT, cases=lambda: one_layer_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer(
     k_cache_dst: torch.Tensor,
@@ -320,8 +320,8 @@ def transfer_hicache_one_layer(
 
 
 @op("jitk::transfer_hicache_one_layer_mla", mutates_args=("cache_dst",),
-    reference=_one_layer_mla_reference, tolerance=_EXACT,
-    cases=lambda: _one_layer_cases(True),
+    reference=one_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: one_layer_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # a host cache must be the caller's pinned memory
 def transfer_hicache_one_layer_mla(
     cache_dst: torch.Tensor,
@@ -346,7 +346,7 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
                index_granularity: object) -> None:
     """The one-layer call, K/V (caches=2) or MLA: `tensors` in the entry point's order."""
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
-    element_dim = _element_dim(dst, element_dim)
+    element_dim = resolved_element_dim(dst, element_dim)
     element_size = _element_size(element_dim * dst.element_size(),
                                  f"element_dim {element_dim} of {dst.dtype}")
     hint, pages = _pages(page_size, index_granularity)
@@ -379,7 +379,7 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
 
 # ---------------------------------------------------------------------------- all layers
 @op("jitk::transfer_hicache_all_layer", mutates_args=(),  # writes through pointers only
-    reference=_all_layer_reference, tolerance=_EXACT, cases=lambda: _all_layer_cases(False))
+    reference=all_layer_reference, tolerance=_EXACT, cases=lambda: all_layer_cases(False))
 def transfer_hicache_all_layer(
     k_ptr_dst: torch.Tensor,
     v_ptr_dst: torch.Tensor,
@@ -419,8 +419,8 @@ def transfer_hicache_all_layer(
 
 
 @op("jitk::transfer_hicache_all_layer_mla", mutates_args=(),  # writes through pointers only
-    reference=_all_layer_mla_reference, tolerance=_EXACT,
-    cases=lambda: _all_layer_cases(True))
+    reference=all_layer_mla_reference, tolerance=_EXACT,
+    cases=lambda: all_layer_cases(True))
 def transfer_hicache_all_layer_mla(
     ptr_dst: torch.Tensor,
     indices_dst: torch.Tensor,
@@ -455,14 +455,14 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
                unroll: object, block_quota: object, page_size: object, num_tokens_src: object,
                num_tokens_dst: object, method: object, index_granularity: object) -> None:
     """The all-layer call; the strides come as (Python name, value)."""
-    strides = [_int(value, name, 1) for name, value in (src_stride, dst_stride)]
+    strides = [checked_int(value, name, 1) for name, value in (src_stride, dst_stride)]
     if element_size is None:
         if strides[0] != strides[1]:
             raise ValueError(f"hicache: element_size is required when the row strides differ "
                              f"({src_stride[0]}={strides[0]}, {dst_stride[0]}={strides[1]})")
         size = _element_size(strides[0], src_stride[0])
     else:
-        size = _element_size(_int(element_size, "element_size", 1), "element_size")
+        size = _element_size(checked_int(element_size, "element_size", 1), "element_size")
     hint, pages = _pages(page_size, index_granularity)
     layout = (*strides, size, pages, hint, *(_optional(value, name, 1)
                                        for name, value in (src_page_stride, dst_page_stride)),
@@ -537,9 +537,9 @@ def _launch_space(caches: int) -> TuningSpace:
                page_size: int | None = None, index_granularity: str = "token",
                **_: object) -> tuple:
         dst, indices, src = tensors[0], tensors[caches], tensors[caches + 1]
-        size = _element_dim(dst, element_dim) * dst.element_size()
+        size = resolved_element_dim(dst, element_dim) * dst.element_size()
         return _launch_bucket(dst, src, indices, size,
-                              _slots_per_index(page_size, index_granularity))
+                              slots_per_index(page_size, index_granularity))
 
     def sample(shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
         if len(shape) != 3 or shape[2] not in _DIRECTIONS or shape[1] % dtype.itemsize:
@@ -549,8 +549,8 @@ def _launch_space(caches: int) -> TuningSpace:
         count, row_bytes, direction = shape
         src_at, dst_at = _DIRECTIONS[direction]
         row = (row_bytes // dtype.itemsize,)
-        caches_of = [(_cache(2 * count, row, dst_at, device, dtype=dtype),
-                      _cache(2 * count, row, src_at, device, dtype=dtype))
+        caches_of = [(make_cache(2 * count, row, dst_at, device, dtype=dtype),
+                      make_cache(2 * count, row, src_at, device, dtype=dtype))
                      for _ in range(caches)]
         indices = [torch.randperm(2 * count, device=device)[:count] for _ in range(2)]
         return (*(d for d, _ in caches_of), indices[0], *(s for _, s in caches_of),
@@ -589,7 +589,7 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
 # ------------------------------------------------------------------ staged write-back
 @op("jitk::transfer_hicache_all_layer_staged_lf_pf",
     mutates_args=("staging_k", "staging_v", "dst_k", "dst_v"),
-    reference=_staged_reference, tolerance=_EXACT, cases=lambda: _staged_cases(False),
+    reference=staged_reference, tolerance=_EXACT, cases=lambda: staged_cases(False),
     tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
 def transfer_hicache_all_layer_staged_lf_pf(
     k_ptr_src: torch.Tensor,
@@ -623,7 +623,7 @@ def transfer_hicache_all_layer_staged_lf_pf(
 
 
 @op("jitk::transfer_hicache_all_layer_mla_staged_lf_pf", mutates_args=("staging", "dst"),
-    reference=_staged_mla_reference, tolerance=_EXACT, cases=lambda: _staged_cases(True),
+    reference=staged_mla_reference, tolerance=_EXACT, cases=lambda: staged_cases(True),
     tags=(torch.Tag.cudagraph_unsafe,))  # reads dst_indices on the host, during the call
 def transfer_hicache_all_layer_mla_staged_lf_pf(
     ptr_src: torch.Tensor,
@@ -647,7 +647,7 @@ def _staged(caches: int, tensors: tuple, page_size: object, element_size: object
             unroll: object, block_quota: object) -> None:
     """The staged call: `tensors` in the entry point's order, caches and staging buffers
     seen as [tokens, layers, row] as SGLang views them."""
-    pages = _int(page_size, "page_size", 1)
+    pages = checked_int(page_size, "page_size", 1)
     _unroll(unroll)
     quota = _optional(block_quota, "block_quota", 1)
     first_staging = caches + 2
@@ -660,7 +660,7 @@ def _staged(caches: int, tensors: tuple, page_size: object, element_size: object
         buffers[at] = cache.view(cache.shape[0], cache.shape[1], -1)
     staging = buffers[first_staging]
     row_bytes = staging.shape[2] * staging.element_size()
-    size = row_bytes if element_size is None else _int(element_size, "element_size", 1)
+    size = row_bytes if element_size is None else checked_int(element_size, "element_size", 1)
     _element_size(size, "element_size" if element_size is not None else "a staging row")
     entry = _staged_module().lf_pf if caches == 2 else _staged_module().lf_pf_mla
     entry(*buffers, pages, size, quota)
@@ -676,7 +676,7 @@ def can_use_hicache_jit_kernel(*, element_size: int, unroll: int | None = None,
     return _can_build(lambda: (_kernel_module(_element_size(element_size, "element_size"),
                                               _unroll(unroll)),
                                _optional(block_quota, "block_quota", 1),
-                               _int(1 if page_size is None else page_size, "page_size", 1),
+                               checked_int(1 if page_size is None else page_size, "page_size", 1),
                                _copy_module()), element_size)
 
 

@@ -13,20 +13,20 @@ import torch
 # ---------------------------------------------------------------------------- arguments
 # Types are the operator layer's to check (jitk.op, from the annotations); values are checked
 # here and in jitk.kernels.hicache.
-def _int(value: int, name: str, least: int) -> int:
+def checked_int(value: int, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"hicache: {name} must be at least {least}, got {value}")
     return value
 
 
-def _element_dim(cache: torch.Tensor, element_dim: object) -> int:
+def resolved_element_dim(cache: torch.Tensor, element_dim: object) -> int:
     """SGLang's default: the last dimension."""
     if element_dim is not None:
-        return _int(element_dim, "element_dim", 1)
+        return checked_int(element_dim, "element_dim", 1)
     return cache.shape[-1] if cache.dim() > 0 else 1
 
 
-def _slots_per_index(page_size: int | None, index_granularity: str) -> int:
+def slots_per_index(page_size: int | None, index_granularity: str) -> int:
     """The slots one index names (unchecked: the references use it too)."""
     return (page_size or 1) if index_granularity == "page" else 1
 
@@ -93,8 +93,8 @@ def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
                indices_src: torch.Tensor, element_dim: int | None, page_size: int | None,
                index_granularity: str) -> None:
     """One cache's transfer, either granularity: the row copy every one-layer op makes."""
-    element_dim = _element_dim(dst, element_dim)
-    pages = _slots_per_index(page_size, index_granularity)
+    element_dim = resolved_element_dim(dst, element_dim)
+    pages = slots_per_index(page_size, index_granularity)
     dst_rows, dst_slots, dst_page = _slot_rows(dst, element_dim)
     src_rows, src_slots, src_page = _slot_rows(src, element_dim)
     to, take = _moved_slots(indices_dst, indices_src, pages, (dst_slots, dst_page),
@@ -102,7 +102,7 @@ def _copy_rows(dst: torch.Tensor, indices_dst: torch.Tensor, src: torch.Tensor,
     dst_rows[_row(dst_page, to)] = src_rows[_row(src_page, take.to(src.device))].to(dst.device)
 
 
-def _one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+def one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
                          indices_src, *, element_dim=None, unroll=None, block_quota=None,
                          page_size=None, method="auto", index_granularity="token") -> None:
     for dst, src in ((k_cache_dst, k_cache_src), (v_cache_dst, v_cache_src)):
@@ -110,7 +110,7 @@ def _one_layer_reference(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_c
                    index_granularity)
 
 
-def _one_layer_mla_reference(cache_dst, indices_dst, cache_src, indices_src, *,
+def one_layer_mla_reference(cache_dst, indices_dst, cache_src, indices_src, *,
                              element_dim=None, unroll=None, block_quota=None, page_size=None,
                              method="auto", index_granularity="token") -> None:
     _copy_rows(cache_dst, indices_dst, cache_src, indices_src, element_dim, page_size,
@@ -149,7 +149,7 @@ def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_s
                  src_page_stride: int | None, dst_page_stride: int | None,
                  index_granularity: str) -> None:
     """Every all-layer op's copy, either granularity, through the pointer tables."""
-    hint, pages = page_size or 1, _slots_per_index(page_size, index_granularity)
+    hint, pages = page_size or 1, slots_per_index(page_size, index_granularity)
     src_layout = _layer_layout(src_stride, src_page_stride, hint)
     dst_layout = _layer_layout(dst_stride, dst_page_stride, hint)
     # The memory behind the pointers is reached from where the tables are: the kernel's GPU
@@ -168,7 +168,7 @@ def _copy_layers(ptrs_dst: list, indices_dst, ptrs_src: list, indices_src, src_s
             _bytes_at(dst_base, int(to_at.max()) + 1, device)[to_at] = src[take_at]
 
 
-def _all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
+def all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
                          indices_src, *, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
                          element_size=None, unroll=None, block_quota=None, page_size=None,
                          num_tokens_src=None, num_tokens_dst=None,
@@ -181,7 +181,7 @@ def _all_layer_reference(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src
                  kv_cache_dst_page_stride_bytes, index_granularity)
 
 
-def _all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
+def all_layer_mla_reference(ptr_dst, indices_dst, ptr_src, indices_src, *,
                              cache_src_stride_bytes, cache_dst_stride_bytes, element_size=None,
                              unroll=None, block_quota=None, page_size=None, num_tokens_src=None,
                              num_tokens_dst=None, cache_src_page_stride_bytes=None,
@@ -215,20 +215,20 @@ def _write_back_pages(tables: list, src_indices: torch.Tensor, dst_indices: torc
             dst[to[first:first + chunk]] = staged.to(dst.device)
 
 
-def _staged_reference(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v,
+def staged_reference(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k, staging_v,
                       dst_k, dst_v, *, page_size, element_size=None, unroll=None,
                       block_quota=None) -> None:
     _write_back_pages([k_ptr_src, v_ptr_src], src_indices, dst_indices,
                       [staging_k, staging_v], [dst_k, dst_v], page_size)
 
 
-def _staged_mla_reference(ptr_src, src_indices, dst_indices, staging, dst, *, page_size,
+def staged_mla_reference(ptr_src, src_indices, dst_indices, staging, dst, *, page_size,
                           element_size=None, unroll=None, block_quota=None) -> None:
     _write_back_pages([ptr_src], src_indices, dst_indices, [staging], [dst], page_size)
 
 
 # ---------------------------------------------------------------------------- parity cases
-def _cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0,
+def make_cache(tokens: int, row: tuple, where: str, device: torch.device, paged: int = 0,
            dtype: torch.dtype = torch.bfloat16):
     """A cache of `tokens` slots of `row`, on the GPU or in pinned host memory (plain CPU
     memory without a GPU); paged: pages of `paged` slots, padded apart (two strides)."""
@@ -270,7 +270,7 @@ _ONE_LAYER = (("host->gpu", "gpu", "host", None, "token", 0, False, False),
               ("host->gpu indices on the host", "gpu", "host", 4, "token", 0, False, True))
 
 
-def _one_layer_cases(mla: bool) -> list:
+def one_layer_cases(mla: bool) -> list:
     from jitk.tools.testing import Case
 
     def make(device, dst_at, src_at, page_size, granularity, paged, out_of_range,
@@ -280,7 +280,7 @@ def _one_layer_cases(mla: bool) -> list:
         run, first_only = page_size or 1, granularity == "page"
         dst_indices = _index_list(64, 12, run, first_only, where)
         src_indices = _index_list(96, 12, run, first_only, where, out_of_range)
-        caches = [(_cache(64, row, dst_at, device, paged), _cache(96, row, src_at, device))
+        caches = [(make_cache(64, row, dst_at, device, paged), make_cache(96, row, src_at, device))
                   for _ in range(1 if mla else 2)]
         kwargs = {"page_size": page_size, "index_granularity": granularity,
                   "element_dim": None if mla else 128}
@@ -296,7 +296,7 @@ def _pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     return torch.tensor([t.data_ptr() for t in tensors], device=device)
 
 
-def _all_layer_cases(mla: bool) -> list:
+def all_layer_cases(mla: bool) -> list:
     from jitk.tools.testing import Case
 
     def make(device, page_size: int | None, granularity: str, paged: bool):
@@ -305,8 +305,8 @@ def _all_layer_cases(mla: bool) -> list:
         # paged: the source's pages of page_size slots are two rows apart, so its slot 95
         # is row 95 // run * (run + 2) + run - 1 of its layer
         src_rows = 96 // run * (run + 2) if paged else 96
-        caches = {f"{side}{c}[{layer}]": _cache(64, (row,), "gpu", device) if side == "dst"
-                  else _cache(src_rows, (row,), "host", device)
+        caches = {f"{side}{c}[{layer}]": make_cache(64, (row,), "gpu", device) if side == "dst"
+                  else make_cache(src_rows, (row,), "host", device)
                   for side in ("dst", "src") for c in range(1 if mla else 2)
                   for layer in range(layers)}
         tables = [[_pointer_table([caches[f"{side}{c}[{layer}]"] for layer in range(layers)],
@@ -332,19 +332,19 @@ def _all_layer_cases(mla: bool) -> list:
                  lambda device: make(device, 4, "page", True))]
 
 
-def _staged_cases(mla: bool) -> list:
+def staged_cases(mla: bool) -> list:
     from jitk.tools.testing import Case
 
     def make(device, page_size: int, staged_pages: int):
         layers, row, count = 3, 256 if mla else 128, 5  # 5 pages of bf16 rows
         caches = range(1 if mla else 2)
-        pools = {f"src{c}[{layer}]": _cache(16 * page_size, (row,), "gpu", device)
+        pools = {f"src{c}[{layer}]": make_cache(16 * page_size, (row,), "gpu", device)
                  for c in caches for layer in range(layers)}
         tables = [_pointer_table([pools[f"src{c}[{layer}]"] for layer in range(layers)],
                                  device) for c in caches]
-        stagings = [_cache(staged_pages * page_size, (layers, row), "gpu", device)
+        stagings = [make_cache(staged_pages * page_size, (layers, row), "gpu", device)
                     for _ in caches]
-        dsts = [_cache(8 * page_size, (layers, row), "host", device) for _ in caches]
+        dsts = [make_cache(8 * page_size, (layers, row), "host", device) for _ in caches]
         args = (*tables, _index_list(16 * page_size, count, page_size, True, device),
                 _index_list(8 * page_size, count, page_size, True, torch.device("cpu")),
                 *stagings, *dsts)
