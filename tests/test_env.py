@@ -71,7 +71,7 @@ def test_text_report_says_where_things_come_from(tmp_path):
 
 def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     def no_nvcc():
-        raise jitk.ToolchainError("jitk could not find the CUDA toolkit")
+        raise jitk.ToolchainError("jitk: could not find the CUDA toolkit")
 
     monkeypatch.setattr(toolchain, "find_nvcc", no_nvcc)
     monkeypatch.delenv("JITK_CUDA_ARCH", raising=False)
@@ -84,4 +84,4 @@ def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     assert report["target_archs"]["archs"] is None
     assert "set JITK_CUDA_ARCH" in report["target_archs"]["error"]
     text = env.render(report)
-    assert "nvcc:" in text and "error: jitk could not find the CUDA toolkit" in text
+    assert "nvcc:" in text and "error: jitk: could not find the CUDA toolkit" in text

@@ -149,7 +149,9 @@ def _resolve_sources(files: object, parameter: str) -> list[Path]:
 def _as_given(path: Path) -> str:
     """A resolved kernel file as load_jit takes it: a path under jitk/kernels, else
     absolute."""
-    return str(path.relative_to(KERNEL_DIR)) if path.is_relative_to(KERNEL_DIR) else str(path)
+    if not path.is_relative_to(KERNEL_DIR):
+        return str(path)
+    return path.name if _shipped(Path(path.name)) == path else str(path.relative_to(KERNEL_DIR))
 
 
 def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:

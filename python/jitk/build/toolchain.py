@@ -105,7 +105,7 @@ def cuda_home() -> Path:
             return root
     tried.append(f"the nvidia-cuda-* wheels, {DEFAULT_ROOT}")
     raise ToolchainError(
-        "jitk could not find the CUDA toolkit (looked for nvcc on PATH and at "
+        "jitk: could not find the CUDA toolkit (looked for nvcc on PATH and at "
         f"{', '.join(tried)}); install one (pip install 'jitk[cuda]' for CUDA 13), or set "
         "CUDA_HOME to its root"
     )
