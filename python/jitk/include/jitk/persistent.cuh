@@ -413,7 +413,7 @@ __device__ inline int claim_host_run(const Queue& q, Item* items, BulkArrival& a
 // Idle blocks take turns at the host ring: the block holding state[kHostPoller] (a flag in GPU
 // memory) is the only one that polls the ring over PCIe and claims from it; the others look at
 // the flag and at the device ring, both in GPU memory. With every idle block polling the ring,
-// a GEMM beside an idle worker of 8 blocks ran up to 2.7x slower on an H100 (in some runs);
+// a GEMM beside an idle worker of 8 blocks ran several times slower on an H100 in some runs;
 // one polling block cost it no more than any resident kernel does. Taking the flag is an
 // acquire and giving it back a release, so the next holder reads the head its claims left.
 __device__ inline bool try_to_poll(const Queue& q) {

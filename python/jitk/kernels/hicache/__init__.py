@@ -33,19 +33,20 @@ Methods (`method=`), every one selectable:
   All-layer copies join the current stream of the GPU their pointer tables point into. The
   indices (and all-layer pointer tables) must be CPU tensors: the call reads them on the
   host and refuses an index it cannot move. Under CUDA graph capture the copies are
-  recorded one node each with the addresses of that moment: replays repeat those pages, at
-  about a third of the eager bandwidth. `unroll` and `block_quota` do not apply.
-- "auto" (default): the method that moves the given tensors fastest on their own (measured
-  on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
-  size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
-  copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
-  half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
-  copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
-  packed rows, SGLang's pages, where the lists' first page is such a run; else one row),
-  else the kernel on a copy of the indices made on the GPU during the call. So under
-  "auto" host indices, pinned or not, are always read during the call; only
-  method="kernel" reads pinned ones in place, in stream order. Where the kernel cannot run
-  (no GPU tensor to place it, or all-layer pointer tables on the host) the copy engines do.
+  recorded one node each with the addresses of that moment: replays repeat those pages, well
+  below the eager bandwidth. `unroll` and `block_quota` do not apply.
+- "auto" (default): the method that moves the given tensors fastest on their own (the kernel
+  near a pinned copy_'s bandwidth at any page size; the copy engines, whose copies each cost
+  fixed host and engine time, far below it for small copies and at a pinned copy's bandwidth
+  from COPY_ENGINE_MIN_COPY_BYTES on; figures in docs/developer_guide/
+  debugging_and_performance.md), never one below half of the best (see _auto). Indices on the
+  GPU: the kernel. Indices on the host: the copy engines where one copy moves
+  COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size packed rows, SGLang's pages, where the
+  lists' first page is such a run; else one row), else the kernel on a copy of the indices made
+  on the GPU during the call. So under "auto" host indices, pinned or not, are always read
+  during the call; only method="kernel" reads pinned ones in place, in stream order. Where the
+  kernel cannot run (no GPU tensor to place it, or all-layer pointer tables on the host) the
+  copy engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
@@ -112,8 +113,8 @@ _EXACT = Tolerance(0.0, 0.0)  # a transfer moves bytes
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
-# "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
-# KiB reaches a pinned copy_; 16 KiB gives 6-34 GB/s against the kernel's 44-50).
+# "auto" with host indices: the copy engines from copies of this many bytes on, the smallest
+# copy measured to reach a pinned copy_'s bandwidth (a smaller one trails the kernel).
 COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
 # "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
 KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"

@@ -300,8 +300,8 @@ class CopyList {
 
   static constexpr bool batch_supported() { return CUDART_VERSION >= 12080; }
   // Copies per batch call: the driver's host time per host-to-device copy grows with the
-  // batch (CUDA 13, H100: 1.8 us a copy in batches of 8192, 0.5 in batches of 64 or 256),
-  // while each call costs its own overhead.
+  // batch (several times over from batches of 256 to 8192 under CUDA 13), while each call
+  // costs its own overhead.
   static constexpr size_t kBatchCopies = 256;
 
   void submit_batches(cudaStream_t stream, DebugInfo where) {
