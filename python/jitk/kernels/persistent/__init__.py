@@ -70,12 +70,12 @@ from jitk.runtime.streams import cuda_device
 __all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
            "WorkerError"]
 
-# persistent.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
+# persistent_host.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
 ITEM_WORDS, ARG_WORDS = 16, 12
 LAYOUT = (ITEM_WORDS * 8, 0, 8, 16, 24, ARG_WORDS * 8, 256)
 _OP_WORD, _AFTER_WORD, _ARGS_WORD = 1, 2, 3
 _STATE_HEADER_WORDS = 16
-# HostWord and Stop of persistent.cuh.
+# HostWord and Stop of persistent_queue.cuh.
 _STOP, _ERROR, _ERROR_TICKET, _ERROR_DETAIL, _HOST_WORDS = 0, 1, 2, 3, 8
 _DRAIN, _ABORT = 1, 2
 _ERRORS = {
