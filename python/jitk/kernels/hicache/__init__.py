@@ -120,7 +120,12 @@ COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
 KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
-_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
+# Each module's files, every header it includes among them, so that an edit of any changes the
+# module's cache key (load_jit hashes the files it is given).
+_KERNEL_FILES = ("hicache_layout.cuh", "hicache.cuh")
+_COPY_FILES = ("hicache_layout.cuh", "hicache_copy_list.cuh", "hicache_copy.cuh")
+_STAGED_FILES = (*_COPY_FILES, "hicache_staged.cuh")
+_MODULE_FILES = (_KERNEL_FILES, _COPY_FILES, _STAGED_FILES)
 _ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
@@ -136,7 +141,7 @@ def _kernel_module(element_size: int, unroll: int) -> _Entries:
     """The kernel for rows of element_size bytes; both checked by the caller."""
     args = make_cpp_args(element_size, unroll)
     entry = f"jitk::hicache::HiCache<{args}>"
-    module = load_jit("hicache", *args, cuda_files=_CUDA_FILES[:2],
+    module = load_jit("hicache", *args, cuda_files=list(_KERNEL_FILES),
                       cuda_wrappers=[(name, f"{entry}::{name}") for name in _ENTRY_POINTS])
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return _Entries(*(getattr(module, name) for name in _ENTRY_POINTS))
@@ -147,7 +152,7 @@ def _copy_module():
     """The copy-engine entry points: one module for every element size."""
     names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
              "pointer_device")
-    return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
+    return load_jit("hicache_copy", cuda_files=list(_COPY_FILES),
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
 
@@ -155,7 +160,7 @@ def _copy_module():
 @functools.cache
 def _staged_module():
     """The staged write-back (a gather kernel and the copy engines): every element size."""
-    return load_jit("hicache_staged", cuda_files=[_CUDA_FILES[0], *_CUDA_FILES[2:]],
+    return load_jit("hicache_staged", cuda_files=list(_STAGED_FILES),
                     cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
                                    for name in ("lf_pf", "lf_pf_mla")])
 
