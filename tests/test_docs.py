@@ -56,8 +56,8 @@ def test_links_resolve(page):
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_repository_paths_exist(page):
     for span in code_spans(page):
-        for path in re.findall(r"(?:^|\s)((?:tests|benchmarks|scripts|python|docs|\.ci)/[\w./-]+)",
-                               span):
+        for path in re.findall(r"(?:^|\s)((?:tests|benchmarks|experiments|scripts|python|docs"
+                               r"|\.ci)/[\w./-]+)", span):
             assert (ROOT / path).exists(), f"{page_id(page)} names {path}, which does not exist"
         for header in re.findall(r"<?(jitk/[\w.]+\.(?:h|cuh))>?", span):
             assert (PACKAGE / "include" / header).exists(), \
