@@ -4,8 +4,9 @@ A step is a chain of 180 small ops on one row of 4096 bf16, each reading the pre
 rmsnorm, scale, add in turn. It runs as
   (a) 180 eager launches (jitk.rmsnorm, torch.mul, torch.add with out=),
   (b) one CUDA graph of those 180 kernels, replayed,
-  (c) 180 items pushed to a running worker on 8 SMs (jitk/csrc/persistent_chain.cuh): one
-      batched push of a prepared chain per step, and one push per item.
+  (c) 180 items pushed to a running worker on 8 SMs (jitk/kernels/persistent/
+      persistent_chain.cuh): one batched push of a prepared chain per step, and one push per
+      item.
 Every step time runs from the host's issue to the host seeing the last result (a synchronize,
 or the worker's completion counter), median over many steps; (a) and (b) also by CUDA events.
 The graph and the worker run in alternating rounds (the worker started and stopped in each),

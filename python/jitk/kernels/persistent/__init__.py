@@ -136,7 +136,7 @@ class Op:
 
 
 _BF16 = torch.bfloat16
-# The ops of jitk/csrc/persistent_chain.cuh (rows of n bf16 elements).
+# The ops of jitk/kernels/persistent/persistent_chain.cuh (rows of n bf16 elements).
 CHAIN_OPS = (
     Op("rmsnorm", "jitk::persistent::chain::RMSNorm",
        (TensorArg("x", _BF16, ("n",)), TensorArg("w", _BF16, ("n",)),
