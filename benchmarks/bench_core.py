@@ -3,7 +3,8 @@ module, and the host time of one call of a small kernel (the per-call Python + t
 launch path).
 
 Without a GPU (JITK_CUDA_ARCH must then be set, e.g. 9.0) only the cold builds and warm
-loads are timed: `JITK_CUDA_ARCH=9.0 python benchmarks/bench_core.py --quick`."""
+loads are timed: `JITK_CUDA_ARCH=9.0 PYTHONPATH=tests python benchmarks/bench_core.py --quick`
+(tests/ holds the small module, probes.py)."""
 
 import os
 import statistics
@@ -12,20 +13,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import common
+import probes
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402
-
-from jitk.tools.precompile import KERNEL_MODULES  # noqa: E402
+from jitk.tools.precompile import KERNEL_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a first call of each module does in a new process, timed around load_jit alone: the
 # small test module, then each shipped module's first configuration. Imports and CUDA's own
 # start-up (a second or more when no other process holds the GPU) come before the clock, as
 # in a program whose tensors are already on the GPU.
-SMALL = ("import sys; sys.path.insert(0, 'tests'); import probes; "
-         "label, build = 'add_one', probes.launch_probe")
+SMALL = "import probes; label, build = 'add_one', probes.launch_probe"
 SHIPPED = "import importlib; label, build = importlib.import_module('{}').precompile_configs()[0]"
 TIMED = "\nimport time; t = time.perf_counter(); build(); print(label, time.perf_counter() - t)"
 
@@ -68,9 +67,6 @@ def main():
         common.write_json(args.json, {"device": device, "rows": rows})
         return
     print("device:", common.device_name())
-    sys.path.insert(0, str(ROOT / "tests"))
-    import probes
-
     add_one = probes.launch_probe().add_one
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)

@@ -33,18 +33,14 @@ import argparse
 import functools
 import itertools
 import math
-import os
 import statistics
-import sys
 from dataclasses import dataclass, field
 
+import common
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402
-
-import jitk  # noqa: E402
-from jitk.kernels import hicache  # noqa: E402
+import jitk
+from jitk.kernels import hicache
 
 MIB = 1 << 20
 HOST_POOL = 256 * 1024  # tokens
@@ -341,9 +337,10 @@ def guarded_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds) -> di
 def split_rows(args, split, pools, direction, tokens, page, shape, layer_bytes,
                gemm) -> list[dict]:
     """The SM methods on split.own beside the GEMMs on split.rest: jitk's kernel on one block
-    an SM to load, 4 blocks to write back (more writers slow the GEMMs: exp_hicache_split.py),
-    and SGLang 0.5.23's kernels with their own launch. The GEMM slowdown is against the GEMMs
-    alone on the rest in the same rounds; "vs whole GPU" against them on all SMs."""
+    an SM to load, 4 blocks to write back (more writers slow the GEMMs:
+    experiments/exp_hicache_split.py), and SGLang 0.5.23's kernels with their own launch. The
+    GEMM slowdown is against the GEMMs alone on the rest in the same rounds; "vs whole GPU"
+    against them on all SMs."""
     with torch.cuda.stream(split.rest):
         rest_ms = gemm_alone_ms(gemm)
     quota = split.own_sms if direction == "h2d" else 4

@@ -17,16 +17,13 @@ skips column counts the graphs Inductor declined to capture (the reason is logge
 import contextlib
 import functools
 import os
-import sys
 
+import common
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-
-import jitk  # noqa: E402
-import jitk.kernels.norm  # noqa: E402
-import jitk.tools.api_log  # noqa: E402
+import jitk
+import jitk.kernels.norm
+import jitk.tools.api_log
 
 EPS = 1e-6
 HIDDEN = 4096

@@ -4,8 +4,9 @@ A step is a chain of 180 small ops on one row of 4096 bf16, each reading the pre
 rmsnorm, scale, add in turn. It runs as
   (a) 180 eager launches (jitk.rmsnorm, torch.mul, torch.add with out=),
   (b) one CUDA graph of those 180 kernels, replayed,
-  (c) 180 items pushed to a running worker on 8 SMs (jitk/csrc/persistent_chain.cuh): one
-      batched push of a prepared chain per step, and one push per item.
+  (c) 180 items pushed to a running worker on 8 SMs (jitk/kernels/persistent/
+      persistent_chain.cuh): one batched push of a prepared chain per step, and one push per
+      item.
 Every step time runs from the host's issue to the host seeing the last result (a synchronize,
 or the worker's completion counter), median over many steps; (a) and (b) also by CUDA events.
 The graph and the worker run in alternating rounds (the worker started and stopped in each),
@@ -19,27 +20,21 @@ GEMM's rest; each round's time against that round's GEMM alone.
 Everything torch launches is run once before the worker starts: a kernel's first launch
 under CUDA's lazy loading would wait for the resident worker (jitk.persistent's docstring).
 
-    python benchmarks/bench_persistent.py [--quick] [--json PATH]
+    PYTHONPATH=tests python benchmarks/bench_persistent.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import threading
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH_DIR)
-sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
+import torch
+from common import device_name, parse_args, print_table, write_json
+from persistent_cases import chain_items, chain_worker, test_worker
 
-import torch  # noqa: E402
-from common import device_name, parse_args, print_table, write_json  # noqa: E402
-from persistent_cases import chain_items, chain_worker, test_worker  # noqa: E402
-
-import jitk  # noqa: E402
-from jitk.tools.timing import captured_graph, median_us  # noqa: E402
+import jitk
+from jitk.tools.timing import captured_graph, median_us
 
 N, OPS, SHORT_OPS, BLOCKS = 4096, 180, 18, 8
 GEMM = 8192

@@ -18,17 +18,13 @@ large shapes >= 98% of a copy of the same bytes; strided heads >= 95% of the con
 rows' bandwidth; elsewhere 1.5x torch or 95% of a copy of the same bytes."""
 
 import itertools
-import os
 import statistics
-import sys
 
+import common
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-
-from jitk.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
+from jitk.kernels.norm import fused_add_rmsnorm, rmsnorm
 
 EPS = 1e-6
 ROTATION_BYTES = 256 << 20  # inputs + outputs touched before a buffer comes round again

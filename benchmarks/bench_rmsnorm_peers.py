@@ -37,19 +37,16 @@ cell slower after pooling says how many of the runs found it so.
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 from collections.abc import Callable
 
+import common
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-
-import jitk  # noqa: E402
-import jitk.kernels.norm  # noqa: E402  (registers the operators)
-from jitk.tools.timing import gemm_neighbour  # noqa: E402
+import jitk
+import jitk.kernels.norm  # noqa: F401  (registers the operators)
+from jitk.tools.timing import gemm_neighbour
 
 ROWS = (1, 16, 77, 256, 1024, 4096)
 HIDDENS = (4096, 5120, 7168, 8192, 12288)

@@ -7,25 +7,19 @@ Wake-up latency: stream A runs a sleep kernel, so stream B's wait is already in 
 signals; the figure runs from an event recorded on A just before the signal to one recorded
 on B after a one-element kernel behind the wait.
 
-    python benchmarks/bench_wait_value.py [--quick] [--json PATH]
+    PYTHONPATH=tests python benchmarks/bench_wait_value.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH_DIR)
-sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
-
-import torch  # noqa: E402
-import wait_value_deadlock  # noqa: E402
-from common import (  # noqa: E402
+import torch
+import wait_value_deadlock
+from common import (
     device_name,
     host_us_per_call,
     parse_args,
@@ -35,8 +29,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from jitk.kernels import wait_value  # noqa: E402
-from jitk.kernels.wait_value import Event, stream_wait_value, stream_write_value  # noqa: E402
+from jitk.kernels import wait_value
+from jitk.kernels.wait_value import Event, stream_wait_value, stream_write_value
 
 SLEEP_CYCLES = 200_000  # ~100 us: B's wait is enqueued and in place before A signals
 WARMUP = 10

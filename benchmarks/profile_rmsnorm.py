@@ -29,14 +29,12 @@ import pathlib
 import statistics
 import sys
 
+import bench_rmsnorm_peers as peers
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_rmsnorm_peers as peers  # noqa: E402
-
-from jitk import load_jit  # noqa: E402
+from jitk import load_jit
 from jitk.kernels import norm
-from jitk.tools.timing import gemm_neighbour  # noqa: E402
+from jitk.tools.timing import gemm_neighbour
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
            "launch__occupancy_limit_registers", "launch__occupancy_limit_warps",

@@ -21,16 +21,13 @@ import itertools
 import multiprocessing
 import os
 import statistics
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
+import common
 import torch
+from bench_rmsnorm import buffer_count, qkv_heads, rotating
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from bench_rmsnorm import buffer_count, qkv_heads, rotating  # noqa: E402
-
-from jitk import load_jit, make_cpp_args  # noqa: E402
+from jitk import load_jit, make_cpp_args
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SHAPES = [  # (label, op, dtype, rows, hidden, mode); "heads": q of a [rows, 48 x hidden] qkv

@@ -55,9 +55,8 @@ if [[ $stages == *" peers "* ]]; then
     grep -E "pooled|^  .*(<=|: .* / )" "$out/pooled.log"
   fi
 fi
-[[ $stages == *" large "* ]] && timeout 60 python3 - <<'PY' 2>&1 | tee "$out/large.log"
-import sys
-sys.path.insert(0, "benchmarks")
+[[ $stages == *" large "* ]] && PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 60 python3 - \
+  <<'PY' 2>&1 | tee "$out/large.log"
 import bench_rmsnorm as b, common
 row = b.measure("rmsnorm", b.BF16, 32768, 8192, "rows", common.device_copy_gbps())
 print(f"32768x8192 bf16: jitk {row['jitk graph us']:.1f} us, same-size copy "

@@ -27,7 +27,7 @@ for run in $runs; do
   [[ $status -ne 0 ]] && tail -n 8 "$log"
 done
 
-timeout 120 python3 benchmarks/bench_persistent.py "$@" --json "$out/bench_persistent.json" \
-  2>&1 | tee "$out/bench_persistent.log"
+PYTHONPATH="$PWD/tests:$PYTHONPATH" timeout 120 python3 benchmarks/bench_persistent.py "$@" \
+  --json "$out/bench_persistent.json" 2>&1 | tee "$out/bench_persistent.log"
 echo; echo "== summary =="
 for line in "${summary[@]}"; do echo "$line"; done

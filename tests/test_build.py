@@ -1,4 +1,4 @@
-"""The build itself (jitk/build.py): builds in several threads at once, paths that the shell
+"""The build itself (jitk/build/builder.py): builds in several threads at once, paths that the shell
 and ninja would read otherwise, ninja's own failures, the guard's messages, and the
 compilers in the cache key."""
 

@@ -8,7 +8,7 @@ import torch
 
 import jitk
 
-KERNEL = Path(__file__).resolve().parent / "axpy.cuh"  # or just "axpy.cuh" inside jitk/csrc
+KERNEL = Path(__file__).resolve().parent / "axpy.cuh"  # or "axpy.cuh" in jitk/kernels/<family>/
 
 
 @functools.cache

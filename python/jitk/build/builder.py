@@ -1,8 +1,8 @@
 """One build: a module compiled by ninja in a private folder on this host, published as a
 cache entry.
 
-The caller holds the entry's build lock (jitk/lock.py). The build never touches the
-published entry: it happens in a folder of its own on the builder's host (jitk/cache.py), is
+The caller holds the entry's build lock (jitk/build/lock.py). The build never touches the
+published entry: it happens in a folder of its own on the builder's host (jitk/build/cache.py), is
 copied onto the cache's file system, loaded from that copy, and only then becomes the entry,
 in one rename. So a reader never sees half a build, a `cache clear` cannot pull a library
 from under the process that built it, and a cache on a network file system never holds a
@@ -13,10 +13,10 @@ compilers, the CUDA root and the target architectures from process-wide environm
 variables and runs the `ninja` on PATH, so two threads building at once would have to
 share (and fight over) one environment; and it writes paths into build.ninja unescaped, so
 a cache folder with a space in its name broke every build. Here everything is explicit:
-the programs are found once (jitk/toolchain.py) and named by absolute path, every path
+the programs are found once (jitk/build/toolchain.py) and named by absolute path, every path
 and flag is quoted for the shell and escaped for ninja, and nothing in the process's
 environment changes. From tvm-ffi jitk takes its headers' and its library's locations
-(tvm_ffi.libinfo). ninja runs, by its path, under jitk/ninja_guard.py, which stops the
+(tvm_ffi.libinfo). ninja runs, by its path, under jitk/build/ninja_guard.py, which stops the
 compilers when the builder dies or the build runs past JITK_LOCK_TIMEOUT."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class BuildSpec:
     name: str
     entry: Path  # the published folder
     key: str  # the cache key, recorded in the entry
-    in_place: bool  # entry is a build_directory (jitk/cache.py)
+    in_place: bool  # entry is a build_directory (jitk/build/cache.py)
     archs: tuple[str, ...]
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key

@@ -1,7 +1,7 @@
 """The on-disk module cache: where it is, how an entry is published and checked, what is in it.
 
     <root>/<module>_<key>/            a published entry; never changed once published
-    <root>/<module>_<key>.lock        its build lock (jitk/lock.py), or in $JITK_LOCK_DIR
+    <root>/<module>_<key>.lock        its build lock (jitk/build/lock.py), or in $JITK_LOCK_DIR
     <root>/.staging/<entry>.<owner>   a finished build being published, private to its builder
     <root>/.trash/<entry>.<owner>     an entry on its way out
 
@@ -102,7 +102,7 @@ def read_meta(entry: Path) -> dict | None:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What a reader found: a checked library, open at `fd` (jitk/loader.py takes it over),
+    """What a reader found: a checked library, open at `fd` (jitk/build/loader.py takes it over),
     or why there is none to load (`problem` is None when there is simply no entry)."""
 
     library: Path | None = None

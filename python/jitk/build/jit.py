@@ -1,13 +1,13 @@
 """load_jit: a kernel file plus template arguments in, a loaded tvm-ffi module out.
 
-The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export.h, on tvm-ffi's
-C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
-build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
+The build itself is ninja's (jitk/build/builder.py); the exports are jitk's (jitk/export.h, on
+tvm-ffi's C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every
+kernel build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
 header and kernel file and the compiler versions, independent of where jitk is installed,
 with the target architectures named after it (a lookup takes an entry built for more); a
 cache that readers use without locks or writes once they have checked who could have
-written it (jitk/trust.py), filled by builds published in one rename (jitk/cache.py,
-jitk/build.py); a mode that never compiles; compile errors that show the compiler's own
+written it (jitk/build/trust.py), filled by builds published in one rename (jitk/build/cache.py,
+jitk/build/builder.py); a mode that never compiles; compile errors that show the compiler's own
 lines; and a load-time check that the library holds code for the GPU it is about to run
 on."""
 

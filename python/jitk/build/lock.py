@@ -1,7 +1,7 @@
 """The build lock of one cache entry: an flock on `<entry>.lock` beside the entry, or in
 $JITK_LOCK_DIR when that is set (a host-local folder for a cache on a network file system,
 whose locks may not reach other hosts: builds there may then run twice, and publication
-stays atomic; jitk/cache.py). A build_directory's lock is in its own .jitk folder.
+stays atomic; jitk/build/cache.py). A build_directory's lock is in its own .jitk folder.
 
 Only a build takes it; loading a finished entry takes no lock. An flock belongs to the
 process holding it, so the kernel releases it when that process dies, however it dies: a
@@ -29,7 +29,7 @@ TIMEOUT_ENV = "JITK_LOCK_TIMEOUT"
 LOCK_DIR_ENV = "JITK_LOCK_DIR"
 DEFAULT_TIMEOUT = 300.0
 SUFFIX = ".lock"
-# Group members may build in a cache of the trusted group (jitk/trust.py); others only read.
+# Group members may build in a cache of the trusted group (jitk/build/trust.py); others only read.
 MODE = 0o664
 
 

@@ -1,6 +1,6 @@
 """Runs ninja for one jitk build so that the build ends with the process that asked for it.
 
-jitk/build.py runs this file (standard library only) with ninja's path and arguments:
+jitk/build/builder.py runs this file (standard library only) with ninja's path and arguments:
 
     python -I ninja_guard.py BUILDER_PID TIMEOUT_SECONDS NINJA [ninja arguments...]
 

@@ -62,7 +62,7 @@ def run_demo(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as error:
         if error.name != "jitk.cli.demo":
             raise
-        message = "this jitk installation has no demo (jitk/demo.py is missing)"
+        message = "this jitk installation has no demo (jitk/cli/demo.py is missing)"
         raise CommandError(message) from None
     return demo.main() or EXIT_OK
 

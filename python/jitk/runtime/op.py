@@ -19,8 +19,9 @@ its first tensor parameters (`empty_like` of each, in order). Any other op takes
 function of the same parameters that returns tensors of the right shape, dtype and device.
 
 The operator is defined through torch.library's Library (define, impl, register_fake) rather
-than torch.library.custom_op, whose Python layers cost a call through the dispatcher (as
-torch.compile's graphs make them) 33 us against 4 on the CI machine. Its kernel is registered
+than torch.library.custom_op, whose Python layers multiply the host time of a call through the
+dispatcher (as torch.compile's graphs make them; figures in docs/developer_guide/
+debugging_and_performance.md, "Operators"). Its kernel is registered
 for every device (CompositeExplicitAutograd): the kernels check devices themselves. It has no
 autograd formula: a jitk kernel is a forward computation.
 

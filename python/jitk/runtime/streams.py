@@ -32,8 +32,8 @@ def current_stream(device: int | None = None) -> tuple[int, int]:
     """(device index, cudaStream_t) of PyTorch's current stream on `device` (default: the
     current GPU), or (-1, 0) where PyTorch has no GPU; the launchers' own checks then say
     what is wrong. Any other failure (a bad device index, a CUDA error) is raised. The raw
-    handle, as torch._dynamo reads it: building a torch.cuda.Stream object cost 5.2 us a
-    call on the H100's host."""
+    handle, as torch._dynamo reads it: building a torch.cuda.Stream object a call costs host
+    time on every launch (docs/developer_guide/debugging_and_performance.md)."""
     try:
         if device is None:
             device = torch.cuda.current_device()

@@ -55,19 +55,18 @@ FILE_NAME = "autotune.json"
 FORMAT = 1
 AUTOTUNE_ENV = "JITK_AUTOTUNE"
 CALLS_PER_GRAPH, ROUNDS = 20, 7
-# A round of runs is queued behind a GPU sleep of this many cycles a run (~50 us at 2 GHz,
-# several times what the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS times
+# A round of runs is queued behind a GPU sleep of this many cycles a run (several times what
+# the host takes to queue one), doubled up to MAX_SLEEP_DOUBLINGS times
 # while the host turns out slower.
 SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 # Candidates within GRAPH_TIE of the fastest under graph replay are a tie, which single calls
 # break: SINGLE_ROUNDS rounds, each call behind a GPU sleep of its own of SINGLE_PAUSE_CYCLES,
 # as a call alone on the GPU, each a trimmed mean (timing.trimmed_mean says why not the
-# median). On an H100, RMSNorm candidates 1.1-1.5% apart here were level under
-# bench_rmsnorm_peers.py's graph replay, and one of them ~0.2 us faster as a single call. The
-# winner gives up least in either mode: with the lowest single call alone winning, 4096-row
-# RMSNorms kept choices 0.2-1.5% slower under graph replay (slower than SGLang by 0.2-0.6%,
-# over the benchmark's 0.1-0.3% noise) for single calls 0.1-0.8% faster (inside their
-# 0.4-1.4% noise); with this rule they read 0.990-1.000 of SGLang in two pooled runs.
+# median): RMSNorm candidates that graph replay here told apart were level under
+# bench_rmsnorm_peers.py's graph replay, and differed as single calls. The winner gives up
+# least in either mode: with the lowest single call alone winning, long RMSNorms kept choices
+# slower under graph replay beyond the benchmark's noise for single calls faster only inside
+# theirs (docs/developer_guide/debugging_and_performance.md, "Figures moved out of the code").
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
 # Beside a neighbour, each figure is a difference of two timings: more rounds for its median.
 BESIDE_ROUNDS = 15

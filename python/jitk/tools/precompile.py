@@ -1,7 +1,7 @@
 """Filling the module cache ahead of time with the kernels' common configurations.
 
 Each kernel module defines `precompile_configs() -> [(label, thunk), ...]`, where a thunk
-calls the module's cached loader for one configuration (jitk/registry.py finds jitk's own
+calls the module's cached loader for one configuration (jitk/runtime/registry.py finds jitk's own
 modules). Here every thunk runs once per target architecture, in a pool of worker
 processes, so that a later first call in a new process only loads from the cache. A
 recorded load_jit call (`--call`, which a cache miss's message prints) is replayed the same

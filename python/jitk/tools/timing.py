@@ -26,8 +26,8 @@ def median_us(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> f
 
 def trimmed_mean(samples: list[float], cut: float = 0.1) -> float:
     """The mean of `samples` less the `cut` fraction at each end. For single calls from an
-    idle GPU, whose times fall at two levels (an H100: ~0.2 us apart at 256 rows, in steps of
-    32 ns), the median lands on one level or the other; this weighs how often each occurs,
+    idle GPU, whose times fall at two levels (in steps of the global timer's resolution), the
+    median lands on one level or the other; this weighs how often each occurs,
     while the rare stalls at either end drop out."""
     if not samples or not 0 <= cut < 0.5:
         raise ValueError(f"trimmed_mean: needs samples and 0 <= cut < 0.5, got "

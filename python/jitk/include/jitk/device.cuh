@@ -44,7 +44,7 @@ __device__ __forceinline__ void compute_now(T& value) {
   asm volatile("" : "+l"(value));
 }
 
-// The global timer in nanoseconds (it advances in steps of 32 ns on an H100).
+// The global timer in nanoseconds (it advances in coarse steps, not every nanosecond).
 __device__ __forceinline__ int64_t now_ns() {
   int64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -52,9 +52,9 @@ __device__ __forceinline__ int64_t now_ns() {
 }
 
 // Waits about `ns` by reading the global timer: how jitk's polls back off. Not __nanosleep:
-// on one H100, CUDA graph replays of small kernels ran 17% slower (180 kernels: 224 to 262 us)
-// from right after a kernel ran __nanosleep, in each of five processes, and after none of the
-// other things a persistent worker does (benchmarks/exp_persistent_costs.py). Later runs saw
+// on one H100, CUDA graph replays of small kernels ran slower from right after a kernel ran
+// __nanosleep, in each of five processes, and after none of the other things a persistent
+// worker does (experiments/exp_persistent_costs.py; persistent_kernels.md). Later runs saw
 // the same step without it, so the cause is not settled; a timer loop costs a waiting warp
 // nothing it needs, so jitk avoids __nanosleep.
 __device__ __forceinline__ void pause_ns(unsigned ns) {
@@ -71,8 +71,8 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
 
 // prefetch_l2 where `wanted`, as one predicated instruction rather than a branch: code around
 // it stays one block for the compiler to schedule. Block 0's branch to its prefetch let ptxas
-// issue RMSNorm's weight loads after its sum of squares: at SGLang's thread count, 1024x5120
-// fp16 ran 8% slower with the prefetch than without.
+// issue RMSNorm's weight loads after its sum of squares, which cost more than the prefetch
+// saved at SGLang's thread count (debugging_and_performance.md).
 __device__ __forceinline__ void prefetch_l2_if(bool wanted, const void* ptr) {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p prefetch.global.L2 [%1];\n}" ::"r"(
                    static_cast<int>(wanted)),

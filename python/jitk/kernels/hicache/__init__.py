@@ -33,19 +33,20 @@ Methods (`method=`), every one selectable:
   All-layer copies join the current stream of the GPU their pointer tables point into. The
   indices (and all-layer pointer tables) must be CPU tensors: the call reads them on the
   host and refuses an index it cannot move. Under CUDA graph capture the copies are
-  recorded one node each with the addresses of that moment: replays repeat those pages, at
-  about a third of the eager bandwidth. `unroll` and `block_quota` do not apply.
-- "auto" (default): the method that moves the given tensors fastest on their own (measured
-  on an H100, K+V rows of 1 KiB, pinned copy_ 55 GB/s: the kernel 47-50 GB/s at any page
-  size; the copy engines, whose copies cost about a microsecond each, 1-2 GB/s for 1 KiB
-  copies, 6-34 for 16 KiB and the pinned copy's bandwidth from 64 KiB on), never one below
-  half of the best (see _auto). Indices on the GPU: the kernel. Indices on the host: the
-  copy engines where one copy moves COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size
-  packed rows, SGLang's pages, where the lists' first page is such a run; else one row),
-  else the kernel on a copy of the indices made on the GPU during the call. So under
-  "auto" host indices, pinned or not, are always read during the call; only
-  method="kernel" reads pinned ones in place, in stream order. Where the kernel cannot run
-  (no GPU tensor to place it, or all-layer pointer tables on the host) the copy engines do.
+  recorded one node each with the addresses of that moment: replays repeat those pages, well
+  below the eager bandwidth. `unroll` and `block_quota` do not apply.
+- "auto" (default): the method that moves the given tensors fastest on their own (the kernel
+  near a pinned copy_'s bandwidth at any page size; the copy engines, whose copies each cost
+  fixed host and engine time, far below it for small copies and at a pinned copy's bandwidth
+  from COPY_ENGINE_MIN_COPY_BYTES on; figures in docs/developer_guide/
+  debugging_and_performance.md), never one below half of the best (see _auto). Indices on the
+  GPU: the kernel. Indices on the host: the copy engines where one copy moves
+  COPY_ENGINE_MIN_COPY_BYTES or more (a run of page_size packed rows, SGLang's pages, where the
+  lists' first page is such a run; else one row), else the kernel on a copy of the indices made
+  on the GPU during the call. So under "auto" host indices, pinned or not, are always read
+  during the call; only method="kernel" reads pinned ones in place, in stream order. Where the
+  kernel cannot run (no GPU tensor to place it, or all-layer pointer tables on the host) the
+  copy engines do.
 
 The all-layer variants take one base address per layer (uint64/int64 pointer tables)
 instead of tensors; those addresses are trusted (16-byte aligned, valid for every index
@@ -112,14 +113,19 @@ _EXACT = Tolerance(0.0, 0.0)  # a transfer moves bytes
 # KiB in flight per SM, more than HBM latency needs hidden, and over a few SMs about PCIe's
 # bandwidth-latency product. A deeper unroll is built with fewer threads.
 DEFAULT_UNROLL = 4
-# "auto" with host indices: the copy engines from copies of this many bytes on (measured: 64
-# KiB reaches a pinned copy_; 16 KiB gives 6-34 GB/s against the kernel's 44-50).
+# "auto" with host indices: the copy engines from copies of this many bytes on, the smallest
+# copy measured to reach a pinned copy_'s bandwidth (a smaller one trails the kernel).
 COPY_ENGINE_MIN_COPY_BYTES = 64 << 10
 # "auto"'s third choice: the kernel, on indices copied to its GPU during the call.
 KERNEL_ON_COPIED_INDICES = "kernel on GPU copies of the indices"
 
 _NOT_GIVEN = -1  # what the C++ side reads as "not given" for optional integers
-_CUDA_FILES = ["hicache_layout.cuh", "hicache.cuh", "hicache_copy.cuh", "hicache_staged.cuh"]
+# Each module's files, every header it includes among them, so that an edit of any changes the
+# module's cache key (load_jit hashes the files it is given).
+_KERNEL_FILES = ("hicache_layout.cuh", "hicache.cuh")
+_COPY_FILES = ("hicache_layout.cuh", "hicache_copy_list.cuh", "hicache_copy.cuh")
+_STAGED_FILES = (*_COPY_FILES, "hicache_staged.cuh")
+_MODULE_FILES = (_KERNEL_FILES, _COPY_FILES, _STAGED_FILES)
 _ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
 
 
@@ -135,7 +141,7 @@ def _kernel_module(element_size: int, unroll: int) -> _Entries:
     """The kernel for rows of element_size bytes; both checked by the caller."""
     args = make_cpp_args(element_size, unroll)
     entry = f"jitk::hicache::HiCache<{args}>"
-    module = load_jit("hicache", *args, cuda_files=_CUDA_FILES[:2],
+    module = load_jit("hicache", *args, cuda_files=list(_KERNEL_FILES),
                       cuda_wrappers=[(name, f"{entry}::{name}") for name in _ENTRY_POINTS])
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return _Entries(*(getattr(module, name) for name in _ENTRY_POINTS))
@@ -146,7 +152,7 @@ def _copy_module():
     """The copy-engine entry points: one module for every element size."""
     names = (*_ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
              "pointer_device")
-    return load_jit("hicache_copy", cuda_files=[_CUDA_FILES[0], _CUDA_FILES[2]],
+    return load_jit("hicache_copy", cuda_files=list(_COPY_FILES),
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
 
@@ -154,7 +160,7 @@ def _copy_module():
 @functools.cache
 def _staged_module():
     """The staged write-back (a gather kernel and the copy engines): every element size."""
-    return load_jit("hicache_staged", cuda_files=[_CUDA_FILES[0], *_CUDA_FILES[2:]],
+    return load_jit("hicache_staged", cuda_files=list(_STAGED_FILES),
                     cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
                                    for name in ("lf_pf", "lf_pf_mla")])
 

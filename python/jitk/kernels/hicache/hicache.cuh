@@ -35,7 +35,7 @@ template <int kUnroll>
 inline constexpr int kThreads = min_of(1024, 4096 / kUnroll);
 
 // Blocks (one SM each) a transfer that crosses PCIe takes unless told otherwise: the fewest
-// that reach 95% of the bandwidth the whole GPU gets (measured on an H100, see the README).
+// that reach nearly the bandwidth the whole GPU gets (measured on an H100, see the README).
 // More buy no bandwidth, and each one is an SM taken from compute running beside.
 inline constexpr int64_t kDefaultBlockQuota = 6;
 

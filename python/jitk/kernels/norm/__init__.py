@@ -87,13 +87,10 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 # jitk::norm::Tuning's knobs, in its template order, and the values a tuning file may name.
 # Left out of the search: the vector width (16 bytes, SGLang's too, is the widest an H100
 # loads). Block 0's weight prefetch pays in short launches where each layer's weight is cold,
-# as in a model, and a tuning loop over one weight never shows it (H100, 16x4096 fp16 in place
-# after a GEMM, a weight a call and L2 flushed: 0.982 of SGLang with it, 1.019 without; tuned
-# up to 256 rows, the buckets below 256 that dropped it lost 2.6-6.3% in chains of cold
-# weights), so it is tried off only at 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off
-# only beside a GEMM (_BESIDE_KNOBS): after itself it always pays (H100, fused 1x4096 bf16 in
-# 10-call graphs: 0.78 of SGLang with it, 1.03 without), while after a GEMM it cost up to 4%
-# at 1-256 rows, and `tune --beside` turned it off in 150 of 180 buckets.
+# as in a model, and a tuning loop over one weight never shows it, so it is tried off only at
+# 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off only beside a GEMM (_BESIDE_KNOBS): after
+# itself it always pays, after a GEMM it can cost short launches. The runs behind each choice
+# here: docs/developer_guide/verifying_and_tuning.md, "Measured: RMSNorm on an H100".
 _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (True, False),
           "max_vec_bytes": (16,), "register_cap": (True, False),
           "broadcast_sum": (False, True), "pin_offsets": (False, True),
@@ -104,29 +101,18 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
 # two 16-byte vectors each; the next kernel let launch only at the end); the short critical
 # path (offsets before the wait, the row before the weight, the block sum read from shared
-# memory), with four partial sums or the late launch; one_turn (no row loop: 2-3% faster up
-# to 256 rows, up to 10% slower at 1024, where ptxas then issues the weight's loads after the
-# sum of squares); and fill_sm, registers capped so that an SM holds as many blocks as a
-# thread's registers allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's
-# 384: three, not two). Up to _SHORT_LAUNCH_ROWS rows a launch is a few microseconds of
-# latency; past it, a wave or more of blocks, where the short path with the loop, fill_sm's
-# occupancy and the late launch (no early-launched block of the next kernel holds an SM's
-# room while this one has blocks to place) pay. H100 sweeps, in bench_rmsnorm_peers.py's
-# timing: at 1024 rows, up to 7% ahead of the earlier choices (1024x12288 bf16 in place 10.62
-# us against SGLang's 10.91, where those trailed at 11.40); the late launch on the short path
-# 1x8192 fp16 1.44 us (SGLang 1.55), 1024x5120 fp16 in place 4.45 (4.66). Then products of
-# the knobs at the shapes still slower than SGLang as single calls (81 a shape at 256 rows,
-# 64 at 1024) found choices level with it or ahead in both modes, where the earlier ones' best
-# trailed by 2-5% as single calls; each was added: at 256 rows, 4 registers with the row first
-# and the late launch (4096 fp16: 0.977 of SGLang under graph replay, 0.976 single), SGLang's
-# strategy on the short path (4096 bf16 in place: 0.968, 0.981), and 8 registers on the short
-# path with fill_sm (7168 fp16: 0.996, 0.990); at 1024, 8 registers with the loop and fill_sm
-# (7168 fp16: 0.980, 1.008, where the earlier best read 1.045 single). Last, past 256 rows,
-# two_vectors, a kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), at the
-# widths it fits: 1024x7168 fp16 single calls 1.008 of SGLang in two processes, where the
-# choice above read 1.029 and 1.035. A set is 10 to 14 of a width's 19 choices (with
-# _TRIED_AT_SHORT_LIMIT), which share a module (_candidate_kernels), so that tuning the
-# benchmark's shapes stays within a minute.
+# memory), with four partial sums or the late launch; one_turn (no row loop: it pays in short
+# launches and loses at 1024 rows, where ptxas then issues the weight's loads after the sum of
+# squares); and fill_sm, registers capped so that an SM holds as many blocks as a thread's
+# registers allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's 384: three,
+# not two). Up to _SHORT_LAUNCH_ROWS rows a launch is latency; past it, a wave or more of
+# blocks, where the short path with the loop, fill_sm's occupancy and the late launch (no
+# early-launched block of the next kernel holds an SM's room while this one has blocks to
+# place) pay. Each combination below was added because a sweep of the knobs' products found it
+# level with SGLang or ahead at a shape where the earlier choices trailed; two_vectors is a
+# kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), tried past 256 rows at
+# the widths it fits. A set is 10 to 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT),
+# which share a module (_candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -147,14 +133,9 @@ _TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM
                {"row_registers": 8, **_FILL_SM}, _TWO_VECTORS)
 _SHORT_LAUNCH_ROWS = 256
 # At 256 rows, the largest short launch bucket, block 0's weight prefetch can cost single
-# calls more than it saves: at 256x12288 fp16 in place, the best of 32 products of the
-# prefetch and the short path's knobs around the tuned choice (SGLang's strategy with
-# fill_sm) read 0.988 of SGLang as single calls and 0.973 under graph replay, where the tuned
-# choice read 1.022 and 0.985; the four best single calls left the prefetch out, and without
-# it the tuned choice read 0.98 of SGLang with cold weights, against 1.00 with it (H100). So
-# one choice there leaves it out. Tried past 256 rows as well, it won a few long launches in
-# the tuner by under 1%, which the benchmark did not repeat, and lengthened tuning (57 s,
-# against 54 s without).
+# calls more than it saves (the best products of the prefetch and the short path's knobs there
+# left it out), so one choice there leaves it out. Past 256 rows it won only within the
+# benchmark's noise and lengthened tuning, so it is not tried there.
 _TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets": True,
                           "prefetch_weight": False},)
 
@@ -282,8 +263,7 @@ def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: flo
 
 def _bucket(function: str, input: torch.Tensor, in_place: bool = False) -> tuple:
     """(hidden, dtype, rows rounded up to a power of two), then "in place" for rmsnorm
-    writing its input: writing the lines it reads favours other choices (H100: 1024x12288
-    runs in 11.9 us in place, 18.0 out of place)."""
+    writing its input: writing the lines it reads favours other choices."""
     try:
         hidden = input.shape[-1]
     except IndexError:

@@ -77,8 +77,8 @@ struct Tuning {
 };
 
 // From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
-// vector (a warp's loads cover whole lines); longer: four vectors a thread (5% ahead of two at
-// 8192). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
+// vector (a warp's loads cover whole lines); longer: four vectors a thread (ahead of two at
+// 8192). The prefetch pays when the weight is out of L2 (each layer has its own).
 // jitk.norm overrides these per shape where `python -m jitk tune` found better.
 template <int kHidden, typename T>
 using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
@@ -345,8 +345,8 @@ constexpr int register_plan(bool fused_add, int row_registers) {
   return (fused_add ? 3 : 2) * row_registers + 16;
 }
 // 8 blocks an SM (the register cap that sets) where that leaves a thread its plan at
-// kMaxRowRegisters, so 1056 rows fill a wave of an H100: 1024 x 4096 / 5120 in L2 in 3.85 /
-// 4.69 us, not 4.25 / 4.90 uncapped.
+// kMaxRowRegisters, so 1056 rows fill a wave of an H100 and 1024 rows of 4096 or 5120 in L2
+// take one wave, not two as uncapped.
 template <typename Tiling, bool kFusedAdd>
 inline constexpr int kMinBlocks =
     8 * Tiling::kBlockThreads * register_plan(kFusedAdd, kMaxRowRegisters) <= 65536 ? 8 : 1;
@@ -356,7 +356,7 @@ inline constexpr int kMinBlocks =
 // held one; jitk's 384 threads there hold three. Offsets pinned before the wait plan 8 more
 // (16 with the row loop), and the fused form's row loop 8: held to the plan without them,
 // such bodies spilled 8-164 bytes (sm_90, 4096-12288). No more: 16 for the single turn too
-// would cost the short path a block an SM at 12288 (1024 rows in place 11.04 us, not 10.48).
+// would cost the short path a block an SM at 12288, and time at 1024 rows in place.
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
   constexpr int kPlan =
@@ -444,10 +444,10 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, T
 // kTwoVectors: a block a row, each thread two 16-byte vectors of it half a row apart (SGLang's
 // layout for 16-bit rows of a multiple of 512). Warp 0 adds the warps' sums and works out 1/rms
 // once, and a second barrier hands it out: every warp adding the sums itself after one barrier
-// cost SGLang's kernel 3-10% at 1024 rows. At 7168 fp16, with the next kernel let launch at
+// cost SGLang's kernel time at 1024 rows. At 7168 fp16, with the next kernel let launch at
 // the start, ptxas issues the row's two loads and then the weight's, all before the sum of
-// squares (with the late trigger, the weight's first); H100, 1024 rows as single calls: 1.008
-// of SGLang in two processes, where the tuner's earlier choice read 1.029 and 1.035. Where a
+// squares (with the late trigger, the weight's first), which put 1024 rows as single calls
+// level with SGLang where the tuner's earlier choice trailed (verifying_and_tuning.md). Where a
 // row is a multiple of 1024 bytes up to 32 KiB (kFits), for plain rows of whole vectors.
 template <int kHidden, typename T>
 struct TwoVectors : Access<T, 16 / static_cast<int>(sizeof(T))> {
@@ -640,7 +640,7 @@ struct RMSNorm {
   template <typename Tiles, typename Tuned, bool kFusedAdd, bool kPlain>
   static void launch_kernel(const Params& p, DLDevice device) {
     // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
-    // every row. (A grid of what the GPU holds at once measured 3-7% slower.)
+    // every row. (A grid of what the GPU holds at once measured slower.)
     const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)

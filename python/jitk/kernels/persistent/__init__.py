@@ -41,10 +41,9 @@ abort, and raises TimeoutError if it is still running; every wait has a timeout.
 What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
 threads each, mostly waiting) for as long as it runs, so a kernel that fills the GPU gets
 that many fewer SMs, and on the whole GPU any resident kernel slows a GPU-filling kernel
-beside it (a bf16 8192^3 GEMM on an H100: 7% beside one spinning thread, 8-10% beside a worker
-of 1 block, 13-17% beside a worker of 8). Started on `jitk.split_sms(8).own`, with the other
-kernels on `.rest`, the worker costs that GEMM nothing measurable (+0.3%); the GEMM then pays
-only for the SMs it lost (15% for this shape: docs/developer_guide/persistent_kernels.md). A
+beside it, more the more blocks the worker has. Started on `jitk.split_sms(8).own`, with the
+other kernels on `.rest`, the worker costs such a kernel nothing measurable; the kernel then
+pays only for the SMs it lost (figures: docs/developer_guide/persistent_kernels.md). A
 worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy module
 loading (the default) loads a kernel at its first launch, and CUDA warns that this loading may
 wait for the GPU's running work, which a resident worker never finishes (jitk.kernels.wait_value's
@@ -71,12 +70,12 @@ from jitk.runtime.streams import cuda_device
 __all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
            "WorkerError"]
 
-# persistent.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
+# persistent_host.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
 ITEM_WORDS, ARG_WORDS = 16, 12
 LAYOUT = (ITEM_WORDS * 8, 0, 8, 16, 24, ARG_WORDS * 8, 256)
 _OP_WORD, _AFTER_WORD, _ARGS_WORD = 1, 2, 3
 _STATE_HEADER_WORDS = 16
-# HostWord and Stop of persistent.cuh.
+# HostWord and Stop of persistent_queue.cuh.
 _STOP, _ERROR, _ERROR_TICKET, _ERROR_DETAIL, _HOST_WORDS = 0, 1, 2, 3, 8
 _DRAIN, _ABORT = 1, 2
 _ERRORS = {
@@ -92,7 +91,7 @@ _ERRORS = {
 _INT64 = (-(2**63), 2**63 - 1)
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
-_SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin 50 slices of 20 us, then sleep
+_SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin this many slices, then sleep
 
 
 class WorkerError(JitkError, RuntimeError):
@@ -137,7 +136,7 @@ class Op:
 
 
 _BF16 = torch.bfloat16
-# The ops of jitk/csrc/persistent_chain.cuh (rows of n bf16 elements).
+# The ops of jitk/kernels/persistent/persistent_chain.cuh (rows of n bf16 elements).
 CHAIN_OPS = (
     Op("rmsnorm", "jitk::persistent::chain::RMSNorm",
        (TensorArg("x", _BF16, ("n",)), TensorArg("w", _BF16, ("n",)),
@@ -395,8 +394,8 @@ class Worker:
         deadline = time.monotonic() + timeout
         counter, error = self._done_address + 8 * slot, self._host_words_address + 8 * _ERROR
         spins = 0
-        # Spins in C++ (which sees the counter change within about 0.1 us; a Python loop of
-        # loads took about 1 us a look) in bounded slices, then sleeps between looks.
+        # Spins in C++ (which sees the counter change an order of magnitude sooner than a
+        # Python loop of loads) in bounded slices, then sleeps between looks.
         while (state := self._kernels.poll_done(counter, ticket, error, _SPIN_NS)) == 0:
             spins += 1
             if self._has_ended():

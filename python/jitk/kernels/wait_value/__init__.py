@@ -34,21 +34,19 @@ changes. So once a wait passes on the value written,
 The barrier has no narrower scope to offer, even where every waiter is on the writer's GPU:
 the driver's v2 API (CUDA 12+) refuses a write without it (CU_STREAM_WRITE_VALUE_NO_MEMORY_
 BARRIER: CUDA_ERROR_INVALID_VALUE), and a GPU-scope barrier batched before the write adds to
-it (wake-up 6.4 us against 5.9 us, H100).
+it rather than replacing it.
 `Event.set` is a release store: what the setting host thread wrote before (to pinned memory)
 is visible to the work after the waits it releases. Stores that other devices (an RDMA NIC)
 put into a GPU's memory are ordered for the waiter by CU_STREAM_WAIT_VALUE_FLUSH, which the
 wait adds where the GPU offers it (CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES; the H100s
 measured do not, so there such stores need the device's own ordering).
 
-Speed, measured on an H100 (driver 580, torch 2.11). Wake-up, from the end of the writer's
-kernel to the end of a one-element kernel behind the wait on another stream: 5.9-6.0 us,
-against 3.7-3.9 us for torch.cuda.Event record/wait and 6.9-7.0 us for the spin kernel. A
-flag stored by a kernel rather than by stream_write_value wakes a waiting stream later (11.6
-us): the front end notices a store from an SM only when it reads the flag again. In a CUDA
-graph, a chain of released waits took 1.23-1.88 us a wait from run to run (a one-element
-kernel 1.21-1.24 us, the spin kernel 1.14-1.17 us); behind a kernel a wait adds 2.2 us, the
-spin kernel 1.1 us: the front end lets the kernel finish before it reads the flag.
+Speed. A wake-up through a stream memory operation is a little slower than a
+torch.cuda.Event record/wait and faster than the spin kernel. A flag stored by a kernel rather
+than by stream_write_value wakes a waiting stream later: the front end notices a store from an
+SM only when it reads the flag again. Behind a kernel, the front end lets the kernel finish
+before it reads the flag. Figures: docs/developer_guide/debugging_and_performance.md,
+"Stream wait / write value".
 
 A flag holds a value, it does not count: a wait passes once it *reads* a value that passes.
 So a wait enqueued after the flag got its value passes at once (the value stays until
@@ -64,9 +62,9 @@ the order that never depends on it.
 Enqueue the writer before the waiter, or run the writer's kernels once first. CUDA loads a
 kernel's code at its first launch (lazy loading, its default), and that loading waits for
 the work already on the GPU: a pending wait included, so a write enqueued behind such a
-launch never comes. Measured on an H100 (driver 580, torch 2.11) in fresh processes, the
-waiter enqueued first, then a producer stream's first _sleep, fill_ and write; the same on
-stream memory operations and on the spin kernel:
+launch never comes. Tried on an H100 (driver 580, torch 2.11) in fresh processes, the waiter
+enqueued first, then a producer stream's first _sleep, fill_ and write; the same on stream
+memory operations and on the spin kernel:
 - lazy loading (the default): the host thread blocks in the first launch of a kernel whose
   module is not loaded yet; it hung in every run. CUDA_MODULE_DATA_LOADING=EAGER, NVIDIA's
   advice for this pattern, changed nothing (also when set in the process before CUDA starts),
@@ -77,8 +75,8 @@ stream memory operations and on the spin kernel:
   the spin kernel). There the first kernel launch of the process readies all the code, so
   jitk's first memory operation on a device launches an empty kernel before its wait can be
   pending (without it, memory operations hung: 0 of 1, no work of the process ran). EAGER
-  costs every process start-up time and GPU memory (CUDA start-up 4.2 s against 0.2 s, first
-  matmul 3.4 s against 0.3 s, +1 GiB after it), so jitk does not set it.
+  costs every process start-up time and GPU memory (docs/developer_guide/
+  debugging_and_performance.md), so jitk does not set it.
 Writer first, then the waiter with a kernel of its own that loads behind the wait, was
 released in every run (20 of 20), and once the writer's kernels had run in the process,
 waiter-first worked in every test.

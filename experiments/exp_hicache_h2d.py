@@ -15,11 +15,9 @@ import functools
 import itertools
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 from jitk import load_jit

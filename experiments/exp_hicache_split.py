@@ -13,11 +13,8 @@ and 16 tokens of 1 KiB (K and V), 4096 tokens a layer.
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 from bench_hicache import (  # noqa: E402

@@ -24,13 +24,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH_DIR)
-sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 import torch  # noqa: E402
 from bench_persistent import (  # noqa: E402
@@ -119,7 +116,7 @@ def stamped(steps: int) -> list[dict]:
     x = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     bufs = [torch.empty_like(x) for _ in range(2)]
-    worker = Worker("exp", ["persistent_chain.cuh", os.path.join(BENCH_DIR,
+    worker = Worker("exp", ["persistent_chain.cuh", os.path.join(HERE,
                                                                   "exp_persistent_ops.cuh")],
                     (*CHAIN_OPS, STAMP, PASS), capacity=1024)
     out = torch.zeros(2 * 200, dtype=torch.int64, device="cuda")
@@ -328,7 +325,7 @@ def graph_vs_worker_clocks(steps: int, rounds: int) -> list[dict]:
         sm_ids(16, side)
         return 0.0
 
-    probes = load_jit("persistent_exp_probe", cuda_files=[os.path.join(BENCH_DIR,
+    probes = load_jit("persistent_exp_probe", cuda_files=[os.path.join(HERE,
                                                                       "exp_lasting.cuh")],
                       cuda_wrappers=[("probe", "persistent_exp::probe")])
     host_word = torch.zeros(16, dtype=torch.int64, pin_memory=True)

@@ -26,12 +26,10 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 import bench_hicache as bench  # noqa: E402
 import common  # noqa: E402
 
