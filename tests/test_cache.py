@@ -369,9 +369,11 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
 
 def recorded_entry(cache_dir: Path, name: str, archs: list[str], days: float) -> Path:
     """An entry as list_entries and prune see it (its record), without a build."""
-    entry = cache_dir / f"{name}_{'_'.join(archs)}_{days}".replace(".", "")
+    key = f"{abs(hash((name, tuple(archs), days))):016x}"[:16]
+    entry = cache_dir / f"{name}_{key}_sm{'-'.join(a.replace('.', '') for a in archs)}"
     entry.mkdir(parents=True)
-    cache.write_meta(entry, {"module": name, "archs": archs,
+    cache.write_meta(entry, {"module": name, "key": key, "library": f"{name}.so",
+                             "sha256": "0" * 64, "archs": archs, "headers": {},
                              "built_at": time.time() - 86400 * days})
     return entry
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jitk.base import settings
+from jitk.base.errors import JitkError, SettingError
 from jitk.build import trust
 from jitk.build.lock import SUFFIX as LOCK_SUFFIX
-from jitk.build.lock import JitLockError, lock_folder, lock_path, release, try_lock
+from jitk.build.lock import JitLockError, entry_name, lock_folder, lock_path, release, try_lock
 
 logger = logging.getLogger("jitk")
 
@@ -56,15 +57,52 @@ PACKAGE_MARK = "<jitk>"
 # A private copy made on another host is left alone this long: its builder may still be
 # copying it (seconds); after that it is a leftover of a killed one.
 FOREIGN_COPY_SECONDS = 3600
+# An entry's folder name as jitk/build/jit.py writes it: the module name, the build key's
+# first 16 digits, then for a CUDA build the architectures' tag (toolchain.archs_tag).
+_ENTRY_TAIL = r"_[0-9a-f]{16}(?:_sm\d+[a-z]?(?:-\d+[a-z]?)*)?"
+_ENTRY_NAME = re.compile(r"(?P<module>[A-Za-z0-9_]+)" + _ENTRY_TAIL)
+# The fields (and their types) of the record jitk writes last into every entry.
+_RECORD_FIELDS = {"format": (int,), "module": (str,), "key": (str,), "library": (str,),
+                  "sha256": (str,), "archs": (list,), "built_at": (int, float),
+                  "headers": (dict,)}
+
+
+class CacheWriteError(JitkError, OSError):
+    """A finished build could not be copied into the cache (a full disk, a lost mount)."""
+
+
+def is_entry_name(name: str) -> bool:
+    """Whether `name` is one jitk gives an entry's folder."""
+    return _ENTRY_NAME.fullmatch(name) is not None
+
+
+def record_problem(folder: Path, meta: dict) -> str | None:
+    """Why `meta` is not a record jitk wrote for `folder`, or None when it is one."""
+    for field, kinds in _RECORD_FIELDS.items():
+        value = meta.get(field)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            expected = " or ".join(kind.__name__ for kind in kinds)
+            return f"its {META_FILE} field {field!r} is {value!r:.40}, expected {expected}"
+    if not all(isinstance(arch, str) for arch in meta["archs"]):
+        return f"its {META_FILE} field 'archs' is {meta['archs']!r:.40}, expected strings"
+    module = meta["module"]
+    if not (folder.name.startswith(module)
+            and re.fullmatch(_ENTRY_TAIL, folder.name[len(module):])):
+        return f"its {META_FILE} names module {module!r:.40}, not the folder's"
+    return None
 
 
 def cache_root() -> Path:
     """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
-    root = Path(settings.get(CACHE_ENV)).expanduser()
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"{CACHE_ENV}={str(root)!r} is a file; it must name a folder (jitk "
-                         "makes it if it is missing)")
-    return root
+    return _folder_setting(CACHE_ENV, settings.get(CACHE_ENV))
+
+
+def _folder_setting(variable: str, value: str) -> Path:
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise SettingError(f"{variable}={str(folder)!r} is a file; it must name a folder "
+                           "(jitk makes it if it is missing)")
+    return folder
 
 
 def portable(path: Path | str) -> str:
@@ -205,13 +243,19 @@ def _private_name(entry: Path) -> str:
     return f"{entry.name}.{_host()}-{os.getpid()}-{time.monotonic_ns()}"
 
 
-_PRIVATE_NAME = re.compile(r"^[^.]+\.(?P<host>.+)-(?P<pid>\d+)-\d+$")
+_PRIVATE_NAME = re.compile(r"(?P<entry>[^.]+)\.(?P<host>.+)-(?P<pid>\d+)-\d+")
+
+
+def _is_private_name(name: str) -> bool:
+    """Whether `name` is one _private_name gives a copy of an entry."""
+    found = _PRIVATE_NAME.fullmatch(name)
+    return found is not None and is_entry_name(found["entry"])
 
 
 def _abandoned(private: Path) -> bool:
     """Whether a private copy's builder is gone: on this host, its process has ended;
     elsewhere (or from an older jitk), the copy is older than any publication takes."""
-    owner = _PRIVATE_NAME.match(private.name)
+    owner = _PRIVATE_NAME.fullmatch(private.name)
     if owner and owner["host"] == _host():
         try:
             os.kill(int(owner["pid"]), 0)
@@ -225,7 +269,7 @@ def _abandoned(private: Path) -> bool:
 
 def staging_root() -> Path:
     """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
-    return Path(settings.get(STAGING_ENV) or tempfile.gettempdir()).expanduser()
+    return _folder_setting(STAGING_ENV, settings.get(STAGING_ENV) or tempfile.gettempdir())
 
 
 def _staging_prefix(entry: Path) -> str:
@@ -259,15 +303,26 @@ def _copies_folder(entry: Path, in_place: bool) -> Path:
 
 def copy_in(staging: Path, entry: Path, in_place: bool = False) -> Path:
     """A private copy of the finished build in `staging`, on the entry's file system (the
-    build folder holds files only), its record written last."""
+    build folder holds files only), its record written last. A copy that fails (a full disk)
+    is removed and raises CacheWriteError."""
     private = _copies_folder(entry, in_place) / _private_name(entry)
-    make_folder(private.parent)
-    private.mkdir(mode=trust.folder_mode())
-    for source in sorted((p for p in staging.iterdir() if p.is_file()),
-                         key=lambda p: p.name == META_FILE):
-        target = private / source.name
-        shutil.copyfile(source, target)
-        target.chmod(trust.file_mode(source.stat().st_mode))
+    try:
+        make_folder(private.parent)
+        private.mkdir(mode=trust.folder_mode())
+        for source in sorted((p for p in staging.iterdir() if p.is_file()),
+                             key=lambda p: p.name == META_FILE):
+            target = private / source.name
+            shutil.copyfile(source, target)
+            target.chmod(trust.file_mode(source.stat().st_mode))
+    except OSError as error:
+        shutil.rmtree(private, ignore_errors=True)
+        code = errno.errorcode.get(error.errno, "?")
+        failed = CacheWriteError(
+            f"could not copy the build of {entry.name} into {private.parent}: "
+            f"{error.strerror} (errno {error.errno}, {code}); nothing was published: free "
+            f"space there or set {CACHE_ENV}")
+        failed.errno = error.errno
+        raise failed from None
     return private
 
 
@@ -350,6 +405,7 @@ class CacheEntry:
     archs: tuple[str, ...]
     size_bytes: int
     age_seconds: float
+    problem: str | None = None  # why its record is damaged; load_jit rebuilds such an entry
 
 
 def folder_size(folder: Path) -> int:
@@ -362,27 +418,43 @@ def folder_size(folder: Path) -> int:
     return size
 
 
-def list_entries(root: Path | None = None) -> list[CacheEntry]:
-    """Every published entry under the cache, newest first."""
-    root = root or cache_root()
-    entries = []
-    for meta_path in root.glob(f"*/{META_FILE}") if root.is_dir() else ():
-        directory = meta_path.parent
-        meta = read_meta(directory)
-        if directory.name.startswith(".") or meta is None:
-            continue  # damaged: load_jit rebuilds such an entry
-        built_at = meta.get("built_at", time.time())
-        entries.append(CacheEntry(directory, meta.get("module", directory.name),
-                                  tuple(meta.get("archs", ())), folder_size(directory),
-                                  time.time() - built_at))
-    return sorted(entries, key=lambda e: e.age_seconds)
+def _entry(folder: Path) -> CacheEntry | None:
+    """The entry in `folder`, damaged or not, if jitk provably made it: its name is an
+    entry's and it holds a record (None: someone else's folder, or one going away)."""
+    named = _ENTRY_NAME.fullmatch(folder.name)
+    try:
+        if named is None or not (folder / META_FILE).is_file():
+            return None
+        meta = read_meta(folder)
+        problem = (f"its {META_FILE} cannot be read" if meta is None
+                   else record_problem(folder, meta))
+        built_at = folder.stat().st_mtime if problem else meta["built_at"]
+    except OSError:
+        return None
+    if problem:
+        return CacheEntry(folder, named["module"], (), folder_size(folder),
+                          time.time() - built_at, problem)
+    return CacheEntry(folder, meta["module"], tuple(meta["archs"]), folder_size(folder),
+                      time.time() - built_at)
 
 
-def _published_folders(root: Path) -> list[Path]:
-    """Every entry folder, including damaged ones and those of an older jitk."""
+def _top_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def list_entries(root: Path | None = None) -> list[CacheEntry]:
+    """Every published entry under the cache, newest first, the damaged ones (a record of
+    the wrong shape) included with their problem."""
+    entries = [e for folder in _top_folders(root or cache_root()) if (e := _entry(folder))]
+    return sorted(entries, key=lambda e: e.age_seconds)
+
+
+def foreign_folders(root: Path | None = None) -> list[Path]:
+    """The folders in the cache that jitk did not make (no entry's name, or no record):
+    nothing removes them."""
+    return [f for f in _top_folders(root or cache_root()) if _entry(f) is None]
 
 
 def _discard_all(folders: list[Path]) -> tuple[int, list[str]]:
@@ -402,12 +474,14 @@ def tidy(root: Path) -> list[str]:
     failures = []
     for private in staging_folders(root):
         try:
-            if _abandoned(private):
+            if _is_private_name(private.name) and _abandoned(private):
                 shutil.rmtree(private, ignore_errors=True)
         except FileNotFoundError:
             pass  # its builder published it
     locks = lock_folder(root)
     for path in sorted(locks.glob(f"*{LOCK_SUFFIX}")) if locks.is_dir() else ():
+        if not is_entry_name(entry_name(path) or ""):
+            continue  # not a lock jitk names: another program's
         try:
             fd = try_lock(path)
         except JitLockError as error:
@@ -420,15 +494,17 @@ def tidy(root: Path) -> list[str]:
                 release(fd)
     trash = root / TRASH_DIR
     for folder in sorted(trash.iterdir()) if trash.is_dir() else ():
-        shutil.rmtree(folder, ignore_errors=True)  # a concurrent clear may be deleting it too
+        if _is_private_name(folder.name):  # a concurrent clear may be deleting it too
+            shutil.rmtree(folder, ignore_errors=True)
     return failures
 
 
 def clear(root: Path | None = None) -> tuple[int, list[str]]:
-    """Removes every entry, and whatever no running build owns; builds in progress and held
-    locks are left alone. Returns how many entries went and what could not be removed."""
+    """Removes every entry (the damaged ones too), and whatever no running build owns;
+    builds in progress, held locks and what jitk did not make are left alone. Returns how
+    many entries went and what could not be removed."""
     root = root or cache_root()
-    removed, failures = _discard_all(_published_folders(root))
+    removed, failures = _discard_all([e.path for e in list_entries(root)])
     return removed, failures + (tidy(root) if root.is_dir() else [])
 
 
@@ -448,8 +524,9 @@ def select_for_pruning(entries: list[CacheEntry], older_than_days: float | None 
     wanted = None if targets is None else {tuple(sorted(t)) for t in targets}
     candidates = [e for e in entries if wanted is None or configuration(e)[1] in wanted]
     newest: dict[tuple[str, tuple[str, ...]], CacheEntry] = {}
-    for entry in entries:  # newest first
-        newest.setdefault(configuration(entry), entry)
+    for entry in entries:  # newest first; a damaged entry serves nobody
+        if entry.problem is None:
+            newest.setdefault(configuration(entry), entry)
     protected = set(newest.values()) if wanted is None else set()
     doomed: set[CacheEntry] = set()
     if older_than_days is not None:
