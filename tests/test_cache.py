@@ -419,7 +419,7 @@ PUBLISHING = textwrap.dedent("""\
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
     cache_dir = tmp_path / "cache"
     fill(cache_dir, kernel, ["twice"])
-    building = cache_dir / "building_0123"
+    building = cache_dir / "building_0123456789abcdef"  # an entry name: jitk made it
     holder = subprocess.Popen([sys.executable, "-c", PUBLISHING, str(building)],
                               stdout=subprocess.PIPE, text=True,
                               env=child_env(cache_dir, JITK_STAGING_DIR=str(tmp_path)))

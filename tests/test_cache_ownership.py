@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jitk.base.errors import JitkError, SettingError
-from jitk.build import cache
+from jitk.build import cache, names
 
 DAY = 86400
 
@@ -113,7 +113,7 @@ def test_private_copies_and_trash_go_only_by_jitk_names(tmp_path):
     for folder in (dead, trashed, *strangers):
         folder.mkdir(parents=True)
         (folder / "file").write_text("x")
-    old = time.time() - 2 * cache.FOREIGN_COPY_SECONDS
+    old = time.time() - 2 * names.FOREIGN_COPY_SECONDS
     os.utime(dead, (old, old))
     os.utime(strangers[0], (old, old))
     assert cache.clear(cache_dir) == (0, [])

@@ -5,9 +5,11 @@
     <root>/.staging/<entry>.<owner>   a finished build being published, private to its builder
     <root>/.trash/<entry>.<owner>     an entry on its way out
 
-(<owner> is "<host>-<pid>-<n>".) A build runs in a folder on its own host ($JITK_STAGING_DIR,
-default the temporary folder), is copied into a private folder on the cache's file system,
-loaded from there and becomes the entry in one rename, with jitk-meta.json written last:
+(<owner> is "<host>-<pid>-<n>"; jitk/build/names.py: clear and prune remove only what these
+names and an entry's record prove jitk made.) A build runs in a folder on its own host
+($JITK_STAGING_DIR, default the temporary folder), is copied into a private folder on the
+cache's file system, loaded from there and becomes the entry in one rename, with
+jitk-meta.json written last:
 rename within one file system is atomic on a local and a network file system alike, so a
 reader finds a whole entry or none. A build that finds an entry already published (another
 host built it meanwhile) discards its copy. Reading takes no lock and writes nothing: the
@@ -29,7 +31,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,12 +41,20 @@ from jitk.base.errors import JitkError, SettingError
 from jitk.build import trust
 from jitk.build.lock import SUFFIX as LOCK_SUFFIX
 from jitk.build.lock import JitLockError, entry_name, lock_folder, lock_path, release, try_lock
+from jitk.build.names import (
+    ENTRY_NAME,
+    META_FILE,
+    abandoned,
+    is_entry_name,
+    is_private_name,
+    private_name,
+    record_problem,
+)
 
 logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
 STAGING_ENV = "JITK_STAGING_DIR"
-META_FILE = "jitk-meta.json"
 FORMAT = 2  # of an entry; part of every cache key
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
@@ -54,42 +63,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jitk/, the package
 # Stands for PACKAGE_DIR in keys and recorded paths, so that a cache filled by one
 # installation of jitk is hit by another one of the same version elsewhere.
 PACKAGE_MARK = "<jitk>"
-# A private copy made on another host is left alone this long: its builder may still be
-# copying it (seconds); after that it is a leftover of a killed one.
-FOREIGN_COPY_SECONDS = 3600
-# An entry's folder name as jitk/build/jit.py writes it: the module name, the build key's
-# first 16 digits, then for a CUDA build the architectures' tag (toolchain.archs_tag).
-_ENTRY_TAIL = r"_[0-9a-f]{16}(?:_sm\d+[a-z]?(?:-\d+[a-z]?)*)?"
-_ENTRY_NAME = re.compile(r"(?P<module>[A-Za-z0-9_]+)" + _ENTRY_TAIL)
-# The fields (and their types) of the record jitk writes last into every entry.
-_RECORD_FIELDS = {"format": (int,), "module": (str,), "key": (str,), "library": (str,),
-                  "sha256": (str,), "archs": (list,), "built_at": (int, float),
-                  "headers": (dict,)}
 
 
 class CacheWriteError(JitkError, OSError):
     """A finished build could not be copied into the cache (a full disk, a lost mount)."""
-
-
-def is_entry_name(name: str) -> bool:
-    """Whether `name` is one jitk gives an entry's folder."""
-    return _ENTRY_NAME.fullmatch(name) is not None
-
-
-def record_problem(folder: Path, meta: dict) -> str | None:
-    """Why `meta` is not a record jitk wrote for `folder`, or None when it is one."""
-    for field, kinds in _RECORD_FIELDS.items():
-        value = meta.get(field)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            expected = " or ".join(kind.__name__ for kind in kinds)
-            return f"its {META_FILE} field {field!r} is {value!r:.40}, expected {expected}"
-    if not all(isinstance(arch, str) for arch in meta["archs"]):
-        return f"its {META_FILE} field 'archs' is {meta['archs']!r:.40}, expected strings"
-    module = meta["module"]
-    if not (folder.name.startswith(module)
-            and re.fullmatch(_ENTRY_TAIL, folder.name[len(module):])):
-        return f"its {META_FILE} names module {module!r:.40}, not the folder's"
-    return None
 
 
 def cache_root() -> Path:
@@ -235,38 +212,6 @@ def make_folder(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
-
-
-def _private_name(entry: Path) -> str:
-    return f"{entry.name}.{_host()}-{os.getpid()}-{time.monotonic_ns()}"
-
-
-_PRIVATE_NAME = re.compile(r"(?P<entry>[^.]+)\.(?P<host>.+)-(?P<pid>\d+)-\d+")
-
-
-def _is_private_name(name: str) -> bool:
-    """Whether `name` is one _private_name gives a copy of an entry."""
-    found = _PRIVATE_NAME.fullmatch(name)
-    return found is not None and is_entry_name(found["entry"])
-
-
-def _abandoned(private: Path) -> bool:
-    """Whether a private copy's builder is gone: on this host, its process has ended;
-    elsewhere (or from an older jitk), the copy is older than any publication takes."""
-    owner = _PRIVATE_NAME.fullmatch(private.name)
-    if owner and owner["host"] == _host():
-        try:
-            os.kill(int(owner["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # alive, another user's
-        return False
-    return time.time() - private.stat().st_mtime > FOREIGN_COPY_SECONDS
-
-
 def staging_root() -> Path:
     """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
     return _folder_setting(STAGING_ENV, settings.get(STAGING_ENV) or tempfile.gettempdir())
@@ -305,7 +250,7 @@ def copy_in(staging: Path, entry: Path, in_place: bool = False) -> Path:
     """A private copy of the finished build in `staging`, on the entry's file system (the
     build folder holds files only), its record written last. A copy that fails (a full disk)
     is removed and raises CacheWriteError."""
-    private = _copies_folder(entry, in_place) / _private_name(entry)
+    private = _copies_folder(entry, in_place) / private_name(entry)
     try:
         make_folder(private.parent)
         private.mkdir(mode=trust.folder_mode())
@@ -334,7 +279,7 @@ def staging_folders(root: Path) -> list[Path]:
 def discard(entry: Path) -> bool:
     """Removes an entry: renamed into the trash (one step for readers), then deleted.
     Returns False when it was already gone."""
-    trash = entry.parent / TRASH_DIR / _private_name(entry)
+    trash = entry.parent / TRASH_DIR / private_name(entry)
     make_folder(trash.parent)
     try:
         entry.rename(trash)
@@ -421,7 +366,7 @@ def folder_size(folder: Path) -> int:
 def _entry(folder: Path) -> CacheEntry | None:
     """The entry in `folder`, damaged or not, if jitk provably made it: its name is an
     entry's and it holds a record (None: someone else's folder, or one going away)."""
-    named = _ENTRY_NAME.fullmatch(folder.name)
+    named = ENTRY_NAME.fullmatch(folder.name)
     try:
         if named is None or not (folder / META_FILE).is_file():
             return None
@@ -474,7 +419,7 @@ def tidy(root: Path) -> list[str]:
     failures = []
     for private in staging_folders(root):
         try:
-            if _is_private_name(private.name) and _abandoned(private):
+            if is_private_name(private.name) and abandoned(private):
                 shutil.rmtree(private, ignore_errors=True)
         except FileNotFoundError:
             pass  # its builder published it
@@ -494,7 +439,7 @@ def tidy(root: Path) -> list[str]:
                 release(fd)
     trash = root / TRASH_DIR
     for folder in sorted(trash.iterdir()) if trash.is_dir() else ():
-        if _is_private_name(folder.name):  # a concurrent clear may be deleting it too
+        if is_private_name(folder.name):  # a concurrent clear may be deleting it too
             shutil.rmtree(folder, ignore_errors=True)
     return failures
 
@@ -506,46 +451,6 @@ def clear(root: Path | None = None) -> tuple[int, list[str]]:
     root = root or cache_root()
     removed, failures = _discard_all([e.path for e in list_entries(root)])
     return removed, failures + (tidy(root) if root.is_dir() else [])
-
-
-def select_for_pruning(entries: list[CacheEntry], older_than_days: float | None = None,
-                       keep: int | None = None, max_bytes: int | None = None,
-                       targets: list[tuple[str, ...]] | None = None) -> list[CacheEntry]:
-    """The entries (newest first) that go: older than the age, beyond the newest `keep`
-    versions of their configuration, then the oldest of the rest until the cache fits in
-    `max_bytes`. A configuration is a module name (which holds the template arguments) built
-    for one set of architectures, so versions are counted per architecture. Without
-    `targets`, the newest version of each configuration always stays: a cache filled for
-    several GPUs keeps serving each of them. With `targets` (architecture sets, () for host
-    code), only entries built for one of them are selected, their last versions included."""
-    def configuration(entry: CacheEntry) -> tuple[str, tuple[str, ...]]:
-        return entry.module, tuple(sorted(entry.archs))
-
-    wanted = None if targets is None else {tuple(sorted(t)) for t in targets}
-    candidates = [e for e in entries if wanted is None or configuration(e)[1] in wanted]
-    newest: dict[tuple[str, tuple[str, ...]], CacheEntry] = {}
-    for entry in entries:  # newest first; a damaged entry serves nobody
-        if entry.problem is None:
-            newest.setdefault(configuration(entry), entry)
-    protected = set(newest.values()) if wanted is None else set()
-    doomed: set[CacheEntry] = set()
-    if older_than_days is not None:
-        doomed.update(e for e in candidates if e.age_seconds > older_than_days * 86400)
-    if keep is not None:
-        seen: dict[tuple[str, tuple[str, ...]], int] = {}
-        for entry in candidates:  # newest first
-            seen[configuration(entry)] = seen.get(configuration(entry), 0) + 1
-            if seen[configuration(entry)] > keep:
-                doomed.add(entry)
-    if max_bytes is not None:
-        total = sum(e.size_bytes for e in entries if e not in doomed)
-        for entry in reversed(candidates):  # oldest first
-            if total <= max_bytes:
-                break
-            if entry not in doomed and entry not in protected:
-                doomed.add(entry)
-                total -= entry.size_bytes
-    return [e for e in entries if e in doomed and e not in protected]
 
 
 def prune(doomed: list[CacheEntry], root: Path | None = None) -> tuple[int, list[str]]:

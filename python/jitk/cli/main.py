@@ -28,7 +28,7 @@ from pathlib import Path
 
 from jitk.base import NUMPY_WARNING
 from jitk.base.errors import PREFIX, JitkError
-from jitk.build import cache, clangd, toolchain
+from jitk.build import cache, clangd, pruning, toolchain
 from jitk.build.lock import JitLockError
 from jitk.tools import env, precompile
 
@@ -132,7 +132,7 @@ def prune_cache(args: argparse.Namespace) -> int:
     if args.older_than is None and args.keep is None and args.max_size is None:
         raise UsageError("cache prune needs --older-than, --keep or --max-size")
     entries = cache.list_entries()
-    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
+    doomed = pruning.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
                                       args.arch)
     left = sum(e.size_bytes for e in entries if e not in doomed)
     if doomed:
