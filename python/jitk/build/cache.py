@@ -9,14 +9,13 @@
 names and an entry's record prove jitk made.) A build runs in a folder on its own host
 ($JITK_STAGING_DIR, default the temporary folder), is copied into a private folder on the
 cache's file system, loaded from there and becomes the entry in one rename, with
-jitk-meta.json written last:
-rename within one file system is atomic on a local and a network file system alike, so a
-reader finds a whole entry or none. A build that finds an entry already published (another
-host built it meanwhile) discards its copy. Reading takes no lock and writes nothing: the
-entry is checked (who may have written it, the library against the digest taken when it was
-built, the builder's own headers against theirs) and its library loaded from the descriptor
-that was hashed. An entry is removed by renaming it into .trash first, so a reader never
-sees half of one.
+jitk-meta.json written last: rename within one file system is atomic on a local and a
+network file system alike, so a reader finds a whole entry or none. A build that finds an
+entry already published (another host built it meanwhile) discards its copy. Reading takes
+no lock and writes nothing: the entry is checked (who may have written it, the library
+against the digest taken when it was built, the builder's own headers against theirs) and
+its library loaded from the descriptor that was hashed. An entry is removed by renaming it
+into .trash first, so a reader never sees half of one.
 
 A build_directory given to load_jit is an entry of its own, jitk's only if jitk made it: its
 lock and private copies live in its .jitk folder, and a new build replaces its files, with
