@@ -4,6 +4,7 @@ Without a GPU, CUDA modules are still built (for sm_90, compile only) and loaded
 host-side check runs on CI; tests marked `gpu` are skipped with a reason."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -13,8 +14,20 @@ HAS_GPU = torch.cuda.is_available()
 
 if not HAS_GPU:
     os.environ.setdefault("JITK_CUDA_ARCH", "9.0")
-# One cache for the session, so each module is built once however many tests load it.
-os.environ.setdefault("JITK_CACHE_DIR", tempfile.mkdtemp(prefix="jitk-test-cache-"))
+# One cache for the session, so each module is built once however many tests load it, and
+# one folder for its builds (a failed one stays there for inspection). The session removes
+# the folders it made here, and only those.
+MADE = []
+for variable, prefix in (("JITK_CACHE_DIR", "jitk-test-cache-"),
+                         ("JITK_STAGING_DIR", "jitk-test-builds-")):
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        MADE.append(os.environ[variable])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for folder in MADE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

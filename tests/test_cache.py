@@ -369,9 +369,11 @@ def test_prune_by_age_count_and_size_with_dry_run(kernel, tmp_path):
 
 def recorded_entry(cache_dir: Path, name: str, archs: list[str], days: float) -> Path:
     """An entry as list_entries and prune see it (its record), without a build."""
-    entry = cache_dir / f"{name}_{'_'.join(archs)}_{days}".replace(".", "")
+    key = f"{abs(hash((name, tuple(archs), days))):016x}"[:16]
+    entry = cache_dir / f"{name}_{key}_sm{'-'.join(a.replace('.', '') for a in archs)}"
     entry.mkdir(parents=True)
-    cache.write_meta(entry, {"module": name, "archs": archs,
+    cache.write_meta(entry, {"module": name, "key": key, "library": f"{name}.so",
+                             "sha256": "0" * 64, "archs": archs, "headers": {},
                              "built_at": time.time() - 86400 * days})
     return entry
 
@@ -417,7 +419,7 @@ PUBLISHING = textwrap.dedent("""\
 def test_clear_leaves_a_running_build_alone(kernel, tmp_path):
     cache_dir = tmp_path / "cache"
     fill(cache_dir, kernel, ["twice"])
-    building = cache_dir / "building_0123"
+    building = cache_dir / "building_0123456789abcdef"  # an entry name: jitk made it
     holder = subprocess.Popen([sys.executable, "-c", PUBLISHING, str(building)],
                               stdout=subprocess.PIPE, text=True,
                               env=child_env(cache_dir, JITK_STAGING_DIR=str(tmp_path)))

@@ -250,14 +250,14 @@ HOST_LOADER = textwrap.dedent("""\
 PRUNER = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from jitk.build import cache
+    from jitk.build import cache, pruning
     root, stop = Path(sys.argv[1]), Path(sys.argv[2])
     removed, failures = 0, []
     (root.parent / "pruner-ready").touch()  # importing jitk (and torch) takes seconds
     while not stop.exists():
         entries = cache.list_entries(root)  # every architecture's last entry goes too
-        everything = cache.select_for_pruning(entries, older_than_days=0,
-                                              targets=[e.archs for e in entries])
+        everything = pruning.select_for_pruning(entries, older_than_days=0,
+                                                targets=[e.archs for e in entries])
         gone, failed = cache.prune(everything, root)
         removed, failures = removed + gone, failures + failed
         time.sleep(0.5)

@@ -263,7 +263,8 @@ def test_logging_page_shows_the_line_format_the_code_writes():
 
 
 def test_fib_page_example_and_quoted_error_hold():
-    pytest.importorskip("flashinfer_bench")
+    pytest.importorskip("flashinfer_bench",
+                        reason="flashinfer-bench is not installed: pip install -e '.[fib]'")
     import torch
 
     import jitk.fib  # the example's names

@@ -5,16 +5,17 @@
     <root>/.staging/<entry>.<owner>   a finished build being published, private to its builder
     <root>/.trash/<entry>.<owner>     an entry on its way out
 
-(<owner> is "<host>-<pid>-<n>".) A build runs in a folder on its own host ($JITK_STAGING_DIR,
-default the temporary folder), is copied into a private folder on the cache's file system,
-loaded from there and becomes the entry in one rename, with jitk-meta.json written last:
-rename within one file system is atomic on a local and a network file system alike, so a
-reader finds a whole entry or none. A build that finds an entry already published (another
-host built it meanwhile) discards its copy. Reading takes no lock and writes nothing: the
-entry is checked (who may have written it, the library against the digest taken when it was
-built, the builder's own headers against theirs) and its library loaded from the descriptor
-that was hashed. An entry is removed by renaming it into .trash first, so a reader never
-sees half of one.
+(<owner> is "<host>-<pid>-<n>"; jitk/build/names.py: clear and prune remove only what these
+names and an entry's record prove jitk made.) A build runs in a folder on its own host
+($JITK_STAGING_DIR, default the temporary folder), is copied into a private folder on the
+cache's file system, loaded from there and becomes the entry in one rename, with
+jitk-meta.json written last: rename within one file system is atomic on a local and a
+network file system alike, so a reader finds a whole entry or none. A build that finds an
+entry already published (another host built it meanwhile) discards its copy. Reading takes
+no lock and writes nothing: the entry is checked (who may have written it, the library
+against the digest taken when it was built, the builder's own headers against theirs) and
+its library loaded from the descriptor that was hashed. An entry is removed by renaming it
+into .trash first, so a reader never sees half of one.
 
 A build_directory given to load_jit is an entry of its own, jitk's only if jitk made it: its
 lock and private copies live in its .jitk folder, and a new build replaces its files, with
@@ -29,22 +30,30 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from jitk.base import settings
+from jitk.base.errors import JitkError, SettingError
 from jitk.build import trust
 from jitk.build.lock import SUFFIX as LOCK_SUFFIX
-from jitk.build.lock import JitLockError, lock_folder, lock_path, release, try_lock
+from jitk.build.lock import JitLockError, entry_name, lock_folder, lock_path, release, try_lock
+from jitk.build.names import (
+    ENTRY_NAME,
+    META_FILE,
+    abandoned,
+    is_entry_name,
+    is_private_name,
+    private_name,
+    record_problem,
+)
 
 logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
 STAGING_ENV = "JITK_STAGING_DIR"
-META_FILE = "jitk-meta.json"
 FORMAT = 2  # of an entry; part of every cache key
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
@@ -53,18 +62,23 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jitk/, the package
 # Stands for PACKAGE_DIR in keys and recorded paths, so that a cache filled by one
 # installation of jitk is hit by another one of the same version elsewhere.
 PACKAGE_MARK = "<jitk>"
-# A private copy made on another host is left alone this long: its builder may still be
-# copying it (seconds); after that it is a leftover of a killed one.
-FOREIGN_COPY_SECONDS = 3600
+
+
+class CacheWriteError(JitkError, OSError):
+    """A finished build could not be copied into the cache (a full disk, a lost mount)."""
 
 
 def cache_root() -> Path:
     """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
-    root = Path(settings.get(CACHE_ENV)).expanduser()
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"{CACHE_ENV}={str(root)!r} is a file; it must name a folder (jitk "
-                         "makes it if it is missing)")
-    return root
+    return _folder_setting(CACHE_ENV, settings.get(CACHE_ENV))
+
+
+def _folder_setting(variable: str, value: str) -> Path:
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise SettingError(f"{variable}={str(folder)!r} is a file; it must name a folder "
+                           "(jitk makes it if it is missing)")
+    return folder
 
 
 def portable(path: Path | str) -> str:
@@ -197,35 +211,9 @@ def make_folder(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
-
-
-def _private_name(entry: Path) -> str:
-    return f"{entry.name}.{_host()}-{os.getpid()}-{time.monotonic_ns()}"
-
-
-_PRIVATE_NAME = re.compile(r"^[^.]+\.(?P<host>.+)-(?P<pid>\d+)-\d+$")
-
-
-def _abandoned(private: Path) -> bool:
-    """Whether a private copy's builder is gone: on this host, its process has ended;
-    elsewhere (or from an older jitk), the copy is older than any publication takes."""
-    owner = _PRIVATE_NAME.match(private.name)
-    if owner and owner["host"] == _host():
-        try:
-            os.kill(int(owner["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # alive, another user's
-        return False
-    return time.time() - private.stat().st_mtime > FOREIGN_COPY_SECONDS
-
-
 def staging_root() -> Path:
     """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
-    return Path(settings.get(STAGING_ENV) or tempfile.gettempdir()).expanduser()
+    return _folder_setting(STAGING_ENV, settings.get(STAGING_ENV) or tempfile.gettempdir())
 
 
 def _staging_prefix(entry: Path) -> str:
@@ -259,15 +247,26 @@ def _copies_folder(entry: Path, in_place: bool) -> Path:
 
 def copy_in(staging: Path, entry: Path, in_place: bool = False) -> Path:
     """A private copy of the finished build in `staging`, on the entry's file system (the
-    build folder holds files only), its record written last."""
-    private = _copies_folder(entry, in_place) / _private_name(entry)
-    make_folder(private.parent)
-    private.mkdir(mode=trust.folder_mode())
-    for source in sorted((p for p in staging.iterdir() if p.is_file()),
-                         key=lambda p: p.name == META_FILE):
-        target = private / source.name
-        shutil.copyfile(source, target)
-        target.chmod(trust.file_mode(source.stat().st_mode))
+    build folder holds files only), its record written last. A copy that fails (a full disk)
+    is removed and raises CacheWriteError."""
+    private = _copies_folder(entry, in_place) / private_name(entry)
+    try:
+        make_folder(private.parent)
+        private.mkdir(mode=trust.folder_mode())
+        for source in sorted((p for p in staging.iterdir() if p.is_file()),
+                             key=lambda p: p.name == META_FILE):
+            target = private / source.name
+            shutil.copyfile(source, target)
+            target.chmod(trust.file_mode(source.stat().st_mode))
+    except OSError as error:
+        shutil.rmtree(private, ignore_errors=True)
+        code = errno.errorcode.get(error.errno, "?")
+        failed = CacheWriteError(
+            f"could not copy the build of {entry.name} into {private.parent}: "
+            f"{error.strerror} (errno {error.errno}, {code}); nothing was published: free "
+            f"space there or set {CACHE_ENV}")
+        failed.errno = error.errno
+        raise failed from None
     return private
 
 
@@ -279,7 +278,7 @@ def staging_folders(root: Path) -> list[Path]:
 def discard(entry: Path) -> bool:
     """Removes an entry: renamed into the trash (one step for readers), then deleted.
     Returns False when it was already gone."""
-    trash = entry.parent / TRASH_DIR / _private_name(entry)
+    trash = entry.parent / TRASH_DIR / private_name(entry)
     make_folder(trash.parent)
     try:
         entry.rename(trash)
@@ -350,6 +349,7 @@ class CacheEntry:
     archs: tuple[str, ...]
     size_bytes: int
     age_seconds: float
+    problem: str | None = None  # why its record is damaged; load_jit rebuilds such an entry
 
 
 def folder_size(folder: Path) -> int:
@@ -362,27 +362,43 @@ def folder_size(folder: Path) -> int:
     return size
 
 
-def list_entries(root: Path | None = None) -> list[CacheEntry]:
-    """Every published entry under the cache, newest first."""
-    root = root or cache_root()
-    entries = []
-    for meta_path in root.glob(f"*/{META_FILE}") if root.is_dir() else ():
-        directory = meta_path.parent
-        meta = read_meta(directory)
-        if directory.name.startswith(".") or meta is None:
-            continue  # damaged: load_jit rebuilds such an entry
-        built_at = meta.get("built_at", time.time())
-        entries.append(CacheEntry(directory, meta.get("module", directory.name),
-                                  tuple(meta.get("archs", ())), folder_size(directory),
-                                  time.time() - built_at))
-    return sorted(entries, key=lambda e: e.age_seconds)
+def _entry(folder: Path) -> CacheEntry | None:
+    """The entry in `folder`, damaged or not, if jitk provably made it: its name is an
+    entry's and it holds a record (None: someone else's folder, or one going away)."""
+    named = ENTRY_NAME.fullmatch(folder.name)
+    try:
+        if named is None or not (folder / META_FILE).is_file():
+            return None
+        meta = read_meta(folder)
+        problem = (f"its {META_FILE} cannot be read" if meta is None
+                   else record_problem(folder, meta))
+        built_at = folder.stat().st_mtime if problem else meta["built_at"]
+    except OSError:
+        return None
+    if problem:
+        return CacheEntry(folder, named["module"], (), folder_size(folder),
+                          time.time() - built_at, problem)
+    return CacheEntry(folder, meta["module"], tuple(meta["archs"]), folder_size(folder),
+                      time.time() - built_at)
 
 
-def _published_folders(root: Path) -> list[Path]:
-    """Every entry folder, including damaged ones and those of an older jitk."""
+def _top_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def list_entries(root: Path | None = None) -> list[CacheEntry]:
+    """Every published entry under the cache, newest first, the damaged ones (a record of
+    the wrong shape) included with their problem."""
+    entries = [e for folder in _top_folders(root or cache_root()) if (e := _entry(folder))]
+    return sorted(entries, key=lambda e: e.age_seconds)
+
+
+def foreign_folders(root: Path | None = None) -> list[Path]:
+    """The folders in the cache that jitk did not make (no entry's name, or no record):
+    nothing removes them."""
+    return [f for f in _top_folders(root or cache_root()) if _entry(f) is None]
 
 
 def _discard_all(folders: list[Path]) -> tuple[int, list[str]]:
@@ -402,12 +418,14 @@ def tidy(root: Path) -> list[str]:
     failures = []
     for private in staging_folders(root):
         try:
-            if _abandoned(private):
+            if is_private_name(private.name) and abandoned(private):
                 shutil.rmtree(private, ignore_errors=True)
         except FileNotFoundError:
             pass  # its builder published it
     locks = lock_folder(root)
     for path in sorted(locks.glob(f"*{LOCK_SUFFIX}")) if locks.is_dir() else ():
+        if not is_entry_name(entry_name(path) or ""):
+            continue  # not a lock jitk names: another program's
         try:
             fd = try_lock(path)
         except JitLockError as error:
@@ -420,55 +438,18 @@ def tidy(root: Path) -> list[str]:
                 release(fd)
     trash = root / TRASH_DIR
     for folder in sorted(trash.iterdir()) if trash.is_dir() else ():
-        shutil.rmtree(folder, ignore_errors=True)  # a concurrent clear may be deleting it too
+        if is_private_name(folder.name):  # a concurrent clear may be deleting it too
+            shutil.rmtree(folder, ignore_errors=True)
     return failures
 
 
 def clear(root: Path | None = None) -> tuple[int, list[str]]:
-    """Removes every entry, and whatever no running build owns; builds in progress and held
-    locks are left alone. Returns how many entries went and what could not be removed."""
+    """Removes every entry (the damaged ones too), and whatever no running build owns;
+    builds in progress, held locks and what jitk did not make are left alone. Returns how
+    many entries went and what could not be removed."""
     root = root or cache_root()
-    removed, failures = _discard_all(_published_folders(root))
+    removed, failures = _discard_all([e.path for e in list_entries(root)])
     return removed, failures + (tidy(root) if root.is_dir() else [])
-
-
-def select_for_pruning(entries: list[CacheEntry], older_than_days: float | None = None,
-                       keep: int | None = None, max_bytes: int | None = None,
-                       targets: list[tuple[str, ...]] | None = None) -> list[CacheEntry]:
-    """The entries (newest first) that go: older than the age, beyond the newest `keep`
-    versions of their configuration, then the oldest of the rest until the cache fits in
-    `max_bytes`. A configuration is a module name (which holds the template arguments) built
-    for one set of architectures, so versions are counted per architecture. Without
-    `targets`, the newest version of each configuration always stays: a cache filled for
-    several GPUs keeps serving each of them. With `targets` (architecture sets, () for host
-    code), only entries built for one of them are selected, their last versions included."""
-    def configuration(entry: CacheEntry) -> tuple[str, tuple[str, ...]]:
-        return entry.module, tuple(sorted(entry.archs))
-
-    wanted = None if targets is None else {tuple(sorted(t)) for t in targets}
-    candidates = [e for e in entries if wanted is None or configuration(e)[1] in wanted]
-    newest: dict[tuple[str, tuple[str, ...]], CacheEntry] = {}
-    for entry in entries:  # newest first
-        newest.setdefault(configuration(entry), entry)
-    protected = set(newest.values()) if wanted is None else set()
-    doomed: set[CacheEntry] = set()
-    if older_than_days is not None:
-        doomed.update(e for e in candidates if e.age_seconds > older_than_days * 86400)
-    if keep is not None:
-        seen: dict[tuple[str, tuple[str, ...]], int] = {}
-        for entry in candidates:  # newest first
-            seen[configuration(entry)] = seen.get(configuration(entry), 0) + 1
-            if seen[configuration(entry)] > keep:
-                doomed.add(entry)
-    if max_bytes is not None:
-        total = sum(e.size_bytes for e in entries if e not in doomed)
-        for entry in reversed(candidates):  # oldest first
-            if total <= max_bytes:
-                break
-            if entry not in doomed and entry not in protected:
-                doomed.add(entry)
-                total -= entry.size_bytes
-    return [e for e in entries if e in doomed and e not in protected]
 
 
 def prune(doomed: list[CacheEntry], root: Path | None = None) -> tuple[int, list[str]]:

@@ -54,6 +54,11 @@ def lock_path(entry: Path) -> Path:
     return lock_folder(entry.parent) / (entry.name + SUFFIX)
 
 
+def entry_name(lock: Path) -> str | None:
+    """The name of the entry whose lock_path is `lock` (None: not a name lock_path gives)."""
+    return lock.name[:-len(SUFFIX)] if lock.name.endswith(SUFFIX) else None
+
+
 def _open(path: Path) -> int:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())  # a new cache

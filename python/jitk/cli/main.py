@@ -28,7 +28,7 @@ from pathlib import Path
 
 from jitk.base import NUMPY_WARNING
 from jitk.base.errors import PREFIX, JitkError
-from jitk.build import cache, clangd, toolchain
+from jitk.build import cache, clangd, pruning, toolchain
 from jitk.build.lock import JitLockError
 from jitk.tools import env, precompile
 
@@ -90,7 +90,8 @@ def human_age(seconds: float) -> str:
 
 def print_entries(entries: list[cache.CacheEntry]) -> None:
     rows = [(e.module, ",".join(toolchain.sm_name(a) for a in e.archs) or "host",
-             human_size(e.size_bytes), human_age(e.age_seconds), e.path.name) for e in entries]
+             human_size(e.size_bytes), human_age(e.age_seconds),
+             e.path.name + (f" (damaged: {e.problem})" if e.problem else "")) for e in entries]
     rows.insert(0, ("MODULE", "ARCH", "SIZE", "AGE", "FOLDER"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -114,6 +115,9 @@ def entries_word(count: int) -> str:
 
 def report_removal(removed: int, failures: list[str]) -> int:
     print(f"removed {entries_word(removed)} from {cache.cache_root()}")
+    if foreign := cache.foreign_folders():
+        print(f"left {len(foreign)} folder{'s' if len(foreign) > 1 else ''} jitk did not make: "
+              f"{', '.join(f.name for f in foreign)}")
     if failures:
         lines = "\n  ".join(failures)
         raise CommandError(f"{len(failures)} item(s) could not be removed:\n  {lines}")
@@ -128,7 +132,7 @@ def prune_cache(args: argparse.Namespace) -> int:
     if args.older_than is None and args.keep is None and args.max_size is None:
         raise UsageError("cache prune needs --older-than, --keep or --max-size")
     entries = cache.list_entries()
-    doomed = cache.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
+    doomed = pruning.select_for_pruning(entries, args.older_than, args.keep, args.max_size,
                                       args.arch)
     left = sum(e.size_bytes for e in entries if e not in doomed)
     if doomed:
