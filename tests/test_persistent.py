@@ -19,6 +19,7 @@ import pytest
 import torch
 from errors import expect_error
 
+from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.jit import JitCompileError
 from jitk.persistent import (
     CHAIN_OPS,
@@ -184,6 +185,20 @@ def test_construction_refusals():
                  kind=ValueError)
 
 
+@pytest.mark.parametrize("name", ["after", "timeout", "op", "chain", "items", "self"])
+def test_op_refuses_names_push_takes(name):
+    """push(op, after=, timeout=, **args) would take such an argument as its own."""
+    expect_error(lambda: Op("wait_for", "W", (IntArg("n"), IntArg(name))),
+                 f"Op 'wait_for': argument '{name}' has a name push() takes", kind=ArgumentError)
+
+
+def test_tensor_arg_dtype_must_be_a_torch_dtype():
+    expect_error(lambda: TensorArg("x", "bf16", ("n",)),
+                 "TensorArg 'x': dtype must be a torch.dtype", "got 'bf16'",
+                 kind=ArgumentTypeError)
+    assert TensorArg("x", torch.bfloat16, ("n",)).dtype is torch.bfloat16
+
+
 def test_not_running_refusals(chain):
     x = rows()
     expect_error(lambda: chain.push("scale", x=x, y=x, factor=1.0),
@@ -222,6 +237,54 @@ def test_error_codes_raise_their_messages(code, ticket, detail, message):
     assert got == "persistent worker: " + message
 
 
+class _StreamKernels:
+    """The worker's module, but recording the streams it is asked to make and destroy."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels, self.calls = kernels, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._kernels, name)
+
+    def create_stream(self, device: int) -> int:
+        self.calls.append(("create", device))
+        return 0x5EED
+
+    def destroy_stream(self, handle: int) -> None:
+        self.calls.append(("destroy", handle))
+
+
+def test_own_stream_is_made_by_cuda_and_destroyed_once_ended(monkeypatch):
+    """Without stream=, the worker's stream comes from its module (cudaStreamCreate), never
+    from torch's pool of shared streams; stop() destroys it only once the kernel has ended."""
+    worker = persistent_cases.running_on_host(persistent_cases.chain_worker(capacity=16))
+    kernels = _StreamKernels(worker._kernels)
+    monkeypatch.setattr(worker, "_kernels", kernels)
+    monkeypatch.setattr(worker, "device", torch.device("cuda", 0))
+
+    def pooled(*args, **kwargs):
+        raise AssertionError("the worker took a stream from torch's pool")
+
+    wrapped = []
+    monkeypatch.setattr(torch.cuda, "Stream", pooled)
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda handle, device: wrapped.append((handle, device)) or "ext")
+    worker._stream, worker._own_stream = worker._open_stream(None)
+    assert kernels.calls == [("create", 0)] and wrapped == [(0x5EED, worker.device)]
+    assert worker._stream == "ext" and worker.running
+    # The kernel has not ended: stop() gives up, and the stream must outlive it.
+    expect_error(lambda: worker.stop(timeout=0.01), "did not exit", kind=TimeoutError)
+    assert kernels.calls == [("create", 0)]
+    worker._ended = type("Ended", (), {"query": staticmethod(lambda: True)})
+    worker.stop()
+    assert kernels.calls == [("create", 0), ("destroy", 0x5EED)] and not worker.running
+    given = object()
+    assert worker._open_stream(given) == (given, 0)  # a caller's stream is theirs to destroy
+    worker._stream, worker._own_stream = given, 0
+    worker._close_stream()
+    assert len(kernels.calls) == 2
+
+
 # ------------------------------------------------------------------------------ GPU
 def run_case(name: str, timeout_s: float = 90) -> str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -240,7 +303,7 @@ def test_host_waits_end_with_their_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push",
-                                  "stream_wait", "errors",
+                                  "stream_wait", "errors", "own_stream",
                                   "stop_timeout", "fault", "refusals"])
 def test_gpu_case(name):
     run_case(name)

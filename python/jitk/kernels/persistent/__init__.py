@@ -39,18 +39,15 @@ Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exi
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
 
 What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
-threads each, mostly waiting) for as long as it runs, so a kernel that fills the GPU gets
-that many fewer SMs, and on the whole GPU any resident kernel slows a GPU-filling kernel
-beside it (a bf16 8192^3 GEMM on an H100: 7% beside one spinning thread, 8-10% beside a worker
-of 1 block, 13-17% beside a worker of 8). Started on `jitk.split_sms(8).own`, with the other
-kernels on `.rest`, the worker costs that GEMM nothing measurable (+0.3%); the GEMM then pays
-only for the SMs it lost (15% for this shape: docs/developer_guide/persistent_kernels.md). A
-worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy module
-loading (the default) loads a kernel at its first launch, and CUDA warns that this loading may
-wait for the GPU's running work, which a resident worker never finishes (jitk.kernels.wait_value's
-docstring measured such hangs behind stream waits): run every kernel you will use beside the
-worker once before `start()`, as the tests and the benchmark do. `start()` itself loads the
-worker's kernel first. """
+threads each, mostly waiting) for as long as it runs, and on the whole GPU any resident kernel
+slows a GPU-filling kernel beside it. Started on `jitk.split_sms(8).own`, with the other
+kernels on `.rest`, the worker leaves them only the SMs it does not hold (the measured tables:
+docs/developer_guide/persistent_kernels.md). A worker started while the GPU is full waits for
+SMs like any kernel. Its kernel never ends before stop(): `torch.cuda.synchronize()`, and so
+starting a graph capture, waits until it stops (check `running`). And CUDA's lazy module
+loading may wait for the GPU's running work when it loads a kernel at its first launch: run
+every kernel you will use beside the worker once before `start()`, as the tests and the
+benchmark do. `start()` itself loads the worker's kernel first. """
 
 from __future__ import annotations
 
@@ -64,7 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jitk.base.errors import JitkError
+from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build.jit import load_jit
 from jitk.runtime.streams import cuda_device
 
@@ -90,6 +87,8 @@ _ERRORS = {
        "stopped (the others may still run those items)",
 }
 _INT64 = (-(2**63), 2**63 - 1)
+# Names push() and push_many() take as their own: an op argument so named could not be passed.
+RESERVED_NAMES = frozenset({"self", "op", "items", "after", "chain", "timeout"})
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
 _SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin 50 slices of 20 us, then sleep
@@ -108,6 +107,11 @@ class TensorArg:
     name: str
     dtype: torch.dtype
     shape: tuple[int | str | None, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise ArgumentTypeError(f"TensorArg '{self.name}': dtype must be a torch.dtype "
+                                    f"(e.g. torch.bfloat16), got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,10 @@ class Op:
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.args]
+        if reserved := sorted(RESERVED_NAMES.intersection(names)):
+            raise ArgumentError(f"Op '{self.name}': argument '{reserved[0]}' has a name push() "
+                                f"takes as its own ({', '.join(sorted(RESERVED_NAMES))}); "
+                                "rename it")
         if len(names) != len(set(names)):
             raise ValueError(f"Op '{self.name}': argument names repeat: {names}")
         if len(self.args) > ARG_WORDS:
@@ -153,7 +161,9 @@ CHAIN_OPS = (
 _EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::arg_bytes",
             "layout": "jitk::persistent::layout", "publish": "jitk::persistent::publish",
             "load_word": "jitk::persistent::load_word", "poll_done": "jitk::persistent::poll_done",
-            "store_word": "jitk::persistent::store_word"}
+            "store_word": "jitk::persistent::store_word",
+            "create_stream": "jitk::persistent::create_stream",
+            "destroy_stream": "jitk::persistent::destroy_stream"}
 
 
 @functools.cache
@@ -205,6 +215,7 @@ class Worker:
                                  "per argument, in order")
         self._lock = threading.Lock()
         self._running = self._stopping = False
+        self._stream, self._own_stream = None, 0
 
     # ------------------------------------------------------------------ packing
     def prepare(self, items: Iterable[tuple[str, dict]], *, chain: bool = False) -> Batch:
@@ -282,9 +293,17 @@ class Worker:
               stream: torch.cuda.Stream | None = None) -> Worker:
         """Launches `blocks` worker blocks (one SM each) on a stream of their own: `stream`,
         which the worker then holds until it stops (a green context's stream keeps the worker
-        on that context's SMs), or a new one. `idle_poll_us` bounds an idle block's sleep
-        between looks for new work (each a PCIe read of the ring): longer costs the GPU's
-        other kernels less and a new item more latency."""
+        on that context's SMs), or one the worker creates with the CUDA runtime and destroys
+        once stopped (not one of torch's pooled streams, which other code may be handed).
+        `idle_poll_us` bounds an idle block's sleep between looks for new work (each a PCIe
+        read of the ring): longer costs the GPU's other kernels less and a new item more
+        latency.
+
+        Until stop(), the worker's kernel does not end, so whatever waits for all of the
+        device's work waits for it: `torch.cuda.synchronize()` (and `torch.cuda.graph(...)`,
+        which synchronizes before capturing) blocks until the worker stops. Wait for streams
+        or events instead, and check `running` before synchronizing. Starting is refused
+        while the current stream, or `stream`, is capturing a CUDA graph."""
         if self._running:
             raise RuntimeError("this worker is already running; stop() it first")
         if not isinstance(blocks, int) or blocks < 1:
@@ -298,7 +317,7 @@ class Worker:
                                    or stream.device != self.device):
             raise ValueError(f"stream must be a torch.cuda.Stream on the worker's device "
                              f"{self.device}, got {stream!r}")
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing(stream):
             raise RuntimeError("a worker cannot start inside CUDA graph capture: it would be "
                                "captured as a node that never finishes, not launched")
         limit = self._kernels.max_blocks(self.device.index)  # also loads the kernel
@@ -319,15 +338,38 @@ class Worker:
         self._state = state
         self._keep: deque[tuple[int, Batch]] = deque()
         self._next = 0
-        self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
-        self._ended = torch.cuda.Event()
-        self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
-                             int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
-                             self._stream.cuda_stream)
-        self._ended.record(self._stream)
+        self._stream, self._own_stream = self._open_stream(stream)
+        try:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
+            self._ended = torch.cuda.Event()
+            self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
+                                 int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
+                                 self._stream.cuda_stream)
+            self._ended.record(self._stream)
+        except BaseException:
+            self._close_stream()
+            raise
         self._running, self._stopping = True, False
         return self
+
+    def _open_stream(self, stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Stream, int]:
+        """The stream to launch on and the handle of the one the worker made (0 if given)."""
+        if stream is not None:
+            return stream, 0
+        handle = self._kernels.create_stream(self.device.index)
+        return torch.cuda.ExternalStream(handle, device=self.device), handle
+
+    def _close_stream(self) -> None:
+        """Destroys the worker's own stream; call only once its kernel has ended."""
+        if self._own_stream:
+            self._kernels.destroy_stream(self._own_stream)
+        self._stream, self._own_stream = None, 0
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker was started and not yet stopped: while it is, its kernel does not
+        end, and `torch.cuda.synchronize()` would wait until it stops."""
+        return self._running
 
     def push(self, op: str, *, after: int | None = None, timeout: float = 10.0,
              **args: object) -> int:
@@ -395,8 +437,8 @@ class Worker:
         deadline = time.monotonic() + timeout
         counter, error = self._done_address + 8 * slot, self._host_words_address + 8 * _ERROR
         spins = 0
-        # Spins in C++ (which sees the counter change within about 0.1 us; a Python loop of
-        # loads took about 1 us a look) in bounded slices, then sleeps between looks.
+        # Spins in C++ (which sees the counter change sooner than a Python loop of loads) in
+        # bounded slices, then sleeps between looks.
         while (state := self._kernels.poll_done(counter, ticket, error, _SPIN_NS)) == 0:
             spins += 1
             if self._has_ended():
@@ -440,6 +482,7 @@ class Worker:
                                        "still running?); call stop() again later: its blocks "
                                        "hold their SMs until it exits")
                 self._running = False
+                self._close_stream()
                 self.raise_if_failed()  # an error recorded on the way explains the wait better
                 raise TimeoutError(f"the worker did not finish its items within {timeout} s "
                                    "and was aborted; items pushed may not have run")
@@ -447,6 +490,7 @@ class Worker:
             self._running = False
             raise
         self._running = False
+        self._close_stream()
         self.raise_if_failed()
 
     def _has_ended(self) -> bool:
@@ -479,6 +523,16 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _capturing(stream: torch.cuda.Stream | None) -> bool:
+    """Whether the current stream, or `stream`, is capturing a CUDA graph."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    if stream is None:
+        return False
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _int_word(op: str, name: str, value: object, bound: int | None) -> int:
