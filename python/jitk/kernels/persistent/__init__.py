@@ -61,17 +61,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
+from jitk.base.errors import JitkError
 from jitk.build.jit import load_jit
+from jitk.kernels.persistent.ops import (
+    ARG_WORDS,
+    CHAIN_OPS,
+    ITEM_WORDS,
+    FloatArg,
+    IntArg,
+    Op,
+    TensorArg,
+    float_word,
+    int_word,
+)
 from jitk.runtime.streams import cuda_device
 
 __all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
            "WorkerError"]
 
 # persistent.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
-ITEM_WORDS, ARG_WORDS = 16, 12
 LAYOUT = (ITEM_WORDS * 8, 0, 8, 16, 24, ARG_WORDS * 8, 256)
-_OP_WORD, _AFTER_WORD, _ARGS_WORD = 1, 2, 3
 _STATE_HEADER_WORDS = 16
 # HostWord and Stop of persistent.cuh.
 _STOP, _ERROR, _ERROR_TICKET, _ERROR_DETAIL, _HOST_WORDS = 0, 1, 2, 3, 8
@@ -86,9 +95,6 @@ _ERRORS = {
        "worker block's shared memory, did not complete within dependency_timeout; that block "
        "stopped (the others may still run those items)",
 }
-_INT64 = (-(2**63), 2**63 - 1)
-# Names push() and push_many() take as their own: an op argument so named could not be passed.
-RESERVED_NAMES = frozenset({"self", "op", "items", "after", "chain", "timeout"})
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
 _SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin 50 slices of 20 us, then sleep
@@ -101,62 +107,6 @@ class WorkerError(JitkError, RuntimeError):
 class QueueFullError(JitkError, TimeoutError):
     """The ring had no room for the pushed items within the push's timeout."""
 
-
-@dataclass(frozen=True)
-class TensorArg:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int | str | None, ...]
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.dtype, torch.dtype):
-            raise ArgumentTypeError(f"TensorArg '{self.name}': dtype must be a torch.dtype "
-                                    f"(e.g. torch.bfloat16), got {self.dtype!r}")
-
-
-@dataclass(frozen=True)
-class IntArg:
-    name: str
-
-
-@dataclass(frozen=True)
-class FloatArg:
-    name: str
-
-
-@dataclass(frozen=True)
-class Op:
-    """One op of a worker's table: `name` in push(), the C++ struct `cpp`, its `Args` words."""
-    name: str
-    cpp: str
-    args: tuple[TensorArg | IntArg | FloatArg, ...]
-
-    def __post_init__(self) -> None:
-        names = [a.name for a in self.args]
-        if reserved := sorted(RESERVED_NAMES.intersection(names)):
-            raise ArgumentError(f"Op '{self.name}': argument '{reserved[0]}' has a name push() "
-                                f"takes as its own ({', '.join(sorted(RESERVED_NAMES))}); "
-                                "rename it")
-        if len(names) != len(set(names)):
-            raise ValueError(f"Op '{self.name}': argument names repeat: {names}")
-        if len(self.args) > ARG_WORDS:
-            raise ValueError(f"Op '{self.name}' has {len(self.args)} arguments; an item holds "
-                             f"{ARG_WORDS} words")
-
-
-_BF16 = torch.bfloat16
-# The ops of jitk/csrc/persistent_chain.cuh (rows of n bf16 elements).
-CHAIN_OPS = (
-    Op("rmsnorm", "jitk::persistent::chain::RMSNorm",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("w", _BF16, ("n",)),
-        TensorArg("y", _BF16, ("n",)), IntArg("n"), FloatArg("eps"))),
-    Op("scale", "jitk::persistent::chain::Scale",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("y", _BF16, ("n",)), IntArg("n"),
-        FloatArg("factor"))),
-    Op("add", "jitk::persistent::chain::Add",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("b", _BF16, ("n",)),
-        TensorArg("y", _BF16, ("n",)), IntArg("n"))),
-)
 
 _EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::arg_bytes",
             "layout": "jitk::persistent::layout", "publish": "jitk::persistent::publish",
@@ -256,9 +206,9 @@ class Worker:
             if isinstance(arg, TensorArg):
                 words.append(value.data_ptr())
             elif isinstance(arg, IntArg):
-                words.append(_int_word(op_name, arg.name, value, sizes.get(arg.name)))
+                words.append(int_word(op_name, arg.name, value, sizes.get(arg.name)))
             else:
-                words.append(_float_word(op_name, arg.name, value))
+                words.append(float_word(op_name, arg.name, value))
         return words + [0] * (ITEM_WORDS - len(words))
 
     def _check_tensor(self, op: str, arg: TensorArg, value: object,
@@ -533,21 +483,3 @@ def _capturing(stream: torch.cuda.Stream | None) -> bool:
         return False
     with torch.cuda.stream(stream):
         return torch.cuda.is_current_stream_capturing()
-
-
-def _int_word(op: str, name: str, value: object, bound: int | None) -> int:
-    if value is None and bound is not None:
-        return bound
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be an int, got {type(value).__name__}")
-    if bound is not None and value != bound:
-        raise ValueError(f"{op}: '{name}' = {value} but the tensors' '{name}' is {bound}")
-    if not _INT64[0] <= value <= _INT64[1]:
-        raise ValueError(f"{op}: '{name}' = {value} does not fit an int64")
-    return value
-
-
-def _float_word(op: str, name: str, value: object) -> int:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be a float, got {type(value).__name__}")
-    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
