@@ -234,7 +234,7 @@ def test_error_codes_raise_their_messages(code, ticket, detail, message):
     worker = persistent_cases.running_on_host(persistent_cases.chain_worker(capacity=16))
     worker._host_words[1:4] = torch.tensor([code, ticket, detail])  # kError, ticket, detail
     got = expect_error(worker.raise_if_failed, kind=WorkerError)
-    assert got == "persistent worker: " + message
+    assert got == "jitk: persistent worker: " + message
 
 
 class _StreamKernels:
