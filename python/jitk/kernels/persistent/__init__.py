@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jitk.base.errors import JitkError
+from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build.jit import load_jit
 from jitk.kernels.persistent.ops import (
     ARG_WORDS,
@@ -140,16 +140,16 @@ class Worker:
     def __init__(self, name: str, cuda_files: Sequence[str], ops: Sequence[Op], *,
                  capacity: int = 1024, device: torch.device | str | int = "cuda") -> None:
         if not isinstance(capacity, int) or capacity < 16 or capacity & (capacity - 1):
-            raise ValueError(f"capacity must be a power of two >= 16, got {capacity!r}")
+            raise ArgumentError(f"capacity must be a power of two >= 16, got {capacity!r}")
         ops = tuple(ops)
         if not ops or not all(isinstance(op, Op) for op in ops):
-            raise TypeError("ops must be a non-empty sequence of jitk.persistent.Op")
+            raise ArgumentTypeError("ops must be a non-empty sequence of jitk.persistent.Op")
         self.device = cuda_device(device, "Worker(device=...)")
         self.capacity = capacity
         self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
         self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
         if len(self._ops) != len(ops):
-            raise ValueError(f"op names repeat: {[op.name for op in ops]}")
+            raise ArgumentError(f"op names repeat: {[op.name for op in ops]}")
         table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
         self._kernels = _module(name, tuple(map(str, cuda_files)), table)
         layout = tuple(self._kernels.layout(i) for i in range(len(LAYOUT)))
@@ -159,10 +159,10 @@ class Worker:
         for index, op in enumerate(ops):
             size = self._kernels.arg_bytes(index)
             if size != 8 * len(op.args):
-                raise ValueError(f"Op '{op.name}' declares {len(op.args)} arguments "
-                                 f"({8 * len(op.args)} bytes), but {op.cpp}::Args is {size} "
-                                 "bytes: declare one 8-byte word (pointer, int64_t, double) "
-                                 "per argument, in order")
+                raise ArgumentError(f"Op '{op.name}' declares {len(op.args)} arguments "
+                                    f"({8 * len(op.args)} bytes), but {op.cpp}::Args is {size} "
+                                    "bytes: declare one 8-byte word (pointer, int64_t, double) "
+                                    "per argument, in order")
         self._lock = threading.Lock()
         self._running = self._stopping = False
         self._stream, self._own_stream = None, 0
@@ -175,14 +175,14 @@ class Worker:
         for i, item in enumerate(items):
             if not (isinstance(item, tuple | list) and len(item) == 2
                     and isinstance(item[1], dict)):
-                raise TypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
-                                f"{item!r:.80}")
+                raise ArgumentTypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
+                                        f"{item!r:.80}")
             words += self._pack(item[0], item[1], i - 1 if chain and i > 0 else -1, tensors)
         if not words:
-            raise ValueError("no items to push")
+            raise ArgumentError("no items to push")
         count = len(words) // ITEM_WORDS
         if count > self.capacity:
-            raise ValueError(f"{count} items do not fit the ring of {self.capacity}")
+            raise ArgumentError(f"{count} items do not fit the ring of {self.capacity}")
         packed = torch.frombuffer(bytearray(struct.pack(f"<{len(words)}q", *words)),
                                   dtype=torch.int64)
         return Batch(packed, tensors, count)
@@ -191,11 +191,11 @@ class Worker:
         try:
             index, op = self._ops[op_name]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown op {op_name!r}; this worker has "
-                             f"{', '.join(self._ops)}") from None
+            raise ArgumentError(f"unknown op {op_name!r}; this worker has "
+                                f"{', '.join(self._ops)}") from None
         if unknown := args.keys() - self._arg_names[op_name]:
-            raise TypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it takes "
-                            f"{[a.name for a in op.args]}")
+            raise ArgumentTypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it "
+                                    f"takes {[a.name for a in op.args]}")
         sizes: dict[str, int] = {}
         words = [0, index, after]
         for arg in op.args:  # tensors first bind the shared sizes that ints may default to
@@ -215,26 +215,27 @@ class Worker:
                       sizes: dict[str, int]) -> torch.Tensor:
         # Messages are built only on failure: this runs for every tensor of every push.
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{op}: '{arg.name}' must be a tensor, got {type(value).__name__}")
+            raise ArgumentTypeError(f"{op}: '{arg.name}' must be a tensor, got "
+                                    f"{type(value).__name__}")
         if value.dtype != arg.dtype:
-            raise TypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
+            raise ArgumentTypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
         shape = value.shape
         if len(shape) != len(arg.shape):
-            raise ValueError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
-                             f"{arg.shape}, got shape {tuple(shape)}")
+            raise ArgumentError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
+                                f"{arg.shape}, got shape {tuple(shape)}")
         for dim, (rule, size) in enumerate(zip(arg.shape, shape)):
             expected = sizes.setdefault(rule, size) if isinstance(rule, str) else rule
             if expected is not None and size != expected:
                 what = f"'{rule}' = {expected} (bound by an earlier tensor)" \
                     if isinstance(rule, str) else expected
-                raise ValueError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
-                                 f"{size}")
+                raise ArgumentError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
+                                    f"{size}")
         if not value.is_contiguous():
-            raise ValueError(f"{op}: '{arg.name}' must be contiguous, got strides "
-                             f"{value.stride()}")
+            raise ArgumentError(f"{op}: '{arg.name}' must be contiguous, got strides "
+                                f"{value.stride()}")
         if value.device != self.device:
-            raise ValueError(f"{op}: '{arg.name}' must be on the worker's device "
-                             f"{self.device}, got {value.device}")
+            raise ArgumentError(f"{op}: '{arg.name}' must be on the worker's device "
+                                f"{self.device}, got {value.device}")
         return value
 
     # ------------------------------------------------------------------ running
@@ -257,24 +258,24 @@ class Worker:
         if self._running:
             raise RuntimeError("this worker is already running; stop() it first")
         if not isinstance(blocks, int) or blocks < 1:
-            raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+            raise ArgumentError(f"blocks must be an int >= 1, got {blocks!r}")
         if not 0 < dependency_timeout <= 3600:
-            raise ValueError(f"dependency_timeout must be in (0, 3600] seconds, got "
-                             f"{dependency_timeout!r}")
+            raise ArgumentError(f"dependency_timeout must be in (0, 3600] seconds, got "
+                                f"{dependency_timeout!r}")
         if not 0.032 <= idle_poll_us <= 1000:
-            raise ValueError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
+            raise ArgumentError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
         if stream is not None and (not isinstance(stream, torch.cuda.Stream)
                                    or stream.device != self.device):
-            raise ValueError(f"stream must be a torch.cuda.Stream on the worker's device "
-                             f"{self.device}, got {stream!r}")
+            raise ArgumentError(f"stream must be a torch.cuda.Stream on the worker's device "
+                                f"{self.device}, got {stream!r}")
         if _capturing(stream):
             raise RuntimeError("a worker cannot start inside CUDA graph capture: it would be "
                                "captured as a node that never finishes, not launched")
         limit = self._kernels.max_blocks(self.device.index)  # also loads the kernel
         if blocks > limit:
-            raise ValueError(f"blocks={blocks} cannot all be resident at once on "
-                             f"{self.device}: it holds at most {limit} worker blocks (256 "
-                             "threads each); blocks that never start would leave items waiting")
+            raise ArgumentError(f"blocks={blocks} cannot all be resident at once on "
+                                f"{self.device}: it holds at most {limit} worker blocks (256 "
+                                "threads each); blocks that never start would leave items waiting")
         cap = self.capacity
         self._ring = torch.full((cap * ITEM_WORDS,), -1, dtype=torch.int64, pin_memory=True)
         self._done = torch.full((cap,), -1, dtype=torch.int64, pin_memory=True)
@@ -349,8 +350,8 @@ class Worker:
                 raise RuntimeError("cannot push: the worker is stopping")
             first = self._next
             if after is not None and not (isinstance(after, int) and 0 <= after < first):
-                raise ValueError(f"after must be the ticket of an item already pushed (0 to "
-                                 f"{first - 1}), got {after!r}")
+                raise ArgumentError(f"after must be the ticket of an item already pushed (0 to "
+                                    f"{first - 1}), got {after!r}")
             while not self._kernels.publish(self._ring_address, self._done_address,
                                             self.capacity, batch.address, batch.count, first,
                                             -1 if after is None else after):
@@ -460,8 +461,8 @@ class Worker:
     def _slot_of(self, ticket: int) -> int:
         self._require_running("wait")
         if not isinstance(ticket, int) or not 0 <= ticket < self._next:
-            raise ValueError(f"ticket must be one that was pushed (0 to {self._next - 1}), got "
-                             f"{ticket!r}")
+            raise ArgumentError(f"ticket must be one that was pushed (0 to {self._next - 1}), got "
+                                f"{ticket!r}")
         return ticket % self.capacity
 
     def _require_running(self, what: str) -> None:

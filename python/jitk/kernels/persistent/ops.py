@@ -54,10 +54,10 @@ class Op:
                                 f"takes as its own ({', '.join(sorted(RESERVED_NAMES))}); "
                                 "rename it")
         if len(names) != len(set(names)):
-            raise ValueError(f"Op '{self.name}': argument names repeat: {names}")
+            raise ArgumentError(f"Op '{self.name}': argument names repeat: {names}")
         if len(self.args) > ARG_WORDS:
-            raise ValueError(f"Op '{self.name}' has {len(self.args)} arguments; an item holds "
-                             f"{ARG_WORDS} words")
+            raise ArgumentError(f"Op '{self.name}' has {len(self.args)} arguments; an item holds "
+                                f"{ARG_WORDS} words")
 
 
 _BF16 = torch.bfloat16
@@ -79,15 +79,15 @@ def int_word(op: str, name: str, value: object, bound: int | None) -> int:
     if value is None and bound is not None:
         return bound
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be an int, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: '{name}' must be an int, got {type(value).__name__}")
     if bound is not None and value != bound:
-        raise ValueError(f"{op}: '{name}' = {value} but the tensors' '{name}' is {bound}")
+        raise ArgumentError(f"{op}: '{name}' = {value} but the tensors' '{name}' is {bound}")
     if not INT64[0] <= value <= INT64[1]:
-        raise ValueError(f"{op}: '{name}' = {value} does not fit an int64")
+        raise ArgumentError(f"{op}: '{name}' = {value} does not fit an int64")
     return value
 
 
 def float_word(op: str, name: str, value: object) -> int:
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be a float, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: '{name}' must be a float, got {type(value).__name__}")
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
