@@ -129,28 +129,29 @@ def test_declaration_must_match_args():
                (TensorArg("x", torch.bfloat16, ("n",)), IntArg("n")))
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], [short]),
                  "declares 2 arguments (16 bytes), but jitk::persistent::chain::Scale::Args is "
-                 "32 bytes", kind=ValueError)
+                 "32 bytes", kind=ArgumentError)
 
 
 # ------------------------------------------------------------------------------ host checks
 @pytest.mark.parametrize("item, kind, fragments", [
-    (("nope", {}), ValueError, ["unknown op 'nope'", "rmsnorm, scale, add"]),
-    (("scale", dict(x=rows(), y=rows(), factor=1.0, z=1)), TypeError,
+    (("nope", {}), ArgumentError, ["unknown op 'nope'", "rmsnorm, scale, add"]),
+    (("scale", dict(x=rows(), y=rows(), factor=1.0, z=1)), ArgumentTypeError,
      ["unexpected argument(s) ['z']"]),
-    (("scale", dict(x=rows(dtype=torch.float32), y=rows(), factor=1.0)), TypeError,
+    (("scale", dict(x=rows(dtype=torch.float32), y=rows(), factor=1.0)), ArgumentTypeError,
      ["scale: 'x' must be torch.bfloat16, got torch.float32"]),
-    (("scale", dict(x=rows().view(8, 8), y=rows(), factor=1.0)), ValueError,
+    (("scale", dict(x=rows().view(8, 8), y=rows(), factor=1.0)), ArgumentError,
      ["'x' must have 1 dimension(s) ('n',), got shape (8, 8)"]),
-    (("add", dict(x=rows(64), b=rows(32), y=rows(64))), ValueError,
+    (("add", dict(x=rows(64), b=rows(32), y=rows(64))), ArgumentError,
      ["add: 'b' dimension 0: expected 'n' = 64 (bound by an earlier tensor), got 32"]),
-    (("scale", dict(x=rows(128)[::2], y=rows(), factor=1.0)), ValueError,
+    (("scale", dict(x=rows(128)[::2], y=rows(), factor=1.0)), ArgumentError,
      ["'x' must be contiguous"]),
-    (("scale", dict(y=rows(), factor=1.0)), TypeError, ["'x' must be a tensor, got NoneType"]),
-    (("scale", dict(x=rows(), y=rows(), factor="2")), TypeError,
+    (("scale", dict(y=rows(), factor=1.0)), ArgumentTypeError,
+     ["'x' must be a tensor, got NoneType"]),
+    (("scale", dict(x=rows(), y=rows(), factor="2")), ArgumentTypeError,
      ["'factor' must be a float, got str"]),
-    (("scale", dict(x=rows(), y=rows(), n=65, factor=1.0)), ValueError,
+    (("scale", dict(x=rows(), y=rows(), n=65, factor=1.0)), ArgumentError,
      ["'n' = 65 but the tensors' 'n' is 64"]),
-    (("scale", dict(x=rows(), y=rows(), n=True, factor=1.0)), TypeError,
+    (("scale", dict(x=rows(), y=rows(), n=True, factor=1.0)), ArgumentTypeError,
      ["'n' must be an int, got bool"]),
 ])
 def test_arguments_checked_on_host(host_chain, item, kind, fragments):
@@ -160,29 +161,29 @@ def test_arguments_checked_on_host(host_chain, item, kind, fragments):
 def test_device_checked_on_host(chain):
     expect_error(lambda: chain.prepare([("scale", dict(x=rows(), y=rows(), factor=1.0))]),
                  f"scale: 'x' must be on the worker's device {chain.device}, got cpu",
-                 kind=ValueError)
+                 kind=ArgumentError)
 
 
 def test_batch_checks(host_chain):
-    expect_error(lambda: host_chain.prepare([]), "no items to push", kind=ValueError)
+    expect_error(lambda: host_chain.prepare([]), "no items to push", kind=ArgumentError)
     expect_error(lambda: host_chain.prepare(["scale"]), "item 0: expected (op_name, {argument: "
-                 "value})", kind=TypeError)
+                 "value})", kind=ArgumentTypeError)
     small = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=16)
     small.device = torch.device("cpu")
     x = rows()
     expect_error(lambda: small.prepare([("scale", dict(x=x, y=x, factor=1.0))] * 17),
-                 "17 items do not fit the ring of 16", kind=ValueError)
+                 "17 items do not fit the ring of 16", kind=ArgumentError)
 
 
 def test_construction_refusals():
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=100),
-                 "capacity must be a power of two >= 16, got 100", kind=ValueError)
+                 "capacity must be a power of two >= 16, got 100", kind=ArgumentError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, device="cpu"),
                  "Worker(device=...) must be a CUDA device", "got 'cpu'", kind=ValueError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], []),
-                 "ops must be a non-empty sequence", kind=TypeError)
+                 "ops must be a non-empty sequence", kind=ArgumentTypeError)
     expect_error(lambda: Op("x", "X", (IntArg("a"), IntArg("a"))), "argument names repeat",
-                 kind=ValueError)
+                 kind=ArgumentError)
 
 
 @pytest.mark.parametrize("name", ["after", "timeout", "op", "chain", "items", "self"])
@@ -206,14 +207,14 @@ def test_not_running_refusals(chain):
     expect_error(lambda: chain.wait(0), "cannot wait: the worker is not running")
     chain.stop()  # a worker never started stops at once
     expect_error(lambda: chain.start(blocks=0), "blocks must be an int >= 1, got 0",
-                 kind=ValueError)
+                 kind=ArgumentError)
     expect_error(lambda: chain.start(dependency_timeout=0), "dependency_timeout must be in",
-                 kind=ValueError)
+                 kind=ArgumentError)
     expect_error(lambda: chain.start(stream="side"), "stream must be a torch.cuda.Stream",
-                 kind=ValueError)
+                 kind=ArgumentError)
     for idle_poll_us in (0, 0.01, 2000):
         expect_error(lambda v=idle_poll_us: chain.start(idle_poll_us=v),
-                     "idle_poll_us must be in [0.032, 1000]", kind=ValueError)
+                     "idle_poll_us must be in [0.032, 1000]", kind=ArgumentError)
     assert issubclass(QueueFullError, TimeoutError)
 
 
