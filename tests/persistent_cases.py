@@ -307,7 +307,40 @@ def case_refusals(small: bool) -> None:
         except RuntimeError as error:
             refused = error
     assert refused is not None and "graph capture" in str(refused), refused
-    print("refusals: too many blocks, graph capture")
+    # The stream given to start() capturing, while the current stream is not.
+    refused, side = None, torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        with torch.cuda.stream(side):
+            try:
+                worker.start(blocks=2, stream=stream)
+            except RuntimeError as error:
+                refused = error
+    assert refused is not None and "graph capture" in str(refused), refused
+    assert not worker.running
+    print("refusals: too many blocks, graph capture on the current or the given stream")
+
+
+def case_own_stream(small: bool) -> None:
+    """Workers started without a stream run on streams no other code is given: none of torch's
+    pooled streams (each pool cycled twice), not each other's; `running` says which is up."""
+    first, second = test_worker(), chain_worker()
+    first.start(blocks=1)
+    second.start(blocks=1)
+    try:
+        assert first.running and second.running
+        ours = {first._stream.cuda_stream, second._stream.cuda_stream}
+        torch_streams = {torch.cuda.Stream(priority=p).cuda_stream
+                         for p in (0, -1) for _ in range(64)}
+        torch_streams |= {torch.cuda.current_stream().cuda_stream,
+                          torch.cuda.default_stream().cuda_stream}
+        assert len(ours) == 2 and not ours & torch_streams, (ours, torch_streams)
+    finally:
+        first.stop(timeout=5.0)
+        second.stop(timeout=5.0)
+    assert not first.running and not second.running
+    first.start(blocks=1)  # a restart makes a fresh stream
+    first.stop(timeout=5.0)
+    print(f"own_stream: 2 workers' streams apart from {len(torch_streams)} of torch's")
 
 
 CASES = {name.removeprefix("case_"): fn for name, fn in globals().items()

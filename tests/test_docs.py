@@ -3,6 +3,7 @@ name, C++ name, command, setting and quoted source line they mention is checked 
 
 import ast
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -280,3 +281,86 @@ def test_fib_page_example_and_quoted_error_hold():
     made = namespace["definition"]
     assert made.name == "rmsnorm_hidden_size4096"
     assert made.axes["hidden_size"].value == 4096 and made.axes["batch_size"].type == "var"
+
+
+# ------------------------------------------------------------------ code blocks build and run
+# A block may be marked by an HTML comment on the line right above its fence:
+# <!-- fragment --> (not whole: shown, not built), <!-- gpu --> (Python that needs a GPU) or
+# <!-- file: NAME --> (written out as NAME beside the page's Python blocks when they run).
+BLOCK = re.compile(r"(?:<!-- ([\w-]+)(?:: ([\w./-]+))? -->\n[ \t]*)?```(\w[\w+]*)\n(.*?)```",
+                   re.S)
+CPP_LANGUAGES = {"cpp", "cuda", "c++"}
+SNIPPET_TIMEOUT_S = 600
+
+
+def code_blocks(page: Path) -> list[tuple[str | None, str | None, str, str]]:
+    """(marker, its argument, language, text) of each fenced block of `page`."""
+    return [(m.group(1), m.group(2), m.group(3), m.group(4))
+            for m in BLOCK.finditer(page.read_text())]
+
+
+def finish_all(commands: dict[str, tuple[list[str], dict]]) -> dict[str, tuple[int, str]]:
+    """Runs the commands at once and returns each one's (exit code, output); a command still
+    running after SNIPPET_TIMEOUT_S is killed and reported so."""
+    started = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, **options)
+               for name, (argv, options) in commands.items()}
+    results = {}
+    for name, process in started.items():
+        try:
+            output = process.communicate(timeout=SNIPPET_TIMEOUT_S)[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output = process.communicate()[0] + f"\n(killed after {SNIPPET_TIMEOUT_S} s)"
+        results[name] = (process.returncode, output)
+    return results
+
+
+def test_cpp_blocks_compile(tmp_path):
+    """Every whole C++ block of every page compiles for sm_90 against jitk's headers."""
+    from jitk.build import toolchain
+    from jitk.build.builder import include_flags
+
+    flags = ["-ccbin", toolchain.nvcc_host_compiler(), "-std=c++20", "--expt-relaxed-constexpr",
+             "-arch=sm_90", "-x", "cu", *include_flags([PACKAGE / "include"])]
+    commands = {}
+    for page in PAGES:
+        for index, (marker, _, language, text) in enumerate(code_blocks(page)):
+            if language not in CPP_LANGUAGES or marker == "fragment":
+                continue
+            source = tmp_path / f"{page.stem}_{index}.cu"
+            source.write_text(text)
+            commands[f"{page_id(page)} block {index}"] = (
+                [toolchain.nvcc_path(), *flags, "-c", str(source), "-o",
+                 str(source.with_suffix(".o"))], {})
+    assert any(name.startswith("docs/developer_guide/persistent_kernels.md")
+               for name in commands)
+    failed = {name: output for name, (code, output) in finish_all(commands).items() if code}
+    assert not failed, "C++ blocks that do not compile:\n" + "\n".join(
+        f"--- {name}\n{output[-2000:]}" for name, output in failed.items())
+
+
+def test_python_blocks_run(tmp_path):
+    """Every whole Python block that needs no GPU runs as written, each in its own process,
+    beside the files its page's <!-- file: NAME --> blocks hold."""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "JITK_CUDA_ARCH": "9.0"}
+    commands = {}
+    for number, page in enumerate(PAGES):
+        folder = tmp_path / f"{number}_{page.stem}"  # two pages are README.md
+        folder.mkdir()
+        blocks = code_blocks(page)
+        for marker, name, _, text in blocks:
+            if marker == "file":
+                (folder / Path(name).name).write_text(text)
+        for index, (marker, _, language, text) in enumerate(blocks):
+            if language != "python" or marker in {"fragment", "gpu"}:
+                continue
+            script = folder / f"block_{index}.py"
+            script.write_text(textwrap.dedent(text))
+            commands[f"{page_id(page)} block {index}"] = (
+                [sys.executable, str(script)], {"cwd": folder, "env": env})
+    assert any(name.startswith("docs/developer_guide/persistent_kernels.md")
+               for name in commands)
+    failed = {name: output for name, (code, output) in finish_all(commands).items() if code}
+    assert not failed, "Python blocks that do not run:\n" + "\n".join(
+        f"--- {name}\n{output[-2000:]}" for name, output in failed.items())

@@ -19,6 +19,7 @@ import pytest
 import torch
 from errors import expect_error
 
+from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.jit import JitCompileError
 from jitk.persistent import (
     CHAIN_OPS,
@@ -128,28 +129,29 @@ def test_declaration_must_match_args():
                (TensorArg("x", torch.bfloat16, ("n",)), IntArg("n")))
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], [short]),
                  "declares 2 arguments (16 bytes), but jitk::persistent::chain::Scale::Args is "
-                 "32 bytes", kind=ValueError)
+                 "32 bytes", kind=ArgumentError)
 
 
 # ------------------------------------------------------------------------------ host checks
 @pytest.mark.parametrize("item, kind, fragments", [
-    (("nope", {}), ValueError, ["unknown op 'nope'", "rmsnorm, scale, add"]),
-    (("scale", dict(x=rows(), y=rows(), factor=1.0, z=1)), TypeError,
+    (("nope", {}), ArgumentError, ["unknown op 'nope'", "rmsnorm, scale, add"]),
+    (("scale", dict(x=rows(), y=rows(), factor=1.0, z=1)), ArgumentTypeError,
      ["unexpected argument(s) ['z']"]),
-    (("scale", dict(x=rows(dtype=torch.float32), y=rows(), factor=1.0)), TypeError,
+    (("scale", dict(x=rows(dtype=torch.float32), y=rows(), factor=1.0)), ArgumentTypeError,
      ["scale: 'x' must be torch.bfloat16, got torch.float32"]),
-    (("scale", dict(x=rows().view(8, 8), y=rows(), factor=1.0)), ValueError,
+    (("scale", dict(x=rows().view(8, 8), y=rows(), factor=1.0)), ArgumentError,
      ["'x' must have 1 dimension(s) ('n',), got shape (8, 8)"]),
-    (("add", dict(x=rows(64), b=rows(32), y=rows(64))), ValueError,
+    (("add", dict(x=rows(64), b=rows(32), y=rows(64))), ArgumentError,
      ["add: 'b' dimension 0: expected 'n' = 64 (bound by an earlier tensor), got 32"]),
-    (("scale", dict(x=rows(128)[::2], y=rows(), factor=1.0)), ValueError,
+    (("scale", dict(x=rows(128)[::2], y=rows(), factor=1.0)), ArgumentError,
      ["'x' must be contiguous"]),
-    (("scale", dict(y=rows(), factor=1.0)), TypeError, ["'x' must be a tensor, got NoneType"]),
-    (("scale", dict(x=rows(), y=rows(), factor="2")), TypeError,
+    (("scale", dict(y=rows(), factor=1.0)), ArgumentTypeError,
+     ["'x' must be a tensor, got NoneType"]),
+    (("scale", dict(x=rows(), y=rows(), factor="2")), ArgumentTypeError,
      ["'factor' must be a float, got str"]),
-    (("scale", dict(x=rows(), y=rows(), n=65, factor=1.0)), ValueError,
+    (("scale", dict(x=rows(), y=rows(), n=65, factor=1.0)), ArgumentError,
      ["'n' = 65 but the tensors' 'n' is 64"]),
-    (("scale", dict(x=rows(), y=rows(), n=True, factor=1.0)), TypeError,
+    (("scale", dict(x=rows(), y=rows(), n=True, factor=1.0)), ArgumentTypeError,
      ["'n' must be an int, got bool"]),
 ])
 def test_arguments_checked_on_host(host_chain, item, kind, fragments):
@@ -159,29 +161,43 @@ def test_arguments_checked_on_host(host_chain, item, kind, fragments):
 def test_device_checked_on_host(chain):
     expect_error(lambda: chain.prepare([("scale", dict(x=rows(), y=rows(), factor=1.0))]),
                  f"scale: 'x' must be on the worker's device {chain.device}, got cpu",
-                 kind=ValueError)
+                 kind=ArgumentError)
 
 
 def test_batch_checks(host_chain):
-    expect_error(lambda: host_chain.prepare([]), "no items to push", kind=ValueError)
+    expect_error(lambda: host_chain.prepare([]), "no items to push", kind=ArgumentError)
     expect_error(lambda: host_chain.prepare(["scale"]), "item 0: expected (op_name, {argument: "
-                 "value})", kind=TypeError)
+                 "value})", kind=ArgumentTypeError)
     small = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=16)
     small.device = torch.device("cpu")
     x = rows()
     expect_error(lambda: small.prepare([("scale", dict(x=x, y=x, factor=1.0))] * 17),
-                 "17 items do not fit the ring of 16", kind=ValueError)
+                 "17 items do not fit the ring of 16", kind=ArgumentError)
 
 
 def test_construction_refusals():
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, capacity=100),
-                 "capacity must be a power of two >= 16, got 100", kind=ValueError)
+                 "capacity must be a power of two >= 16, got 100", kind=ArgumentError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, device="cpu"),
                  "Worker(device=...) must be a CUDA device", "got 'cpu'", kind=ValueError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], []),
-                 "ops must be a non-empty sequence", kind=TypeError)
+                 "ops must be a non-empty sequence", kind=ArgumentTypeError)
     expect_error(lambda: Op("x", "X", (IntArg("a"), IntArg("a"))), "argument names repeat",
-                 kind=ValueError)
+                 kind=ArgumentError)
+
+
+@pytest.mark.parametrize("name", ["after", "timeout", "op", "chain", "items", "self"])
+def test_op_refuses_names_push_takes(name):
+    """push(op, after=, timeout=, **args) would take such an argument as its own."""
+    expect_error(lambda: Op("wait_for", "W", (IntArg("n"), IntArg(name))),
+                 f"Op 'wait_for': argument '{name}' has a name push() takes", kind=ArgumentError)
+
+
+def test_tensor_arg_dtype_must_be_a_torch_dtype():
+    expect_error(lambda: TensorArg("x", "bf16", ("n",)),
+                 "TensorArg 'x': dtype must be a torch.dtype", "got 'bf16'",
+                 kind=ArgumentTypeError)
+    assert TensorArg("x", torch.bfloat16, ("n",)).dtype is torch.bfloat16
 
 
 def test_not_running_refusals(chain):
@@ -191,14 +207,14 @@ def test_not_running_refusals(chain):
     expect_error(lambda: chain.wait(0), "cannot wait: the worker is not running")
     chain.stop()  # a worker never started stops at once
     expect_error(lambda: chain.start(blocks=0), "blocks must be an int >= 1, got 0",
-                 kind=ValueError)
+                 kind=ArgumentError)
     expect_error(lambda: chain.start(dependency_timeout=0), "dependency_timeout must be in",
-                 kind=ValueError)
+                 kind=ArgumentError)
     expect_error(lambda: chain.start(stream="side"), "stream must be a torch.cuda.Stream",
-                 kind=ValueError)
+                 kind=ArgumentError)
     for idle_poll_us in (0, 0.01, 2000):
         expect_error(lambda v=idle_poll_us: chain.start(idle_poll_us=v),
-                     "idle_poll_us must be in [0.032, 1000]", kind=ValueError)
+                     "idle_poll_us must be in [0.032, 1000]", kind=ArgumentError)
     assert issubclass(QueueFullError, TimeoutError)
 
 
@@ -222,6 +238,54 @@ def test_error_codes_raise_their_messages(code, ticket, detail, message):
     assert got == "jitk: persistent worker: " + message
 
 
+class _StreamKernels:
+    """The worker's module, but recording the streams it is asked to make and destroy."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels, self.calls = kernels, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._kernels, name)
+
+    def create_stream(self, device: int) -> int:
+        self.calls.append(("create", device))
+        return 0x5EED
+
+    def destroy_stream(self, handle: int) -> None:
+        self.calls.append(("destroy", handle))
+
+
+def test_own_stream_is_made_by_cuda_and_destroyed_once_ended(monkeypatch):
+    """Without stream=, the worker's stream comes from its module (cudaStreamCreate), never
+    from torch's pool of shared streams; stop() destroys it only once the kernel has ended."""
+    worker = persistent_cases.running_on_host(persistent_cases.chain_worker(capacity=16))
+    kernels = _StreamKernels(worker._kernels)
+    monkeypatch.setattr(worker, "_kernels", kernels)
+    monkeypatch.setattr(worker, "device", torch.device("cuda", 0))
+
+    def pooled(*args, **kwargs):
+        raise AssertionError("the worker took a stream from torch's pool")
+
+    wrapped = []
+    monkeypatch.setattr(torch.cuda, "Stream", pooled)
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda handle, device: wrapped.append((handle, device)) or "ext")
+    worker._stream, worker._own_stream = worker._open_stream(None)
+    assert kernels.calls == [("create", 0)] and wrapped == [(0x5EED, worker.device)]
+    assert worker._stream == "ext" and worker.running
+    # The kernel has not ended: stop() gives up, and the stream must outlive it.
+    expect_error(lambda: worker.stop(timeout=0.01), "did not exit", kind=TimeoutError)
+    assert kernels.calls == [("create", 0)]
+    worker._ended = type("Ended", (), {"query": staticmethod(lambda: True)})
+    worker.stop()
+    assert kernels.calls == [("create", 0), ("destroy", 0x5EED)] and not worker.running
+    given = object()
+    assert worker._open_stream(given) == (given, 0)  # a caller's stream is theirs to destroy
+    worker._stream, worker._own_stream = given, 0
+    worker._close_stream()
+    assert len(kernels.calls) == 2
+
+
 # ------------------------------------------------------------------------------ GPU
 def run_case(name: str, timeout_s: float = 90) -> str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -240,7 +304,7 @@ def test_host_waits_end_with_their_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push",
-                                  "stream_wait", "errors",
+                                  "stream_wait", "errors", "own_stream",
                                   "stop_timeout", "fault", "refusals"])
 def test_gpu_case(name):
     run_case(name)

@@ -121,6 +121,23 @@ inline void store_word(TensorView words, int64_t index, int64_t value) {
   __atomic_store_n(&w[index], value, __ATOMIC_RELEASE);
 }
 
+// The stream a worker started without one runs on: made here, not taken from torch's pool,
+// which hands its streams out in turn, so no other code can be given it and queue work behind
+// a kernel that does not end. Non-blocking: the legacy default stream does not wait for it.
+inline int64_t create_stream(int64_t device) {
+  RuntimeCheck(device >= 0, "device must be >= 0, got ", device);
+  const DeviceGuard on(static_cast<int>(device));
+  cudaStream_t stream = nullptr;
+  RuntimeDeviceCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return reinterpret_cast<int64_t>(stream);
+}
+
+// Destroys a stream create_stream made; persistent.py calls it once the worker's kernel ended.
+inline void destroy_stream(int64_t stream) {
+  RuntimeCheck(stream != 0, "stream must be one create_stream made, got 0");
+  RuntimeDeviceCheck(cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream)));
+}
+
 // A worker over the op table Ops...: its exports for persistent.py.
 template <typename... Ops>
 struct Worker {

@@ -39,17 +39,15 @@ Nothing hangs: `stop(timeout)` asks the worker to finish what was pushed and exi
 abort, and raises TimeoutError if it is still running; every wait has a timeout.
 
 What a resident worker costs other work: its blocks hold `blocks` SMs (one block of 256
-threads each, mostly waiting) for as long as it runs, so a kernel that fills the GPU gets
-that many fewer SMs, and on the whole GPU any resident kernel slows a GPU-filling kernel
-beside it, more the more blocks the worker has. Started on `jitk.split_sms(8).own`, with the
-other kernels on `.rest`, the worker costs such a kernel nothing measurable; the kernel then
-pays only for the SMs it lost (figures: docs/developer_guide/persistent_kernels.md). A
-worker started while the GPU is full waits for SMs like any kernel. And CUDA's lazy module
-loading (the default) loads a kernel at its first launch, and CUDA warns that this loading may
-wait for the GPU's running work, which a resident worker never finishes (jitk.kernels.wait_value's
-docstring measured such hangs behind stream waits): run every kernel you will use beside the
-worker once before `start()`, as the tests and the benchmark do. `start()` itself loads the
-worker's kernel first. """
+threads each, mostly waiting) for as long as it runs, and on the whole GPU any resident kernel
+slows a GPU-filling kernel beside it. Started on `jitk.split_sms(8).own`, with the other
+kernels on `.rest`, the worker leaves them only the SMs it does not hold (the measured tables:
+docs/developer_guide/persistent_kernels.md). A worker started while the GPU is full waits for
+SMs like any kernel. Its kernel never ends before stop(): `torch.cuda.synchronize()`, and so
+starting a graph capture, waits until it stops (check `running`). And CUDA's lazy module
+loading may wait for the GPU's running work when it loads a kernel at its first launch: run
+every kernel you will use beside the worker once before `start()`, as the tests and the
+benchmark do. `start()` itself loads the worker's kernel first. """
 
 from __future__ import annotations
 
@@ -63,17 +61,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jitk.base.errors import JitkError
+from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build.jit import load_jit
+from jitk.kernels.persistent.ops import (
+    ARG_WORDS,
+    CHAIN_OPS,
+    ITEM_WORDS,
+    FloatArg,
+    IntArg,
+    Op,
+    TensorArg,
+    float_word,
+    int_word,
+)
 from jitk.runtime.streams import cuda_device
 
 __all__ = ["CHAIN_OPS", "FloatArg", "IntArg", "Op", "QueueFullError", "TensorArg", "Worker",
            "WorkerError"]
 
 # persistent_host.cuh's layout(): item bytes, ticket/op/after/args offsets, argument bytes, threads.
-ITEM_WORDS, ARG_WORDS = 16, 12
 LAYOUT = (ITEM_WORDS * 8, 0, 8, 16, 24, ARG_WORDS * 8, 256)
-_OP_WORD, _AFTER_WORD, _ARGS_WORD = 1, 2, 3
 _STATE_HEADER_WORDS = 16
 # HostWord and Stop of persistent_queue.cuh.
 _STOP, _ERROR, _ERROR_TICKET, _ERROR_DETAIL, _HOST_WORDS = 0, 1, 2, 3, 8
@@ -88,7 +95,6 @@ _ERRORS = {
        "worker block's shared memory, did not complete within dependency_timeout; that block "
        "stopped (the others may still run those items)",
 }
-_INT64 = (-(2**63), 2**63 - 1)
 IDLE_POLL_US = 0.256  # start()'s default; measured in benchmarks/bench_persistent.py
 _POLL_S = 20e-6  # a waiting host thread's sleep between polls (after a short spin)
 _SPIN_NS, _SPINS_BEFORE_SLEEP = 20_000, 50  # wait(): spin this many slices, then sleep
@@ -102,57 +108,12 @@ class QueueFullError(JitkError, TimeoutError):
     """The ring had no room for the pushed items within the push's timeout."""
 
 
-@dataclass(frozen=True)
-class TensorArg:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int | str | None, ...]
-
-
-@dataclass(frozen=True)
-class IntArg:
-    name: str
-
-
-@dataclass(frozen=True)
-class FloatArg:
-    name: str
-
-
-@dataclass(frozen=True)
-class Op:
-    """One op of a worker's table: `name` in push(), the C++ struct `cpp`, its `Args` words."""
-    name: str
-    cpp: str
-    args: tuple[TensorArg | IntArg | FloatArg, ...]
-
-    def __post_init__(self) -> None:
-        names = [a.name for a in self.args]
-        if len(names) != len(set(names)):
-            raise ValueError(f"Op '{self.name}': argument names repeat: {names}")
-        if len(self.args) > ARG_WORDS:
-            raise ValueError(f"Op '{self.name}' has {len(self.args)} arguments; an item holds "
-                             f"{ARG_WORDS} words")
-
-
-_BF16 = torch.bfloat16
-# The ops of jitk/kernels/persistent/persistent_chain.cuh (rows of n bf16 elements).
-CHAIN_OPS = (
-    Op("rmsnorm", "jitk::persistent::chain::RMSNorm",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("w", _BF16, ("n",)),
-        TensorArg("y", _BF16, ("n",)), IntArg("n"), FloatArg("eps"))),
-    Op("scale", "jitk::persistent::chain::Scale",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("y", _BF16, ("n",)), IntArg("n"),
-        FloatArg("factor"))),
-    Op("add", "jitk::persistent::chain::Add",
-       (TensorArg("x", _BF16, ("n",)), TensorArg("b", _BF16, ("n",)),
-        TensorArg("y", _BF16, ("n",)), IntArg("n"))),
-)
-
 _EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::arg_bytes",
             "layout": "jitk::persistent::layout", "publish": "jitk::persistent::publish",
             "load_word": "jitk::persistent::load_word", "poll_done": "jitk::persistent::poll_done",
-            "store_word": "jitk::persistent::store_word"}
+            "store_word": "jitk::persistent::store_word",
+            "create_stream": "jitk::persistent::create_stream",
+            "destroy_stream": "jitk::persistent::destroy_stream"}
 
 
 @functools.cache
@@ -179,16 +140,16 @@ class Worker:
     def __init__(self, name: str, cuda_files: Sequence[str], ops: Sequence[Op], *,
                  capacity: int = 1024, device: torch.device | str | int = "cuda") -> None:
         if not isinstance(capacity, int) or capacity < 16 or capacity & (capacity - 1):
-            raise ValueError(f"capacity must be a power of two >= 16, got {capacity!r}")
+            raise ArgumentError(f"capacity must be a power of two >= 16, got {capacity!r}")
         ops = tuple(ops)
         if not ops or not all(isinstance(op, Op) for op in ops):
-            raise TypeError("ops must be a non-empty sequence of jitk.persistent.Op")
+            raise ArgumentTypeError("ops must be a non-empty sequence of jitk.persistent.Op")
         self.device = cuda_device(device, "Worker(device=...)")
         self.capacity = capacity
         self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
         self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
         if len(self._ops) != len(ops):
-            raise ValueError(f"op names repeat: {[op.name for op in ops]}")
+            raise ArgumentError(f"op names repeat: {[op.name for op in ops]}")
         table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
         self._kernels = _module(name, tuple(map(str, cuda_files)), table)
         layout = tuple(self._kernels.layout(i) for i in range(len(LAYOUT)))
@@ -198,12 +159,13 @@ class Worker:
         for index, op in enumerate(ops):
             size = self._kernels.arg_bytes(index)
             if size != 8 * len(op.args):
-                raise ValueError(f"Op '{op.name}' declares {len(op.args)} arguments "
-                                 f"({8 * len(op.args)} bytes), but {op.cpp}::Args is {size} "
-                                 "bytes: declare one 8-byte word (pointer, int64_t, double) "
-                                 "per argument, in order")
+                raise ArgumentError(f"Op '{op.name}' declares {len(op.args)} arguments "
+                                    f"({8 * len(op.args)} bytes), but {op.cpp}::Args is {size} "
+                                    "bytes: declare one 8-byte word (pointer, int64_t, double) "
+                                    "per argument, in order")
         self._lock = threading.Lock()
         self._running = self._stopping = False
+        self._stream, self._own_stream = None, 0
 
     # ------------------------------------------------------------------ packing
     def prepare(self, items: Iterable[tuple[str, dict]], *, chain: bool = False) -> Batch:
@@ -213,14 +175,14 @@ class Worker:
         for i, item in enumerate(items):
             if not (isinstance(item, tuple | list) and len(item) == 2
                     and isinstance(item[1], dict)):
-                raise TypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
-                                f"{item!r:.80}")
+                raise ArgumentTypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
+                                        f"{item!r:.80}")
             words += self._pack(item[0], item[1], i - 1 if chain and i > 0 else -1, tensors)
         if not words:
-            raise ValueError("no items to push")
+            raise ArgumentError("no items to push")
         count = len(words) // ITEM_WORDS
         if count > self.capacity:
-            raise ValueError(f"{count} items do not fit the ring of {self.capacity}")
+            raise ArgumentError(f"{count} items do not fit the ring of {self.capacity}")
         packed = torch.frombuffer(bytearray(struct.pack(f"<{len(words)}q", *words)),
                                   dtype=torch.int64)
         return Batch(packed, tensors, count)
@@ -229,11 +191,11 @@ class Worker:
         try:
             index, op = self._ops[op_name]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown op {op_name!r}; this worker has "
-                             f"{', '.join(self._ops)}") from None
+            raise ArgumentError(f"unknown op {op_name!r}; this worker has "
+                                f"{', '.join(self._ops)}") from None
         if unknown := args.keys() - self._arg_names[op_name]:
-            raise TypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it takes "
-                            f"{[a.name for a in op.args]}")
+            raise ArgumentTypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it "
+                                    f"takes {[a.name for a in op.args]}")
         sizes: dict[str, int] = {}
         words = [0, index, after]
         for arg in op.args:  # tensors first bind the shared sizes that ints may default to
@@ -244,35 +206,36 @@ class Worker:
             if isinstance(arg, TensorArg):
                 words.append(value.data_ptr())
             elif isinstance(arg, IntArg):
-                words.append(_int_word(op_name, arg.name, value, sizes.get(arg.name)))
+                words.append(int_word(op_name, arg.name, value, sizes.get(arg.name)))
             else:
-                words.append(_float_word(op_name, arg.name, value))
+                words.append(float_word(op_name, arg.name, value))
         return words + [0] * (ITEM_WORDS - len(words))
 
     def _check_tensor(self, op: str, arg: TensorArg, value: object,
                       sizes: dict[str, int]) -> torch.Tensor:
         # Messages are built only on failure: this runs for every tensor of every push.
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{op}: '{arg.name}' must be a tensor, got {type(value).__name__}")
+            raise ArgumentTypeError(f"{op}: '{arg.name}' must be a tensor, got "
+                                    f"{type(value).__name__}")
         if value.dtype != arg.dtype:
-            raise TypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
+            raise ArgumentTypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
         shape = value.shape
         if len(shape) != len(arg.shape):
-            raise ValueError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
-                             f"{arg.shape}, got shape {tuple(shape)}")
+            raise ArgumentError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
+                                f"{arg.shape}, got shape {tuple(shape)}")
         for dim, (rule, size) in enumerate(zip(arg.shape, shape)):
             expected = sizes.setdefault(rule, size) if isinstance(rule, str) else rule
             if expected is not None and size != expected:
                 what = f"'{rule}' = {expected} (bound by an earlier tensor)" \
                     if isinstance(rule, str) else expected
-                raise ValueError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
-                                 f"{size}")
+                raise ArgumentError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
+                                    f"{size}")
         if not value.is_contiguous():
-            raise ValueError(f"{op}: '{arg.name}' must be contiguous, got strides "
-                             f"{value.stride()}")
+            raise ArgumentError(f"{op}: '{arg.name}' must be contiguous, got strides "
+                                f"{value.stride()}")
         if value.device != self.device:
-            raise ValueError(f"{op}: '{arg.name}' must be on the worker's device "
-                             f"{self.device}, got {value.device}")
+            raise ArgumentError(f"{op}: '{arg.name}' must be on the worker's device "
+                                f"{self.device}, got {value.device}")
         return value
 
     # ------------------------------------------------------------------ running
@@ -281,30 +244,38 @@ class Worker:
               stream: torch.cuda.Stream | None = None) -> Worker:
         """Launches `blocks` worker blocks (one SM each) on a stream of their own: `stream`,
         which the worker then holds until it stops (a green context's stream keeps the worker
-        on that context's SMs), or a new one. `idle_poll_us` bounds an idle block's sleep
-        between looks for new work (each a PCIe read of the ring): longer costs the GPU's
-        other kernels less and a new item more latency."""
+        on that context's SMs), or one the worker creates with the CUDA runtime and destroys
+        once stopped (not one of torch's pooled streams, which other code may be handed).
+        `idle_poll_us` bounds an idle block's sleep between looks for new work (each a PCIe
+        read of the ring): longer costs the GPU's other kernels less and a new item more
+        latency.
+
+        Until stop(), the worker's kernel does not end, so whatever waits for all of the
+        device's work waits for it: `torch.cuda.synchronize()` (and `torch.cuda.graph(...)`,
+        which synchronizes before capturing) blocks until the worker stops. Wait for streams
+        or events instead, and check `running` before synchronizing. Starting is refused
+        while the current stream, or `stream`, is capturing a CUDA graph."""
         if self._running:
             raise RuntimeError("this worker is already running; stop() it first")
         if not isinstance(blocks, int) or blocks < 1:
-            raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+            raise ArgumentError(f"blocks must be an int >= 1, got {blocks!r}")
         if not 0 < dependency_timeout <= 3600:
-            raise ValueError(f"dependency_timeout must be in (0, 3600] seconds, got "
-                             f"{dependency_timeout!r}")
+            raise ArgumentError(f"dependency_timeout must be in (0, 3600] seconds, got "
+                                f"{dependency_timeout!r}")
         if not 0.032 <= idle_poll_us <= 1000:
-            raise ValueError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
+            raise ArgumentError(f"idle_poll_us must be in [0.032, 1000], got {idle_poll_us!r}")
         if stream is not None and (not isinstance(stream, torch.cuda.Stream)
                                    or stream.device != self.device):
-            raise ValueError(f"stream must be a torch.cuda.Stream on the worker's device "
-                             f"{self.device}, got {stream!r}")
-        if torch.cuda.is_current_stream_capturing():
+            raise ArgumentError(f"stream must be a torch.cuda.Stream on the worker's device "
+                                f"{self.device}, got {stream!r}")
+        if _capturing(stream):
             raise RuntimeError("a worker cannot start inside CUDA graph capture: it would be "
                                "captured as a node that never finishes, not launched")
         limit = self._kernels.max_blocks(self.device.index)  # also loads the kernel
         if blocks > limit:
-            raise ValueError(f"blocks={blocks} cannot all be resident at once on "
-                             f"{self.device}: it holds at most {limit} worker blocks (256 "
-                             "threads each); blocks that never start would leave items waiting")
+            raise ArgumentError(f"blocks={blocks} cannot all be resident at once on "
+                                f"{self.device}: it holds at most {limit} worker blocks (256 "
+                                "threads each); blocks that never start would leave items waiting")
         cap = self.capacity
         self._ring = torch.full((cap * ITEM_WORDS,), -1, dtype=torch.int64, pin_memory=True)
         self._done = torch.full((cap,), -1, dtype=torch.int64, pin_memory=True)
@@ -318,15 +289,38 @@ class Worker:
         self._state = state
         self._keep: deque[tuple[int, Batch]] = deque()
         self._next = 0
-        self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
-        self._ended = torch.cuda.Event()
-        self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
-                             int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
-                             self._stream.cuda_stream)
-        self._ended.record(self._stream)
+        self._stream, self._own_stream = self._open_stream(stream)
+        try:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # state's init
+            self._ended = torch.cuda.Event()
+            self._kernels.launch(self._ring, self._done, self._host_words, state, blocks,
+                                 int(dependency_timeout * 1e9), round(idle_poll_us * 1e3),
+                                 self._stream.cuda_stream)
+            self._ended.record(self._stream)
+        except BaseException:
+            self._close_stream()
+            raise
         self._running, self._stopping = True, False
         return self
+
+    def _open_stream(self, stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Stream, int]:
+        """The stream to launch on and the handle of the one the worker made (0 if given)."""
+        if stream is not None:
+            return stream, 0
+        handle = self._kernels.create_stream(self.device.index)
+        return torch.cuda.ExternalStream(handle, device=self.device), handle
+
+    def _close_stream(self) -> None:
+        """Destroys the worker's own stream; call only once its kernel has ended."""
+        if self._own_stream:
+            self._kernels.destroy_stream(self._own_stream)
+        self._stream, self._own_stream = None, 0
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker was started and not yet stopped: while it is, its kernel does not
+        end, and `torch.cuda.synchronize()` would wait until it stops."""
+        return self._running
 
     def push(self, op: str, *, after: int | None = None, timeout: float = 10.0,
              **args: object) -> int:
@@ -356,8 +350,8 @@ class Worker:
                 raise RuntimeError("cannot push: the worker is stopping")
             first = self._next
             if after is not None and not (isinstance(after, int) and 0 <= after < first):
-                raise ValueError(f"after must be the ticket of an item already pushed (0 to "
-                                 f"{first - 1}), got {after!r}")
+                raise ArgumentError(f"after must be the ticket of an item already pushed (0 to "
+                                    f"{first - 1}), got {after!r}")
             while not self._kernels.publish(self._ring_address, self._done_address,
                                             self.capacity, batch.address, batch.count, first,
                                             -1 if after is None else after):
@@ -394,8 +388,8 @@ class Worker:
         deadline = time.monotonic() + timeout
         counter, error = self._done_address + 8 * slot, self._host_words_address + 8 * _ERROR
         spins = 0
-        # Spins in C++ (which sees the counter change an order of magnitude sooner than a
-        # Python loop of loads) in bounded slices, then sleeps between looks.
+        # Spins in C++ (which sees the counter change sooner than a Python loop of loads) in
+        # bounded slices, then sleeps between looks.
         while (state := self._kernels.poll_done(counter, ticket, error, _SPIN_NS)) == 0:
             spins += 1
             if self._has_ended():
@@ -439,6 +433,7 @@ class Worker:
                                        "still running?); call stop() again later: its blocks "
                                        "hold their SMs until it exits")
                 self._running = False
+                self._close_stream()
                 self.raise_if_failed()  # an error recorded on the way explains the wait better
                 raise TimeoutError(f"the worker did not finish its items within {timeout} s "
                                    "and was aborted; items pushed may not have run")
@@ -446,6 +441,7 @@ class Worker:
             self._running = False
             raise
         self._running = False
+        self._close_stream()
         self.raise_if_failed()
 
     def _has_ended(self) -> bool:
@@ -465,8 +461,8 @@ class Worker:
     def _slot_of(self, ticket: int) -> int:
         self._require_running("wait")
         if not isinstance(ticket, int) or not 0 <= ticket < self._next:
-            raise ValueError(f"ticket must be one that was pushed (0 to {self._next - 1}), got "
-                             f"{ticket!r}")
+            raise ArgumentError(f"ticket must be one that was pushed (0 to {self._next - 1}), got "
+                                f"{ticket!r}")
         return ticket % self.capacity
 
     def _require_running(self, what: str) -> None:
@@ -480,19 +476,11 @@ class Worker:
         self.stop()
 
 
-def _int_word(op: str, name: str, value: object, bound: int | None) -> int:
-    if value is None and bound is not None:
-        return bound
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be an int, got {type(value).__name__}")
-    if bound is not None and value != bound:
-        raise ValueError(f"{op}: '{name}' = {value} but the tensors' '{name}' is {bound}")
-    if not _INT64[0] <= value <= _INT64[1]:
-        raise ValueError(f"{op}: '{name}' = {value} does not fit an int64")
-    return value
-
-
-def _float_word(op: str, name: str, value: object) -> int:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"{op}: '{name}' must be a float, got {type(value).__name__}")
-    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+def _capturing(stream: torch.cuda.Stream | None) -> bool:
+    """Whether the current stream, or `stream`, is capturing a CUDA graph."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    if stream is None:
+        return False
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
