@@ -88,7 +88,7 @@ struct Tuning {
 // 8192). The prefetch saves 0.1-0.3 us when the weight is out of L2 (each layer has its own).
 // jitk.norm overrides these per shape where `python -m jitk tune` found better.
 constexpr int default_row_registers(int hidden, int elem_bytes) {
-  return hidden * elem_bytes < 512 ? 4 : 16;
+  return int64_t{hidden} * elem_bytes < 512 ? 4 : 16;  // up to kMaxHidden x 4 bytes
 }
 template <int kRowRegisters>
 using DefaultTuningWith = Tuning<kRowRegisters, true>;
