@@ -153,8 +153,13 @@ def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list
     if not vary:
         return []
     base = space.config(bucket) if around is None else {**norm._default_knobs(bucket), **around}
-    knobs = [{**base, **dict(zip(vary, values))}
+    every = [{**base, **dict(zip(vary, values))}
              for values in itertools.product(*(norm._KNOBS[name] for name in vary))]
+    default = norm._default_knobs(bucket)
+    knobs = [k for k in every if k == default or norm._applies(k, *bucket[:2])]
+    if len(knobs) < len(every):  # rmsnorm.cuh's tuning_applies: they would run the default
+        print(f"left out {len(every) - len(knobs)} products that would run the default's "
+              "kernel at this width")
     autotune.prebuild([(space.op, bucket, k) for k in knobs], default_precompile_archs()[0],
                       os.cpu_count() or 1)
     return knobs

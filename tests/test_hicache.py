@@ -63,6 +63,15 @@ def test_python_rules_for_template_arguments_match_the_cpp_ones():
         assert module.element_size_supported(size) == fits, size
 
 
+def test_every_tuned_unroll_is_one_the_cpp_builds():
+    """The tuner's unroll values (and the default) pass hicache.cuh's static_assert: none
+    fails to build mid-tuning."""
+    module = hicache._copy_module()
+    assert hicache.DEFAULT_UNROLL in hicache._LAUNCH_KNOBS["unroll"]
+    for unroll in hicache._LAUNCH_KNOBS["unroll"]:
+        assert module.unroll_supported(unroll), unroll
+
+
 def cache_entries() -> set[str]:
     return set(os.listdir(os.environ["JITK_CACHE_DIR"]))
 

@@ -312,7 +312,7 @@ def _spill_check_source() -> str:
     kernel, in both 16-bit dtypes, plain and fused."""
     from jitk.build.cpp_args import make_cpp_args
 
-    lines, kernels = ["#include <rmsnorm.cuh>", "using namespace jitk::norm;"], []
+    lines, kernels = ["#include <norm/rmsnorm.cuh>", "using namespace jitk::norm;"], []
     for hidden in sorted({hidden for _, hidden in norm._RMSNORM_SPACE.shapes}):
         for dtype, name in ((torch.bfloat16, "jitk::bf16_t"), (torch.float16, "jitk::fp16_t")):
             default = norm._default_knobs((hidden, dtype))

@@ -31,6 +31,9 @@ import torch
 
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
+from jitk.kernels.norm.rules import applies as _applies
+from jitk.kernels.norm.rules import check_applies as _check_applies
+from jitk.kernels.norm.rules import default_knobs as _default_knobs
 from jitk.runtime.op import Tolerance, op
 from jitk.tools import api_log
 from jitk.tools.autotune import TuningSpace
@@ -84,7 +87,8 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
 
 
 # ---------------------------------------------------------------------------- tuning
-# jitk::norm::Tuning's knobs, in its template order, and the values a tuning file may name.
+# jitk::norm::Tuning's knobs, in its template order (a test reads that order from rmsnorm.cuh),
+# and the values a tuning file may name.
 # Left out of the search: the vector width (16 bytes, SGLang's too, is the widest an H100
 # loads). Block 0's weight prefetch pays in short launches where each layer's weight is cold,
 # as in a model, and a tuning loop over one weight never shows it, so it is tried off only at
@@ -140,22 +144,6 @@ _TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets"
                           "prefetch_weight": False},)
 
 
-def _default_knobs(bucket: tuple) -> dict:
-    """rmsnorm.cuh's DefaultTuning."""
-    hidden, dtype = bucket[:2]
-    return {"row_registers": 4 if hidden * dtype.itemsize < 512 else 16, "prefetch_weight": True,
-            "pdl": True, "max_vec_bytes": 16, "register_cap": True, "broadcast_sum": False,
-            "pin_offsets": False, "row_first": False, "sum_chains": 1, "late_trigger": False,
-            "fill_sm": False, "one_turn": False, "two_vectors": False}
-
-
-def _applies(changes: dict, hidden: int, dtype: torch.dtype) -> bool:
-    """Whether a choice changes the kernel at a width: two_vectors only where rmsnorm.cuh's
-    TwoVectors fits (a row a multiple of 1024 bytes, up to 32 KiB)."""
-    row_bytes = hidden * dtype.itemsize
-    return not changes.get("two_vectors") or (row_bytes % 1024 == 0 and row_bytes <= 32768)
-
-
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
     return _knob_values(knobs) in _tried_values(*bucket[:3])
@@ -168,8 +156,9 @@ def _tried_values(hidden: int, dtype: torch.dtype, rows: int) -> frozenset[tuple
     tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
              *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
     default = _default_knobs((hidden, dtype))
-    return frozenset(_knob_values({**default, **changes}) for changes in tried
-                     if _applies(changes, hidden, dtype))
+    choices = ({**default, **changes} for changes in tried)
+    return frozenset(_knob_values(knobs) for knobs in choices
+                     if knobs == default or _applies(knobs, hidden, dtype))
 
 
 def _knob_values(knobs: dict) -> tuple:
@@ -188,7 +177,7 @@ def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict
     choices = [default]
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_AT_SHORT_LIMIT):
         knobs = {**default, **changes}
-        if _applies(changes, hidden, dtype) and knobs not in choices:
+        if _applies(knobs, hidden, dtype) and knobs not in choices:
             choices.append(knobs)
     return tuple(knobs for knobs in ({**c, "pdl": pdl} for c in choices) if knobs != default)
 
@@ -215,6 +204,7 @@ def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
 
 
 def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
+    _check_applies(bucket, knobs)
     hidden, dtype = bucket[:2]
     if knobs == _default_knobs(bucket):
         return _kernels(hidden, dtype)

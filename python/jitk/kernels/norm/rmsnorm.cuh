@@ -16,6 +16,7 @@
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -70,6 +71,12 @@ struct Tuning {
   static constexpr bool kFillSm = kFillSm_;
   static constexpr bool kOneTurn = kOneTurn_;
   static constexpr bool kTwoVectors = kTwoVectors_;
+  // The knobs in template order, as ints: what the rules module (rules_default_knob) reports.
+  static constexpr std::array kKnobs{kRowRegisters_,     int{kPrefetchWeight_}, int{kPdl_},
+                                     kMaxVecBytes_,      int{kRegisterCap_},    int{kBroadcastSum_},
+                                     int{kPinOffsets_},  int{kRowFirst_},       kSumChains_,
+                                     int{kLateTrigger_}, int{kFillSm_},         int{kOneTurn_},
+                                     int{kTwoVectors_}};
   // kPdl is a launch attribute only: launches with and without PDL run one kernel.
   using Body = Tuning<kRowRegisters_, kPrefetchWeight_, true, kMaxVecBytes_, kRegisterCap_,
                       kBroadcastSum_, kPinOffsets_, kRowFirst_, kSumChains_, kLateTrigger_,
@@ -80,15 +87,39 @@ struct Tuning {
 // vector (a warp's loads cover whole lines); longer: four vectors a thread (ahead of two at
 // 8192). The prefetch pays when the weight is out of L2 (each layer has its own).
 // jitk.norm overrides these per shape where `python -m jitk tune` found better.
+constexpr int default_row_registers(int hidden, int elem_bytes) {
+  return int64_t{hidden} * elem_bytes < 512 ? 4 : 16;  // up to kMaxHidden x 4 bytes
+}
+template <int kRowRegisters>
+using DefaultTuningWith = Tuning<kRowRegisters, true>;
 template <int kHidden, typename T>
-using DefaultTuning = Tuning<(kHidden * sizeof(T) < 512 ? 4 : 16), true>;
+using DefaultTuning = DefaultTuningWith<default_row_registers(kHidden, sizeof(T))>;
 
 // The widest access (at most max_bytes) whose element count divides the hidden size.
-template <typename T>
-constexpr int widest_vec_size(int hidden, int max_bytes = 16) {
-  int size = max_of(1, max_bytes / static_cast<int>(sizeof(T)));
+constexpr int widest_vec_size(int hidden, int elem_bytes, int max_bytes) {
+  int size = max_of(1, max_bytes / elem_bytes);
   while (hidden % size != 0) size /= 2;
   return size;
+}
+template <typename T>
+constexpr int widest_vec_size(int hidden, int max_bytes = 16) {
+  return widest_vec_size(hidden, static_cast<int>(sizeof(T)), max_bytes);
+}
+
+// Where kTwoVectors' kernel (TwoVectors) fits: a thread two 16-byte vectors, whole warps, at
+// most a block's threads; that is, rows of a multiple of 1024 bytes up to 32 KiB.
+constexpr bool two_vectors_fit(int hidden, int elem_bytes) {
+  const int vec_size = 16 / elem_bytes;
+  return hidden % (2 * vec_size * kWarpThreads) == 0 && hidden / (2 * vec_size) <= kMaxBlockThreads;
+}
+
+// Whether plain rows of whole vectors run a tuning's own kernel at a width: kTwoVectors where
+// TwoVectors fits, the others where an access is more than one element. Elsewhere RMSNorm would
+// run the defaults' kernel in its place, so it refuses to build such a tuning, and Python asks
+// first (the rules module) rather than build or time a copy of the default.
+constexpr bool tuning_applies(int hidden, int elem_bytes, int max_vec_bytes, bool two_vectors) {
+  return two_vectors ? two_vectors_fit(hidden, elem_bytes)
+                     : widest_vec_size(hidden, elem_bytes, max_vec_bytes) > 1;
 }
 
 // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh): what
@@ -453,8 +484,7 @@ template <int kHidden, typename T>
 struct TwoVectors : Access<T, 16 / static_cast<int>(sizeof(T))> {
   static constexpr int kVecSize = 16 / static_cast<int>(sizeof(T));
   static constexpr int kThreads = kHidden / (2 * kVecSize);
-  static constexpr bool kFits =
-      kHidden % (2 * kVecSize * kWarpThreads) == 0 && kThreads <= kMaxBlockThreads;
+  static constexpr bool kFits = two_vectors_fit(kHidden, sizeof(T));
 };
 
 // `sum` plus the squares of a vector's elements, added a pair at a time.
@@ -562,6 +592,9 @@ struct RMSNorm {
   static_assert(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>,
                 "rmsnorm supports float32, float16 and bfloat16");
   static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
+  static_assert(std::is_same_v<Tune, DefaultTuning<kHidden, T>> ||
+                    tuning_applies(kHidden, sizeof(T), Tune::kMaxVecBytes, Tune::kTwoVectors),
+                "this tuning would run the defaults' kernel at this width (tuning_applies)");
 
   // out = rmsnorm(input) * weight; out may be input.
   static void run(TensorView input, TensorView weight, TensorView out, double eps) {
@@ -614,7 +647,7 @@ struct RMSNorm {
     if (p.rows == 0) return;
     constexpr int kVec = kVecSizeOf<Tune>, kDefaultVec = kVecSizeOf<Default>;
     using Pair = TwoVectors<kHidden, T>;
-    if constexpr (Tune::kTwoVectors && Pair::kFits) {
+    if constexpr (Tune::kTwoVectors) {
       if (p.plain_rows != 0 && vectors_aligned(p, Pair::kVecSize)) {
         // A block a row: fewer than 2^31 rows, within the grid's limit.
         return LaunchKernel(dim3(p.plain_rows), dim3(Pair::kThreads), device)
@@ -648,5 +681,20 @@ struct RMSNorm {
             rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>, p);
   }
 };
+
+// ---------------------------------------------------------------------------------------
+// With tuning_applies, the rules jitk.kernels.norm keeps copies of: its rules module exports
+// them, and its tests hold the copies to them at every width (hidden size, element bytes).
+
+inline int rules_knob_count() { return static_cast<int>(Tuning<1, true>::kKnobs.size()); }
+
+// The default tuning's knob `index` (Tuning's template order).
+inline int rules_default_knob(int hidden, int elem_bytes, int index) {
+  using Rest = DefaultTuningWith<kMaxRowRegisters>;
+  static_assert(Rest::kKnobs[0] == kMaxRowRegisters, "knob 0 is kRowRegisters");
+  RuntimeCheck(index >= 0 && index < rules_knob_count(), "knob index ", index, " is not in 0..",
+               rules_knob_count() - 1);
+  return index == 0 ? default_row_registers(hidden, elem_bytes) : Rest::kKnobs[index];
+}
 
 }  // namespace jitk::norm
