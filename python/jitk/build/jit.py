@@ -2,9 +2,10 @@
 
 The build itself is ninja's (jitk/build.py); the exports are jitk's (jitk/export.h, on tvm-ffi's
 C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every kernel
-build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
-header and kernel file and the compiler versions, independent of where jitk is installed,
-with the target architectures named after it (a lookup takes an entry built for more); a
+build). jitk adds what tvm-ffi leaves to its callers: a cache key over the kernel files, the
+generated sources, the flags and the compiler versions, independent of where jitk is
+installed, with the digests of the headers each build read checked on every lookup and
+the target architectures named after it (a lookup takes an entry built for more); a
 cache that readers use without locks or writes once they have checked who could have
 written it (jitk/trust.py), filled by builds published in one rename (jitk/cache.py,
 jitk/build.py); a mode that never compiles; compile errors that show the compiler's own
@@ -194,19 +195,16 @@ def _render_source(module: str, files: list[Path], wrappers: list[tuple[str, str
     return "\n".join(lines) + "\n"
 
 
-def _hash_tree(digest: hashlib._Hash, root: Path) -> None:
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-
-
 def _cache_key(material: dict, sources: list[Path]) -> str:
-    """A digest of everything that goes into a build, with the package's location taken
-    out: installations of the same jitk share entries."""
+    """A digest of what names a build (module name, generated sources, flags, compiler and
+    tvm-ffi versions, kernel files), with the package's location taken out: installations of
+    the same jitk share entries. The headers are not in it: an entry records the ones its
+    build read, with their digests, and a lookup that finds one changed rebuilds
+    (builder.package_headers, cache.look_up), so a header edit rebuilds only the entries
+    that include it."""
     digest = hashlib.sha256()
     text = json.dumps({"format": cache.FORMAT, **material}, sort_keys=True, default=str)
     digest.update(text.replace(str(PACKAGE_DIR), cache.PACKAGE_MARK).encode())
-    _hash_tree(digest, INCLUDE_DIR)  # any jitk header edit rebuilds everything
     for path in sources:
         digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
@@ -406,7 +404,7 @@ def load_jit(
     entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
         name, build_key, archs)
     spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
-                     sources, tuple(kernel_files), INCLUDE_DIR, build_flags)
+                     sources, tuple(kernel_files), build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
