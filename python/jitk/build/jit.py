@@ -43,7 +43,10 @@ INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "kernels"  # a folder a family
 
 DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
-DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
+# nvcc's -O is the host compiler's level only (cicc and ptxas optimise device code fully
+# whatever it is): the host side of a .cu is launch wrappers, which need little, and -O1
+# leaves the kernels' machine code byte for byte the same (debugging_and_performance.md).
+DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O1", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 # Bind every symbol at load: a missing one fails the builder's load, before publication,
 # rather than killing the process at the first call that needs it.
 DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
