@@ -17,7 +17,7 @@ import jitk
 import jitk.build.jit
 from jitk.build import builder as build
 from jitk.build import toolchain
-from jitk.build.cache import META_FILE, list_entries
+from jitk.build.cache import META_FILE, PACKAGE_MARK, list_entries
 
 AXPY = Path(__file__).resolve().parent / "csrc" / "cpu_axpy.h"
 # A space, a shell variable, a colon (ninja's and make's separator), non-ASCII, a quote.
@@ -83,8 +83,11 @@ def test_paths_with_spaces_dollars_colons_and_non_ascii_build(language, tmp_path
     odd_include = ODD if language == "cpp" else ODD_FOR_NVCC
     kernel, include = write_odd_kernel(tmp_path, 7, odd_include)
     assert load_odd(kernel, include, language).scaled(3) == 21
-    # ninja's record of the headers read the folder right: the header is checked on loads.
-    assert recorded_headers(cache, f"odd_{language}") == [str(include / "odd_value.h")]
+    # ninja's record of the headers read the folder right: the header is checked on loads,
+    # as are jitk's own, recorded wherever the package is installed.
+    recorded = recorded_headers(cache, f"odd_{language}")
+    assert [h for h in recorded if not h.startswith(PACKAGE_MARK)] == [str(include / "odd_value.h")]
+    assert f"{PACKAGE_MARK}/include/jitk/export.h" in recorded
     if language == "cuda":  # nvcc's command line: one CUDA build only, it is slow
         [entry] = list_entries(cache)
         assert "-ccbin" in (entry.path / "build.ninja").read_text()

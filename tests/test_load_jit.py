@@ -258,20 +258,43 @@ def test_editing_an_included_user_header_rebuilds(tmp_path):
     assert builds_in(result) == 1 and "result 20" in result.stdout
 
 
-def test_editing_a_jitk_header_rebuilds(tmp_path, monkeypatch):
+def test_a_jitk_header_edit_rebuilds_only_the_entries_that_read_it(tmp_path, monkeypatch):
     include = tmp_path / "include"
     shutil.copytree(jitk.build.jit.INCLUDE_DIR, include)
     monkeypatch.setattr(jitk.build.jit, "INCLUDE_DIR", include)
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
-    kernel = write_kernel(tmp_path / "repo")
-    load = lambda: jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])
-    load()
-    load()
-    assert len(list_entries(tmp_path / "cache")) == 1
-    with (include / "jitk" / "utils.h").open("a") as header:
-        header.write("\n// an edit\n")
-    load()
-    assert len(list_entries(tmp_path / "cache")) == 2
+    plain = write_kernel(tmp_path / "plain")
+    with_rows = tmp_path / "rows" / "with_rows.cuh"
+    with_rows.parent.mkdir()
+    with_rows.write_text("#include <jitk/rows.h>\n#include <cstdint>\n"
+                         "int64_t twice(int64_t x) { return 2 * x; }\n")
+    loads = {"scaled": lambda: jitk.load_jit("scaled", cpp_files=[plain],
+                                             cpp_wrappers=[("scaled", "scaled")]).scaled(5),
+             "twice": lambda: jitk.load_jit("twice", cpp_files=[with_rows],
+                                            cpp_wrappers=[("twice", "twice")]).twice(5)}
+
+    def rebuilt() -> set[str]:
+        built = set()
+        for name, load in loads.items():
+            before = jitk.build.jit.build_count()
+            assert load() == {"scaled": 15, "twice": 10}[name]
+            if jitk.build.jit.build_count() > before:
+                built.add(name)
+        return built
+
+    def append_comment(header: str) -> None:
+        with (include / "jitk" / header).open("a") as file:
+            file.write("\n// an edit\n")
+
+    assert rebuilt() == {"scaled", "twice"}
+    assert rebuilt() == set()
+    append_comment("rows.h")  # only `twice` reads it
+    assert rebuilt() == {"twice"}
+    append_comment("persistent.cuh")  # nobody reads it
+    assert rebuilt() == set()
+    append_comment("utils.h")  # both read it, through jitk/export.h
+    assert rebuilt() == {"scaled", "twice"}
+    assert len(list_entries(tmp_path / "cache")) == 2  # each rebuild replaced its entry
 
 
 def test_concurrent_processes_build_once(tmp_path):

@@ -93,7 +93,6 @@ class BuildSpec:
     archs: tuple[str, ...]
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key
-    include_dir: Path  # jitk's headers, hashed into the key
     flags: dict[str, list[str]]  # "cflags", "cuda_cflags", "ldflags", "include_dirs"
 
 
@@ -185,11 +184,10 @@ def _run_ninja(module: str, staging: Path) -> None:
 
 
 def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
-    """Folders whose headers the cache key already covers: by content (jitk's headers),
-    or by a version in the key (tvm-ffi's, the CUDA toolkit's, the host compiler's), as
+    """Folders whose headers the cache key covers by a version in it (tvm-ffi's, the CUDA
+    toolkit's, the host compiler's), and the build folder (its sources are in the key), as
     path prefixes, both as given and with links resolved."""
-    roots = [staging, spec.include_dir, Path(find_include_path()),
-             Path(find_dlpack_include_path())]
+    roots = [staging, Path(find_include_path()), Path(find_dlpack_include_path())]
     for compiler in toolchain.compilers(cuda=bool(spec.archs)):
         roots += toolchain.system_include_dirs(compiler)
     if spec.archs:
@@ -211,9 +209,11 @@ def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
     return paths
 
 
-def _own_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
-    """Digests of the headers the build read that nothing in the key covers: the kernel's
-    own includes, checked on every load so that editing one rebuilds."""
+def package_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
+    """Digests of the headers the build read that no version in the key covers: jitk's own,
+    a kernel family's and those in the user's include paths. An entry records them and a
+    lookup checks them (cache.look_up), so an edit rebuilds exactly the entries whose builds
+    read the header."""
     covered = _covered_by_key(spec, staging)
     listed = {os.path.realpath(path) for path in spec.kernel_files}
     headers = {}
@@ -243,7 +243,7 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     cache.write_meta(staging, {
         "module": spec.name, "key": spec.key, "library": library.name,
         "archs": list(spec.archs), "build_seconds": round(seconds, 3), "built_at": time.time(),
-        "sha256": sha256, "headers": _own_headers(spec, staging)})
+        "sha256": sha256, "headers": package_headers(spec, staging)})
     private = cache.copy_in(staging, spec.entry, spec.in_place)
     shutil.rmtree(staging)
     try:  # before publication: it cannot vanish, and a library that does not load stays out

@@ -54,7 +54,7 @@ logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
 STAGING_ENV = "JITK_STAGING_DIR"
-FORMAT = 2  # of an entry; part of every cache key
+FORMAT = 3  # of an entry; part of every cache key (3: headers recorded, not keyed)
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 OWN_DIR = ".jitk"  # a build_directory's lock and private copies

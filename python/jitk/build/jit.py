@@ -2,13 +2,14 @@
 
 The build itself is ninja's (jitk/build/builder.py); the exports are jitk's (jitk/export.h, on
 tvm-ffi's C ABI, which keeps tvm-ffi's C++ headers and their seconds of parsing out of every
-kernel build). jitk adds what tvm-ffi leaves to its callers: a cache key over the contents of every
-header and kernel file and the compiler versions, independent of where jitk is installed,
-with the target architectures named after it (a lookup takes an entry built for more); a
-cache that readers use without locks or writes once they have checked who could have
-written it (jitk/build/trust.py), filled by builds published in one rename (jitk/build/cache.py,
-jitk/build/builder.py); a mode that never compiles; compile errors that show the compiler's own
-lines; and a load-time check that the library holds code for the GPU it is about to run
+kernel build). jitk adds what tvm-ffi leaves to its callers: a cache key over the kernel files,
+the generated sources, the flags and the compiler versions, independent of where jitk is
+installed, with the digests of the headers each build read checked on every lookup and the
+target architectures named after it (a lookup takes an entry built for more); a cache that
+readers use without locks or writes once they have checked who could have written it
+(jitk/build/trust.py), filled by builds published in one rename (jitk/build/cache.py,
+jitk/build/builder.py); a mode that never compiles; compile errors that show the compiler's
+own lines; and a load-time check that the library holds code for the GPU it is about to run
 on."""
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ INCLUDE_DIR = PACKAGE_DIR / "include"
 KERNEL_DIR = PACKAGE_DIR / "kernels"  # a folder a family
 
 DEFAULT_CFLAGS = ("-std=c++20", "-O3", "-fPIC")
-DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
+# nvcc's -O is the host compiler's level only (cicc and ptxas optimise device code fully
+# whatever it is): the host side of a .cu is launch wrappers, which need little, and -O1
+# leaves the kernels' machine code byte for byte the same (debugging_and_performance.md).
+DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O1", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 # Bind every symbol at load: a missing one fails the builder's load, before publication,
 # rather than killing the process at the first call that needs it.
 DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
@@ -196,19 +200,16 @@ def _render_source(module: str, files: list[Path], wrappers: list[tuple[str, str
     return "\n".join(lines) + "\n"
 
 
-def _hash_tree(digest: hashlib._Hash, root: Path) -> None:
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-
-
 def _cache_key(material: dict, sources: list[Path]) -> str:
-    """A digest of everything that goes into a build, with the package's location taken
-    out: installations of the same jitk share entries."""
+    """A digest of what names a build (module name, generated sources, flags, compiler and
+    tvm-ffi versions, kernel files), with the package's location taken out: installations of
+    the same jitk share entries. The headers are not in it: an entry records the ones its
+    build read, with their digests, and a lookup that finds one changed rebuilds
+    (builder.package_headers, cache.look_up), so a header edit rebuilds only the entries
+    that include it."""
     digest = hashlib.sha256()
     text = json.dumps({"format": cache.FORMAT, **material}, sort_keys=True, default=str)
     digest.update(text.replace(str(PACKAGE_DIR), cache.PACKAGE_MARK).encode())
-    _hash_tree(digest, INCLUDE_DIR)  # any jitk header edit rebuilds everything
     for path in sources:
         digest.update(cache.portable(path).encode())
         digest.update(path.read_bytes())
@@ -408,7 +409,7 @@ def load_jit(
     entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
         name, build_key, archs)
     spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
-                     sources, tuple(kernel_files), INCLUDE_DIR, build_flags)
+                     sources, tuple(kernel_files), build_flags)
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),

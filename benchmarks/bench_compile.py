@@ -1,0 +1,136 @@
+"""Build time of every shipped kernel family's first precompile configuration and of the
+developer guide's kernel (docs/developer_guide/example/axpy.cuh).
+
+Per module: the cold build (empty cache, a new process), the warm first load (the entry
+cached, a new process) and nvcc's phases (`nvcc -time`) for the same command line that the
+build ran. Runs without a GPU: the builds target JITK_CUDA_ARCH (default 9.0), and the warm
+figure is the load only, no kernel call.
+
+    python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GUIDE = REPO / "docs" / "developer_guide" / "example"
+FAMILIES = ("green", "hicache", "norm", "wait_value")
+CHILD_TIMEOUT = 900  # seconds: one cold build on a loaded two-core machine stays well below
+
+# Run in a child process: times the module's first load, then (asked for) rewrites the
+# build it ran into a fresh folder and prints the compiler's command lines, read from ninja.
+_CHILD = r"""
+import json, subprocess, sys, tempfile, time
+from pathlib import Path
+target, want_commands = sys.argv[1], sys.argv[2] == "1"
+import jitk.build.jit as jit
+from jitk.build import builder, toolchain
+specs = []
+original = jit.build_and_publish
+jit.build_and_publish = lambda spec: specs.append(spec) or original(spec)
+if target == "axpy":
+    sys.path.insert(0, sys.argv[3])
+    import torch, axpy
+    thunk = lambda: axpy._axpy(torch.float32)
+else:
+    import importlib
+    thunk = importlib.import_module(f"jitk.kernels.{target}").precompile_configs()[0][1]
+started = time.perf_counter()
+thunk()
+seconds = time.perf_counter() - started
+commands = {}
+if want_commands and specs:
+    folder = Path(tempfile.mkdtemp(prefix="bench_compile_"))
+    spec = specs[0]
+    for name, text in spec.sources.items():
+        (folder / name).write_text(text)
+    (folder / "build.ninja").write_text(builder.build_file(spec))
+    for obj in ("cuda.o", "main.o"):
+        if any(name.startswith(obj[:-2] + ".") for name in spec.sources):
+            done = subprocess.run([toolchain.ninja(), "-t", "commands", obj], cwd=folder,
+                                  capture_output=True, text=True, check=True, timeout=60)
+            commands[obj] = done.stdout.strip().splitlines()[-1]
+    commands["folder"] = str(folder)
+print("JSON" + json.dumps({"seconds": seconds, "built": jit.build_count(),
+                           "commands": commands}))
+"""
+
+
+def child(target: str, env: dict, commands: bool) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, target, "1" if commands else "0",
+                           str(GUIDE)], env=env, capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{target}: the child failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][4:])
+
+
+def nvcc_phases(command: str, folder: str) -> dict[str, float]:
+    """Milliseconds per nvcc phase for `command` run again in `folder` (nvcc -time's CSV)."""
+    with tempfile.NamedTemporaryFile(suffix=".csv") as table:
+        words = shlex.split(command)
+        subprocess.run([*words, "-time", table.name], cwd=folder, check=True,
+                       capture_output=True, timeout=CHILD_TIMEOUT)
+        phases: dict[str, float] = {}
+        with open(table.name) as rows:
+            for row in csv.reader(rows):
+                if len(row) >= 8 and row[-1].strip() == "ms":
+                    phase = row[1].strip()
+                    phases[phase] = phases.get(phase, 0.0) + float(row[-2])
+        return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--arch", default="9.0", help="JITK_CUDA_ARCH for the builds")
+    parser.add_argument("--only", default="", help="comma-separated: families and/or axpy")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
+    targets = [*FAMILIES, "axpy"]
+    if args.only:
+        unknown = set(args.only.split(",")) - set(targets)
+        if unknown:
+            parser.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {targets}")
+        targets = [t for t in targets if t in args.only.split(",")]
+    env = {**os.environ, "JITK_CUDA_ARCH": args.arch,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  nvcc phases (ms)")
+    for target in targets:
+        cold, warm, commands = [], [], {}
+        for run in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="bench_compile_cache_") as root:
+                run_env = {**env, "JITK_CACHE_DIR": root}
+                built = child(target, run_env, commands=run == 0)
+                cold.append(built["seconds"])
+                warm.append(child(target, run_env, commands=False)["seconds"])
+                commands = commands or built["commands"]
+        phases = []
+        if "folder" in commands:  # made by the child for this script: removed here
+            if "cuda.o" in commands:
+                phases = [nvcc_phases(commands["cuda.o"], commands["folder"])
+                          for _ in range(args.runs)]
+            shutil.rmtree(commands["folder"])
+        names = list(phases[0]) if phases else []
+        shown = ", ".join(f"{n} {statistics.median(p.get(n, 0.0) for p in phases):.0f}"
+                          for n in names)
+        print(f"{target:<12}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
+              f"  {shown}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
