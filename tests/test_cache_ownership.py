@@ -151,3 +151,21 @@ def test_a_folder_setting_that_names_a_file_is_a_setting_error(tmp_path, monkeyp
     monkeypatch.setenv(variable, str(a_file))
     with pytest.raises(SettingError, match=f"{variable}='{a_file}' is a file"):
         call()
+
+
+def test_a_damaged_neighbour_entry_is_passed_over_by_the_covering_lookup(tmp_path):
+    """load_jit reads the records of entries built for other architectures when its exact
+    entry is missing; a record with a field of the wrong type there is skipped, not a
+    TypeError in the caller's load."""
+    import json
+    from types import SimpleNamespace
+
+    from jitk.build import jit
+
+    key = "a" * 64
+    prefix = jit._folder_name("mod", key, ())
+    damaged = tmp_path / f"{prefix}_sm80"
+    damaged.mkdir()
+    (damaged / "jitk-meta.json").write_text(json.dumps({"archs": 5, "built_at": "yesterday"}))
+    spec = SimpleNamespace(name="mod", entry=tmp_path / f"{prefix}_sm90", archs=("9.0",))
+    assert jit._covering_entries(spec, key) == []

@@ -29,7 +29,7 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, toolchain, trust
+from jitk.build import cache, loader, names, toolchain, trust
 
 from jitk.build.builder import BuildSpec, JitCompileError, build_and_publish
 from jitk.build.lock import build_lock, lock_timeout
@@ -271,13 +271,17 @@ def _covering_entries(spec: BuildSpec, build_key: str) -> list[tuple[Path, tuple
     code for all of them first. Read only when the exact entry is missing."""
     prefix = _folder_name(spec.name, build_key, ()) + "_"
     try:
-        names = sorted(name for name in os.listdir(spec.entry.parent) if name.startswith(prefix)
-                       and "." not in name and name != spec.entry.name)
+        others = sorted(name for name in os.listdir(spec.entry.parent)
+                        if name.startswith(prefix) and "." not in name
+                        and name != spec.entry.name)
     except OSError:
         return []
     ranked = []
-    for name in names:
-        meta = cache.read_meta(spec.entry.parent / name) or {}
+    for name in others:
+        folder = spec.entry.parent / name
+        meta = cache.read_meta(folder) or {}
+        if names.record_problem(folder, meta):
+            continue  # a damaged record (a field of the wrong type, say) serves nothing
         try:
             built = toolchain.parse_archs(";".join(map(str, meta.get("archs") or ())))
         except toolchain.ToolchainError:
