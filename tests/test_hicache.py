@@ -292,7 +292,7 @@ def test_copy_engine_reads_indices_on_the_host_and_refuses_what_it_cannot_move()
     expect_error(all_layer(indices_src=torch.tensor([0, 1, 2, 300]), num_tokens_src=300,
                            method="copy_engine"),
                  "'indices_src'[3] = 300: a page of 1 slots from there is outside (the source "
-                 "layers, num_tokens_src) (300 slots)", "hicache_copy.cuh:")
+                 "layers, num_tokens_src) (300 slots)", "hicache_copy_list.cuh:")
     expect_error(all_layer(indices_dst=torch.tensor([0, -1, 4, 5]), method="copy_engine"),
                  "'indices_dst'[1] = -1")
     expect_error(all_layer(indices_src=torch.tensor([0, 1, 3, 4]), page_size=2,

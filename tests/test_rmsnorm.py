@@ -347,7 +347,7 @@ def test_no_kernel_spills_registers(tmp_path):
     source.write_text(_spill_check_source())
     command = [toolchain.nvcc_path(), "-ccbin", toolchain.nvcc_host_compiler(),
                *build.gencode_flags(("9.0",)), *jit.DEFAULT_CUDA_CFLAGS,
-               *build.include_flags([jit.INCLUDE_DIR, jit.KERNEL_DIR / "norm"]), "-cubin",
+               *build.include_flags([jit.INCLUDE_DIR, jit.KERNEL_DIR]), "-cubin",
                "-Xptxas=--warn-on-spills", "-Xptxas=--warning-as-error", str(source),
                "-o", str(tmp_path / "out.cubin")]
     built = subprocess.run(command, capture_output=True, text=True, timeout=900)

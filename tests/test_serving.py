@@ -156,4 +156,6 @@ def test_two_installations_share_one_cache(tmp_path):
     assert "jitk: built" not in runs[1].stderr
     [entry] = cache.list_entries(cache_dir)
     meta = json.loads((entry.path / cache.META_FILE).read_text())
-    assert meta["headers"] == {}  # every header it read is covered by the key
+    # The headers it read are recorded by their place in the package, so either copy's
+    # lookup checks its own files and hits.
+    assert meta["headers"] and all(name.startswith("<jitk>/") for name in meta["headers"])
