@@ -324,6 +324,11 @@ def case_own_stream(small: bool) -> None:
     """Workers started without a stream run on streams no other code is given: none of torch's
     pooled streams (each pool cycled twice), not each other's; `running` says which is up."""
     first, second = test_worker(), chain_worker()
+    # Each worker's kernel is loaded (a start and stop) before the other holds the GPU: lazy
+    # module loading may wait for a running kernel, and a resident worker never ends.
+    for worker in (first, second):
+        worker.start(blocks=1)
+        worker.stop(timeout=5.0)
     first.start(blocks=1)
     second.start(blocks=1)
     try:

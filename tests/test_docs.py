@@ -343,7 +343,8 @@ def test_cpp_blocks_compile(tmp_path):
 def test_python_blocks_run(tmp_path):
     """Every whole Python block that needs no GPU runs as written, each in its own process,
     beside the files its page's <!-- file: NAME --> blocks hold."""
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "JITK_CUDA_ARCH": "9.0"}
+    path = os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "JITK_CUDA_ARCH": "9.0"}
     commands = {}
     for number, page in enumerate(PAGES):
         folder = tmp_path / f"{number}_{page.stem}"  # two pages are README.md
