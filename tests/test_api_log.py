@@ -288,3 +288,39 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path, capsys):
     (tmp_path / api_log.CALL_FILE).write_text("{")
     assert exit_code(["replay", str(tmp_path)]) == 2
     assert "is not valid JSON" in capsys.readouterr().err
+
+
+def test_reference_mode_dumps_name_the_defining_module_and_replay(logging_at, tmp_path, capsys):
+    logging_at(10, JITK_DUMP_DIR=tmp_path)
+    with pytest.warns(UserWarning, match="reference mode"), jitk.reference_mode("doubled"):
+        doubled(torch.ones(4), torch.empty(4))
+    (dump,) = dumps_in(tmp_path)
+    assert json.loads((dump / api_log.CALL_FILE).read_text())["module"] == __name__
+    logging_at(0)
+    assert main(["replay", str(dump)]) == 0
+
+
+def test_dumps_never_reuse_a_folder(logging_at, tmp_path):
+    # A reload restarts the op's call numbers: its call 1 takes a new folder, not call 1's.
+    logging_at(10, JITK_DUMP_DIR=tmp_path)
+    with pytest.raises(RuntimeError):
+        doubled(torch.ones(3), torch.empty(4))
+    (first,) = dumps_in(tmp_path)
+    logging_at(10, JITK_DUMP_DIR=tmp_path)
+    doubled(torch.ones(4), torch.empty(4))
+    assert len(dumps_in(tmp_path)) == 2
+    assert "raised" in json.loads((first / api_log.CALL_FILE).read_text())
+
+
+def test_a_dump_that_cannot_be_written_warns_once_and_the_call_runs(logging_at, tmp_path,
+                                                                      monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    logging_at(10, JITK_DUMP_DIR=blocker / "dumps")  # under a file: mkdir fails
+    monkeypatch.setattr(api_log, "_dump_failure_warned", __import__("threading").Event())
+    out = torch.empty(4)
+    with pytest.warns(RuntimeWarning, match=r"cannot write the level-10 dump .*dumps") as w:
+        doubled(torch.ones(4), out)
+        doubled(torch.ones(4), out)
+    assert len([x for x in w if "level-10 dump" in str(x.message)]) == 1
+    torch.testing.assert_close(out, torch.full((4,), 2.0))

@@ -352,6 +352,20 @@ def test_check_runs_the_named_ops_cpu_check_and_refuses_unknown_ops(tmp_path):
     assert unknown.returncode == 2 and "no jitk op named 'no_such_op'" in unknown.stderr
 
 
+def test_check_imports_the_users_module(tmp_path):
+    (tmp_path / "mykern.py").write_text(
+        "import torch, jitk\n"
+        "def _ref(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n"
+        "@jitk.op('mykern::scale', mutates_args=(), reference=_ref)\n"
+        "def scale(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n")
+    result = jitk_cli("check", "--import", "mykern", "mykern::scale", cwd=tmp_path,
+                      timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "mykern::scale: skipped, it declares no cases" in result.stdout
+    missing = jitk_cli("check", "--import", "no_such_module", cwd=tmp_path, timeout=300)
+    assert missing.returncode == 2 and "--import no_such_module" in missing.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_tune_without_a_gpu_fails_in_one_line(tmp_path):
     result = jitk_cli("tune", "rmsnorm", "--shapes", "16x4096", cwd=tmp_path, timeout=300)

@@ -385,9 +385,74 @@ def test_reference_mode_switches_named_ops_and_warns_once(monkeypatch):
     torch.testing.assert_close(y, want)
     axpy_checked(0.0, x, y)  # after the block: the kernel again
     assert ran == [2.0, 0.0]
-    with pytest.raises(KeyError, match="no jitk op named nope"):
+    with pytest.raises(KeyError, match="nope names no registered jitk op with a reference"):
         with jitk.reference_mode(["nope"]):
             pass
+
+
+def test_reference_mode_refuses_an_op_without_a_reference_at_once():
+    with pytest.raises(jitk.JitkError, match=r"reference_mode\('axpy'\): axpy names no "
+                       r"registered jitk op with a reference \(ops with one: .*"
+                       r"jitk_test::axpy_checked"):
+        jitk.reference_mode("axpy").__enter__()
+
+
+def _copy_reference(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+@jitk.op("jitk_test::copy_checked", mutates_args=("out",), reference=_copy_reference)
+def copy_checked(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+def test_overlapping_reference_blocks_in_threads_restore_their_own_selection():
+    # A opens, B opens, A closes: B's selection still holds; B closes: the kernels again.
+    import threading
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def block_a():
+        with jitk.reference_mode("copy_checked"):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def block_b():
+        a_in.wait(10)
+        with jitk.reference_mode("axpy_checked"):
+            b_in.set()
+            a_out.wait(10)
+            seen.append(axpy_checked.info.uses_reference())
+            seen.append(not copy_checked.info.uses_reference())
+            seen.append(axpy_checked.__globals__["_jitk_fn"] is not axpy_checked.info.fn)
+
+    threads = [threading.Thread(target=block_a), threading.Thread(target=block_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == [True, True, True]
+    assert not axpy_checked.info.uses_reference() and not copy_checked.info.uses_reference()
+    assert axpy_checked.__globals__["_jitk_fn"] is axpy_checked.info.fn
+
+
+@pytest.mark.parametrize("names", ["rmsnrom", "axpy"])
+def test_reference_env_naming_no_op_with_a_reference_fails_the_first_call(names):
+    import subprocess
+    import sys
+    script = ("import torch, jitk, jitk.kernels.norm\n"
+              "x, wt = torch.randn(3, 8), torch.randn(8)\n"
+              "try:\n"
+              "    jitk.rmsnorm(x, wt, out=torch.empty_like(x))\n"
+              "except jitk.SettingError as e:\n"
+              "    print('refused:', e)\n")
+    env = {**__import__("os").environ, "JITK_REFERENCE": names}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"refused: jitk: JITK_REFERENCE={names}: {names} names no registered jitk op with " \
+        "a reference" in result.stdout and "jitk::rmsnorm" in result.stdout
 
 
 def test_reference_env_selects_ops_in_a_fresh_process():

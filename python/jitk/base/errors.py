@@ -31,3 +31,11 @@ class ArgumentTypeError(JitkError, TypeError):
 class SettingError(JitkError, ValueError):
     """A JITK_* environment variable holds a value its rule refuses: the message names the
     variable, the value and the rule."""
+
+
+class UnknownOpError(JitkError, KeyError):
+    """An op name that names no registered jitk op (or none with what the caller needs): the
+    message names where the name came from and lists the known ops."""
+
+    def __str__(self) -> str:  # KeyError's would quote the whole message
+        return str(self.args[0]) if self.args else ""

@@ -298,6 +298,11 @@ def selected_ops(names: list[str]) -> list:
 def run_check(args: argparse.Namespace) -> int:
     from jitk.tools import testing
 
+    for module in args.imports:  # the user's own ops register as their module is imported
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise UsageError(f"--import {module}: {error}") from None
     failed = []
     for info in selected_ops(args.op):
         if info.reference is None or info.cases is None:
@@ -564,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", choices=("cuda", "cpu"),
                        help="where to run (default: the GPU if there is one)")
     check.add_argument("--verbose", "-v", action="store_true", help="print every case")
+    check.add_argument("--import", dest="imports", action="append", default=[],
+                       metavar="MODULE", help="import MODULE first, for ops it defines "
+                       "(repeatable)")
     check.set_defaults(handler=run_check)
 
     tune = commands.add_parser(

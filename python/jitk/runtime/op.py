@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import os
 import re
 import types
 import typing
@@ -53,6 +52,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+
+from jitk.base import settings
+from jitk.base.errors import ArgumentTypeError, JitkError, SettingError, UnknownOpError
 
 __all__ = ["OpInfo", "Tolerance", "add_call_wrapper", "find_op", "op", "op_info", "reference_mode",
            "registered_ops", "remove_call_wrapper"]
@@ -410,6 +412,9 @@ class OpInfo:
         then wrapped by each call wrapper, in the order they were added. With neither, the
         slot is the body itself, and a call costs what it did before wrappers existed."""
         fn = self.fn
+        if not _blocks and (selection := _environment_selection()) \
+                and selection not in _checked_environment:
+            fn = _checking_first(fn)
         if self.uses_reference():
             fn = self.reference
             if _selection() not in _warned_selection:
@@ -438,7 +443,7 @@ def find_op(name: str) -> OpInfo:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         problem = f"no jitk op named {name!r}" if not found else \
             f"{name!r} names {len(found)} ops; give the namespace"
-        raise KeyError(f"{problem} (registered: {known})")
+        raise UnknownOpError(f"{problem} (registered: {known})")
     return found[0]
 
 
@@ -482,24 +487,40 @@ def remove_call_wrapper(factory: Callable) -> None:
 # (the slot is one per op), to bisect a wrong answer or run where a kernel cannot build.
 
 REFERENCE_ENV = "JITK_REFERENCE"
-_reference_stack: list[frozenset[str]] = []  # reference_mode's selections, innermost last
+# reference_mode's open blocks, (token, selection), innermost last. Each block removes its own
+# token, so blocks that overlap (in threads) or nest each restore exactly what they replaced.
+_blocks: list[tuple[object, frozenset[str]]] = []
 _warned_selection: set[frozenset[str]] = set()
+_checked_environment: set[frozenset[str]] = set()
 
 
 def _parse_selection(names: object, where: str) -> frozenset[str]:
     if isinstance(names, str):
         names = names.split(",")
     if not isinstance(names, Iterable):
-        raise TypeError(f"{where}: ops must be 'all', a comma-separated str or a list of op "
-                        f"names, got {_describe(names)}")
-    selection = frozenset(name.strip() for name in names)
-    if not all(isinstance(name, str) for name in selection):
-        raise TypeError(f"{where}: every op name must be a str")
-    return selection - {""}
+        raise ArgumentTypeError(f"{where}: ops must be 'all', a comma-separated str or a list "
+                                f"of op names, got {_describe(names)}")
+    names = list(names)
+    if not all(isinstance(name, str) for name in names):
+        raise ArgumentTypeError(f"{where}: every op name must be a str")
+    return frozenset(name.strip() for name in names) - {""}
 
 
 def _environment_selection() -> frozenset[str]:
-    return _parse_selection(os.environ.get(REFERENCE_ENV, ""), REFERENCE_ENV)
+    return frozenset(settings.get(REFERENCE_ENV))
+
+
+def _check_selection(selection: frozenset[str], where: str,
+                     error: type[JitkError] = UnknownOpError) -> None:
+    """Every name of `selection` ('all' aside) names a registered op that has a reference."""
+    with_reference = [info for info in _REGISTRY.values() if info.reference is not None]
+    bad = sorted(name for name in selection if name != "all"
+                 and not any(_selected(info, frozenset({name})) for info in with_reference))
+    if bad:
+        raise error(
+            f"{where}: {', '.join(bad)} names no registered jitk op with a reference (ops "
+            f"with one: {', '.join(sorted(i.name for i in with_reference)) or 'none'}; "
+            f"registered: {', '.join(sorted(_REGISTRY)) or 'none'})")
 
 
 def _selected(info: OpInfo, selection: frozenset[str]) -> bool:
@@ -507,11 +528,27 @@ def _selected(info: OpInfo, selection: frozenset[str]) -> bool:
 
 
 def _selection() -> frozenset[str]:
-    return _reference_stack[-1] if _reference_stack else _environment_selection()
+    return _blocks[-1][1] if _blocks else _environment_selection()
 
 
 def _reference_selects(info: OpInfo) -> bool:
     return _selected(info, _selection())
+
+
+def _checking_first(fn: Callable) -> Callable:
+    """fn, preceded by a check of JITK_REFERENCE's names against the ops registered by then
+    (families register as they are imported, so not earlier); once it passes, the slots drop
+    the check."""
+    def first_call(*args: object, **kwargs: object) -> object:
+        selection = _environment_selection()
+        if selection not in _checked_environment:
+            _check_selection(selection, f"{REFERENCE_ENV}={','.join(sorted(selection))}",
+                             SettingError)
+            _checked_environment.add(selection)
+            refresh_all()
+        return fn(*args, **kwargs)
+
+    return first_call
 
 
 def _warning_first(fn: Callable) -> Callable:
@@ -535,18 +572,17 @@ def _warning_first(fn: Callable) -> Callable:
 def reference_mode(ops: object = "all"):
     """Within the block, the named ops ('all', 'rmsnorm,fused_add_rmsnorm', or a list; bare
     or qualified names) run their references; the others run their kernels, whatever
-    JITK_REFERENCE says. Process-wide, not per thread: every thread's calls switch."""
+    JITK_REFERENCE says. A name of no registered op with a reference raises UnknownOpError
+    at once. Process-wide, not per thread (each op has one slot): every thread's calls
+    switch, and the innermost open block, whichever thread opened it, decides. Each block on
+    leaving removes its own selection, not the last one opened."""
     selection = _parse_selection(ops, "reference_mode")
-    unknown = [name for name in selection if name != "all"
-               and not any(_selected(info, frozenset({name})) for info in _REGISTRY.values())]
-    if unknown:
-        raise KeyError(f"reference_mode: no jitk op named {', '.join(sorted(unknown))} "
-                       f"(registered: {', '.join(sorted(_REGISTRY)) or 'none'})")
-    _reference_stack.append(selection)
+    _check_selection(selection, f"reference_mode({ops!r})")
+    token = object()
+    _blocks.append((token, selection))
     refresh_all()
     try:
         yield
     finally:
-        _reference_stack.pop()
+        _blocks[:] = [block for block in _blocks if block[0] is not token]
         refresh_all()
-

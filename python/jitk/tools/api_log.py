@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -316,11 +317,12 @@ class _LoggedCall:
     """An op's body with its calls logged at `config.level`."""
 
     def __init__(self, name: str, fn: Callable, signature: inspect.Signature,
-                 mutated: tuple[str, ...], config: Settings, dumps: _Dumps) -> None:
+                 mutated: tuple[str, ...], config: Settings, dumps: _Dumps,
+                 module: str | None = None) -> None:
         self.name, self.fn, self.signature, self.mutated = name, fn, signature, mutated
         self.config, self.dumps, self.calls = config, dumps, itertools.count(1)
         self.output = _output(config.dest)
-        self.module = getattr(fn, "__module__", None)
+        self.module = module or getattr(fn, "__module__", None)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: object, **kwargs: object) -> object:
@@ -393,11 +395,15 @@ class _LoggedCall:
         }
         safe = self.name.replace("::", ".")
         folder = self.config.dump_dir / f"{safe}_pid{os.getpid()}_call{number:06d}"
-        from safetensors.torch import save_file
+        try:
+            from safetensors.torch import save_file
 
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(_contiguous_copies(tensors), str(folder / INPUTS_FILE))
-        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+            folder = _new_folder(folder)
+            save_file(_contiguous_copies(tensors), str(folder / INPUTS_FILE))
+            (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+        except Exception as error:  # a dump is a diagnostic: the call goes on without it
+            _dump_failed(folder, error)
+            return None
         self.output.write([f"  dumping to {folder}"])
         return folder, call
 
@@ -406,31 +412,62 @@ class _LoggedCall:
         from safetensors.torch import save_file
 
         folder, call = dump
-        save_file(_contiguous_copies(written), str(folder / OUTPUTS_FILE))
         call["outputs"] = sorted(written)
         if error is not None:
             call["raised"] = f"{type(error).__name__}: {error}"
-        (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+        try:
+            save_file(_contiguous_copies(written), str(folder / OUTPUTS_FILE))
+            (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
+        except Exception as failure:
+            _dump_failed(folder, failure)
+
+
+_FOLDER_TRIES = 1000
+_dump_failure_warned = threading.Event()
+
+
+def _new_folder(wanted: Path) -> Path:
+    """A folder made now for this dump: `wanted`, or `wanted`_2, _3, ... where that exists
+    (an earlier process's dump is never written over)."""
+    wanted.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in range(1, _FOLDER_TRIES + 1):
+        folder = wanted if suffix == 1 else wanted.with_name(f"{wanted.name}_{suffix}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{wanted} and {_FOLDER_TRIES - 1} numbered variants exist")
+
+
+def _dump_failed(folder: Path, error: BaseException) -> None:
+    if not _dump_failure_warned.is_set():
+        _dump_failure_warned.set()
+        warnings.warn(f"jitk: cannot write the level-10 dump {folder} ({type(error).__name__}: "
+                      f"{error}); calls go on undumped (said once)", RuntimeWarning,
+                      stacklevel=4)
 
 
 _DUMPS: dict[Settings, _Dumps] = {}
 
 
 def wrap(name: str, fn: Callable, signature: inspect.Signature, mutated: tuple[str, ...],
-         config: Settings | None = None) -> Callable | None:
-    """`fn` with its calls logged, or None when logging is off (level 0)."""
+         config: Settings | None = None, module: str | None = None) -> Callable | None:
+    """`fn` with its calls logged, or None when logging is off (level 0). `module` is the
+    module that defines the op (what replay imports); default: fn's."""
     config = config or settings()
     if config.level == 0:
         return None
     dumps = _DUMPS.setdefault(config, _Dumps(config))
-    return _LoggedCall(name, fn, signature, mutated, config, dumps)
+    return _LoggedCall(name, fn, signature, mutated, config, dumps, module)
 
 
 def call_wrapper(info, fn: Callable) -> Callable | None:
     """jitk.op's call wrapper (custom_op.add_call_wrapper): every op's calls logged."""
     global noting
     noting = settings().level >= ARGUMENTS
-    return wrap(info.name, fn, info.signature, info.mutates_args)
+    return wrap(info.name, fn, info.signature, info.mutates_args,
+                module=getattr(info.fn, "__module__", None))
 
 
 def reload() -> None:
