@@ -585,9 +585,10 @@ def test_precompile_configs_are_a_few_labelled_thunks(tuning_file):
 @pytest.fixture
 def tuning_file(tmp_path, monkeypatch):
     from jitk import autotune
+    from jitk.tools import tuning_store
 
     def forget():
-        autotune._STORE.clear()
+        tuning_store.STORE.clear()
         for space in ops.LAUNCH_SPACES.values():
             space.forget()
 
