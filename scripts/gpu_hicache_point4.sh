@@ -22,7 +22,7 @@ for size in (1024, 1152):
     h._jit_hicache_staged_module(element_size=size, unroll=h._default_unroll(size),
                                  block_quota=h.DEFAULT_BLOCK_QUOTA)
 PY
-python3 -c "from jitk import hicache as h; h._staged_module(); h._copy_module()" \
+python3 -c "from jitk.kernels.hicache import modules as m; m.staged_module(); m.copy_module()" \
   > "$out/build_jitk.log" 2>&1
 wait
 tail -n 3 "$out"/build_*.log

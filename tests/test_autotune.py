@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jitk
-from jitk.tools import autotune, timing
+from jitk.tools import autotune, timing, tuning_store
 
 BUILT = []  # (bucket, config) of every build the space below was asked for
 
@@ -40,11 +40,11 @@ SPACE = autotune.TuningSpace({"threads": (128, 256), "unroll": (1, 2)},
 @pytest.fixture(autouse=True)
 def fresh_file(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    autotune._STORE.clear()
+    tuning_store.STORE.clear()
     SPACE.forget()
     BUILT.clear()
     yield tmp_path / autotune.FILE_NAME
-    autotune._STORE.clear()
+    tuning_store.STORE.clear()
     SPACE.forget()
 
 

@@ -21,6 +21,7 @@ import torch
 from errors import expect_error
 
 from jitk.kernels import hicache
+from jitk.kernels.hicache import checks, methods, modules, ops, tuning
 
 POISON = 0x7F
 
@@ -46,14 +47,14 @@ def one_layer(**changes):
 
 # ------------------------------------------------------------------------------ CPU / CI
 def test_modules_build_for_sm90():
-    kernels = hicache._kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL)
+    kernels = modules.kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL)
     assert all(callable(f) for f in kernels)
-    assert hicache._kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL) is kernels  # cached
-    assert all(callable(f) for f in hicache._copy_entries())
+    assert modules.kernel_module(ROW_BYTES, hicache.DEFAULT_UNROLL) is kernels  # cached
+    assert all(callable(f) for f in modules.copy_entries())
 
 
 def test_python_rules_for_template_arguments_match_the_cpp_ones():
-    module = hicache._copy_module()
+    module = modules.copy_module()
     assert module.vector_bytes() == hicache.VECTOR_BYTES
     for unroll in range(17):
         assert module.unroll_supported(unroll) == (unroll in hicache.UNROLLS), unroll
@@ -66,9 +67,9 @@ def test_python_rules_for_template_arguments_match_the_cpp_ones():
 def test_every_tuned_unroll_is_one_the_cpp_builds():
     """The tuner's unroll values (and the default) pass hicache.cuh's static_assert: none
     fails to build mid-tuning."""
-    module = hicache._copy_module()
-    assert hicache.DEFAULT_UNROLL in hicache._LAUNCH_KNOBS["unroll"]
-    for unroll in hicache._LAUNCH_KNOBS["unroll"]:
+    module = modules.copy_module()
+    assert hicache.DEFAULT_UNROLL in tuning.LAUNCH_KNOBS["unroll"]
+    for unroll in tuning.LAUNCH_KNOBS["unroll"]:
         assert module.unroll_supported(unroll), unroll
 
 
@@ -99,15 +100,15 @@ class Recorder:
     def __init__(self, monkeypatch):
         self.calls = []
         # "kernel" or "copy_engine", one per call, and one when a bucket's kernel launch is
-        # first chosen (hicache._Launch loads its kernel).
+        # first chosen (tuning.Launch loads its kernel).
         self.modules = []
-        monkeypatch.setattr(hicache, "_kernel_module", self.entries)
-        monkeypatch.setattr(hicache, "_copy_entries", self.entries)
+        monkeypatch.setattr(modules, "kernel_module", self.entries)
+        monkeypatch.setattr(modules, "copy_entries", self.entries)
 
     def entries(self, *module_args):
         self.modules.append("kernel" if module_args else "copy_engine")
-        return hicache._Entries(*(functools.partial(self.record, name)
-                                  for name in hicache._ENTRY_POINTS))
+        return modules.Entries(*(functools.partial(self.record, name)
+                                  for name in modules.ENTRY_POINTS))
 
     def record(self, name, *args):
         self.calls.append((name, args))
@@ -438,18 +439,18 @@ AUTO_TABLE = [
 
 @pytest.mark.parametrize("copy_bytes, kernel_runs, chosen", AUTO_TABLE)
 def test_auto_decision_table_for_host_indices(copy_bytes, kernel_runs, chosen):
-    assert hicache._auto(copy_bytes, kernel_runs) == chosen
-    assert hicache._method("auto", torch.arange(4), lambda: copy_bytes,
+    assert methods.auto_choice(copy_bytes, kernel_runs) == chosen
+    assert methods.choose("auto", torch.arange(4), lambda: copy_bytes,
                            0 if kernel_runs else None) == chosen
 
 
 def test_explicit_methods_are_kept_and_gpu_indices_take_the_kernel():
     cpu = torch.arange(4)
     for method in ("kernel", "copy_engine"):
-        assert hicache._method(method, cpu, lambda: 0, None) == method
+        assert methods.choose(method, cpu, lambda: 0, None) == method
     with torch._subclasses.FakeTensorMode():
         gpu = torch.empty(4, dtype=torch.int64, device="cuda")
-        assert hicache._method("auto", gpu, lambda: 1 << 30, 0) == "kernel"
+        assert methods.choose("auto", gpu, lambda: 1 << 30, 0) == "kernel"
 
 
 @pytest.mark.parametrize("page_size, runs, chosen", [
@@ -458,9 +459,9 @@ def test_explicit_methods_are_kept_and_gpu_indices_take_the_kernel():
 def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size, runs,
                                                           chosen):
     recorder = Recorder(monkeypatch)
-    monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
+    monkeypatch.setattr(methods, "gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
     copied = []
-    monkeypatch.setattr(hicache, "_on_gpu",
+    monkeypatch.setattr(methods, "on_gpu",
                         lambda tensors, positions, gpu: copied.append(positions) or tensors)
     pool = torch.randn(1024, ROW).half()
     indices = torch.arange(256, 512) if runs else torch.randperm(1024)[:256]
@@ -473,12 +474,12 @@ def test_auto_takes_the_copy_size_from_the_page_size_hint(monkeypatch, page_size
 
 def test_a_page_is_one_copy_only_where_its_rows_are_packed():
     width = 64
-    assert hicache._packed(torch.empty(100, width), width)
-    assert not hicache._packed(torch.empty(100, width + 8)[:, :width], width)  # padded rows
-    assert not hicache._packed(torch.empty(100, 3, width)[:, 1], width)  # page_first layer
-    assert hicache._packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
-    assert hicache._packed(torch.empty(100, 2 * width), width)  # rows split one run
-    assert hicache._packed(torch.empty(100, 1, width), width)
+    assert methods.packed(torch.empty(100, width), width)
+    assert not methods.packed(torch.empty(100, width + 8)[:, :width], width)  # padded rows
+    assert not methods.packed(torch.empty(100, 3, width)[:, 1], width)  # page_first layer
+    assert methods.packed(torch.empty(4, 3, 16, width)[:, 1], width)  # page_first_direct
+    assert methods.packed(torch.empty(100, 2 * width), width)  # rows split one run
+    assert methods.packed(torch.empty(100, 1, width), width)
 
 
 # SGLang 0.5.23's signatures of the names its pools import (sglang/kernels/ops/kvcache/
@@ -522,8 +523,8 @@ def test_gates_answer_false_never_raise(monkeypatch, caplog):
     def broken(*_args):
         raise RuntimeError("nvcc failed")
 
-    monkeypatch.setattr(hicache, "_kernel_module", broken)
-    monkeypatch.setattr(hicache, "_staged_module", broken)
+    monkeypatch.setattr(modules, "kernel_module", broken)
+    monkeypatch.setattr(modules, "staged_module", broken)
     assert not hicache.can_use_hicache_jit_kernel(element_size=ROW_BYTES)
     assert not hicache.can_use_write_back_jit_kernel(element_size=ROW_BYTES)
     assert "nvcc failed" in caplog.text
@@ -584,10 +585,11 @@ def test_precompile_configs_are_a_few_labelled_thunks(tuning_file):
 @pytest.fixture
 def tuning_file(tmp_path, monkeypatch):
     from jitk import autotune
+    from jitk.tools import tuning_store
 
     def forget():
-        autotune._STORE.clear()
-        for space in hicache._LAUNCH_SPACES.values():
+        tuning_store.STORE.clear()
+        for space in ops.LAUNCH_SPACES.values():
             space.forget()
 
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
@@ -598,7 +600,7 @@ def tuning_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("caches", [2, 1])
 def test_the_launch_bucket_is_row_bytes_direction_and_rows(caches):
-    space = hicache._LAUNCH_SPACES[caches]
+    space = ops.LAUNCH_SPACES[caches]
     args, kwargs = space.sample((100, 1024, 1), torch.bfloat16, torch.device("cpu"))
     assert len(args) == 2 * caches + 2 and args[caches].numel() == 100
     assert space.bucket(*args, **kwargs) == (1024, "host->host", 128)  # no GPU here
@@ -610,17 +612,18 @@ def test_the_launch_bucket_is_row_bytes_direction_and_rows(caches):
 
 
 def test_a_tuned_launch_runs_the_kernel_with_its_knobs(tuning_file, monkeypatch):
-    space = hicache._LAUNCH_SPACES[2]
+    space = ops.LAUNCH_SPACES[2]
     bucket = (1024, "host->gpu", 4096)
     assert space.config(bucket) == {"unroll": hicache.DEFAULT_UNROLL, "block_quota": "default"}
     tuning_file.record([{"op": space.op, "bucket": list(bucket), "config": {
         "unroll": 1, "block_quota": 16}, "environment": tuning_file.environment()}])
     assert space.config(bucket) == {"unroll": 1, "block_quota": 16}
-    calls, modules = [], []
-    monkeypatch.setattr(hicache, "_one_layer", lambda *args: calls.append(args))
-    monkeypatch.setattr(hicache, "_kernel_module", lambda *args: modules.append(args))
+    calls, loaded = [], []
+    monkeypatch.setattr(modules, "kernel_module", lambda *args: loaded.append(args))
     launch = space.build(bucket, space.config(bucket))
-    assert modules == [(1024, 1)]  # made, a choice loads its kernel: tune's prebuild builds it
+    assert loaded == [(1024, 1)]  # made, a choice loads its kernel: tune's prebuild builds it
+    assert launch.run is ops._one_layer
+    launch.run = lambda *args: calls.append(args)
     launch("k", "v", "i", "ks", "vs", "is", page_size=2)
     assert calls == [(2, ("k", "v", "i", "ks", "vs", "is"), None, 1, 16, 2, "kernel", "token")]
     # Quotas share a module: tune builds it once.
@@ -632,27 +635,27 @@ def test_a_tuned_launch_runs_the_kernel_with_its_knobs(tuning_file, monkeypatch)
 
 def test_a_call_naming_no_knob_runs_the_tuned_launch(tuning_file, monkeypatch):
     recorder = Recorder(monkeypatch)
-    modules = []
-    monkeypatch.setattr(hicache, "_kernel_module",
-                        lambda *args: modules.append(args) or recorder.entries(*args))
-    monkeypatch.setattr(hicache, "_gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
-    space = hicache._LAUNCH_SPACES[2]
+    loaded = []
+    monkeypatch.setattr(modules, "kernel_module",
+                        lambda *args: loaded.append(args) or recorder.entries(*args))
+    monkeypatch.setattr(methods, "gpu_of", lambda *_: 0)  # as if a cache were on cuda:0
+    space = ops.LAUNCH_SPACES[2]
     tuning_file.record([{"op": space.op, "bucket": [ROW_BYTES, "host->host", 4], "config": {
         "unroll": 1, "block_quota": 16}, "environment": tuning_file.environment()}])
     hicache.transfer_hicache_one_layer(**one_layer_args(method="kernel"))
-    assert set(modules) == {(ROW_BYTES, 1)} and recorder.calls[-1][1][-1] == 16  # the quota
+    assert set(loaded) == {(ROW_BYTES, 1)} and recorder.calls[-1][1][-1] == 16  # the quota
     hicache.transfer_hicache_one_layer(**one_layer_args(method="kernel", unroll=4))
-    assert modules[-1] == (ROW_BYTES, 4)  # a call that names a knob runs what it names
-    assert recorder.calls[-1][1][-1] == hicache._NOT_GIVEN
+    assert loaded[-1] == (ROW_BYTES, 4)  # a call that names a knob runs what it names
+    assert recorder.calls[-1][1][-1] == checks.NOT_GIVEN
 
 
 def test_every_kernel_source_is_hashed_into_the_module_key():
     # hicache.cuh includes hicache_layout.cuh: a module lists both, so an edit of either
     # rebuilds it. Every header of the family is some module's.
     kernel_dir = Path(hicache.__file__).parent
-    assert {name for files in hicache._MODULE_FILES for name in files} == \
+    assert {name for files in modules.MODULE_FILES for name in files} == \
         {p.name for p in kernel_dir.glob("*.cuh")}
-    for files in hicache._MODULE_FILES:
+    for files in modules.MODULE_FILES:
         for name in files:
             included = [line.split('"')[1]
                         for line in (kernel_dir / name).read_text().splitlines()
@@ -1269,7 +1272,7 @@ def test_auto_reads_host_indices_during_the_call(pinned, page_size):
 
 @pytest.mark.gpu
 def test_copy_engine_all_layer_copies_join_the_stream_of_the_tables_gpu():
-    module = hicache._copy_module()
+    module = modules.copy_module()
     gpu = torch.empty(16, device="cuda")
     assert module.pointer_device(gpu.data_ptr()) == gpu.device.index
     assert module.pointer_device(torch.empty(16).pin_memory().data_ptr()) == -1

@@ -20,39 +20,36 @@ Before a candidate may win, its results are checked against the op's reference
 is taken off: the choice is made where the op runs in a model rather than after itself,
 and knobs whose cost shows only there (the space's `beside_knobs`, PDL) are tried too.
 
-The file, $JITK_CACHE_DIR/autotune.json, holds entries keyed by op, bucket, and environment:
-GPU name and SM count, driver, and the jitk, apache-tvm-ffi and torch versions. Entries for
-another environment are left in the file and ignored (one warning says how many); a file
-that cannot be read is ignored with one warning. Writes merge with what is there, under a
-lock held at most $JITK_LOCK_TIMEOUT seconds, and replace the file atomically.
+The file, $JITK_CACHE_DIR/autotune.json, is jitk.tools.tuning_store's: entries keyed by op,
+bucket, and environment (GPU and versions), merged under a lock on every write.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import importlib.metadata
+import importlib
 import itertools
 import json
-import os
 import statistics
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from jitk.base import __version__, settings
-from jitk.build.cache import cache_root
-from jitk.build.lock import build_lock, lock_path
+from jitk.base import settings
 from jitk.runtime.op import OpInfo, find_op, op_info
+from jitk.tools import tuning_store
 from jitk.tools.testing import compare_with_reference, copied_arguments
 from jitk.tools.timing import captured_graph, trimmed_mean
 
+# Public here before the tuning file had a module of its own.
+from jitk.tools.tuning_store import FILE_NAME as FILE_NAME
+from jitk.tools.tuning_store import FORMAT as FORMAT
+from jitk.tools.tuning_store import environment, tuning_file
+from jitk.tools.tuning_store import record as record
+
 __all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
 
-FILE_NAME = "autotune.json"
-FORMAT = 1
 AUTOTUNE_ENV = "JITK_AUTOTUNE"
 CALLS_PER_GRAPH, ROUNDS = 20, 7
 # A round of runs is queued behind a GPU sleep of this many cycles a run (several times what
@@ -70,116 +67,6 @@ SLEEP_CYCLES_PER_RUN, MAX_SLEEP_DOUBLINGS = 100_000, 6
 GRAPH_TIE, SINGLE_ROUNDS, SINGLE_PAUSE_CYCLES = 0.015, 31, 40_000
 # Beside a neighbour, each figure is a difference of two timings: more rounds for its median.
 BESIDE_ROUNDS = 15
-
-
-def tuning_file() -> Path:
-    return cache_root() / FILE_NAME
-
-
-def _driver_version() -> str:
-    try:
-        version = ctypes.c_int()
-        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
-        return f"{version.value // 1000}.{version.value % 1000 // 10}"
-    except (OSError, AttributeError):
-        return "none"
-
-
-_ENVIRONMENT: dict | None = None
-
-
-def environment() -> dict:
-    """What a tuned choice holds for: this process's current GPU and versions."""
-    global _ENVIRONMENT
-    if _ENVIRONMENT is None:
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            gpu, sms = props.name, props.multi_processor_count
-        else:
-            gpu, sms = "none", 0
-        _ENVIRONMENT = {"gpu": gpu, "sms": sms, "driver": _driver_version(),
-                        "jitk": __version__, "tvm_ffi": importlib.metadata.version(
-                            "apache-tvm-ffi"), "torch": torch.__version__}
-    return _ENVIRONMENT
-
-
-# ---------------------------------------------------------------------------- the file
-def _key(op: str, bucket: Sequence) -> str:
-    return f"{op} {json.dumps(list(bucket))}"
-
-
-def _read(path: Path) -> tuple[list[dict], str | None]:
-    """The file's entries, and why it was ignored (None when it was read)."""
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        return [], None
-    except (OSError, ValueError) as error:
-        return [], f"cannot be read ({error})"
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        return [], f"is not a jitk tuning file of format {FORMAT}"
-    entries = document.get("entries")
-    if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and {"op", "bucket", "environment", "config"} <= e.keys()
-            for e in entries):
-        return [], "has malformed entries"
-    return entries, None
-
-
-def _identity(entry: dict) -> str:
-    return json.dumps([entry["op"], entry["bucket"], entry["environment"]], sort_keys=True)
-
-
-def record(entries: Iterable[dict], path: Path | None = None) -> None:
-    """Merges `entries` into the file: under its lock, over what other processes wrote
-    (an entry of the same op, bucket and environment is replaced), then an atomic rename."""
-    path = path or tuning_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(lock_path(path), path):
-        merged = {_identity(e): e for e in _read(path)[0]}
-        merged.update({_identity(e): e for e in entries})
-        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"format": FORMAT, "entries": list(merged.values())},
-                                      indent=1, sort_keys=True))
-        os.replace(staging, path)
-    _STORE.clear()  # read again on the next lookup
-
-
-class _Store:
-    """The file's entries for this environment, read once: {key: config}."""
-
-    def __init__(self) -> None:
-        self._configs: dict[str, dict] | None = None
-
-    def clear(self) -> None:
-        self._configs = None
-
-    def config(self, op: str, bucket: Sequence) -> dict | None:
-        if self._configs is None:
-            self._configs = self._load(tuning_file())
-        return self._configs.get(_key(op, bucket))
-
-    @staticmethod
-    def _load(path: Path) -> dict[str, dict]:
-        entries, problem = _read(path)
-        if problem:
-            warnings.warn(f"jitk.autotune: the tuning file {path} {problem}; it is ignored "
-                          "and today's defaults apply (`python -m jitk tune` writes it anew)",
-                          stacklevel=4)
-            return {}
-        here = environment()
-        mine = [e for e in entries if e["environment"] == here]
-        if len(mine) < len(entries):
-            others = {json.dumps(e["environment"], sort_keys=True) for e in entries} - {
-                json.dumps(here, sort_keys=True)}
-            warnings.warn(f"jitk.autotune: {len(entries) - len(mine)} of {len(entries)} entries "
-                          f"in {path} were tuned for another GPU or other versions "
-                          f"({'; '.join(sorted(others))[:300]}), not this one ({here}); they "
-                          "are ignored", stacklevel=4)
-        return {_key(e["op"], e["bucket"]): e["config"] for e in mine}
-
-
-_STORE = _Store()
 
 
 # ---------------------------------------------------------------------------- the space
@@ -265,7 +152,8 @@ class TuningSpace:
         """Candidates with equal keys share what `build` makes (see module_key)."""
         if self.module_key is not None:
             return self.module_key(bucket, config)
-        return self.op, _key(self.op, _jsonable(bucket)), json.dumps(config, sort_keys=True)
+        return (self.op, tuning_store.key(self.op, _jsonable(bucket)),
+                json.dumps(config, sort_keys=True))
 
     def lookup(self, bucket: tuple) -> Callable:
         """The function for a bucket: what this process chose, else the file's, else the
@@ -281,7 +169,7 @@ class TuningSpace:
     def _recorded_config(self, bucket: tuple) -> dict | None:
         """The file's choice for the bucket, if it is one of this space's (a file written
         by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
-        config = _STORE.config(self.op, _jsonable(bucket))
+        config = tuning_store.STORE.config(self.op, _jsonable(bucket))
         if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
                               and all(config[k] in v for k, v in self.knobs.items())):
             return config
@@ -316,7 +204,7 @@ class TuningSpace:
     def recorded(self) -> list[tuple[list, dict]]:
         """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
         versions it was tuned on: what `precompile` builds."""
-        return [(e["bucket"], e["config"]) for e in _read(tuning_file())[0]
+        return [(e["bucket"], e["config"]) for e in tuning_store.read(tuning_file())[0]
                 if e["op"] == self.op and isinstance(e["config"], dict)
                 and e["config"].keys() == self.knobs.keys()]
 
