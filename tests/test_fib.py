@@ -5,7 +5,9 @@ BuildError. Skipped where flashinfer-bench is not installed (pip install jitk[fi
 
 import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +266,150 @@ def test_a_broken_solutions_compiler_lines_reach_build_error(registry):
     message = str(failure.value)
     assert message.startswith("jitk failed to compile Solution 'broken':")
     assert 'main.cu(' in message and 'error: identifier "inptu" is undefined' in message
+
+
+# ------------------------------------------------- flashinfer-bench's own tooling, no jitk
+_STOCK_BUILD = """
+import sys
+from pathlib import Path
+sys.modules["jitk"] = None  # the worker has no jitk: importing it would raise
+from flashinfer_bench.compile.builders.tvm_ffi_builder import TVMFFIBuilder
+from flashinfer_bench.data import TraceSet
+
+traces = TraceSet.from_path(sys.argv[1])
+(solution,) = traces.solutions[sys.argv[2]]
+built = TVMFFIBuilder().build(traces.definitions[sys.argv[2]], solution)
+print("built", built.metadata.build_type, built.metadata.misc["binary"])
+"""
+
+
+def test_flashinfer_benchs_own_builder_compiles_jitks_solution_for_sm90(tmp_path):
+    """Its stock tvm-ffi builder, in a process where jitk cannot be imported, builds the
+    fused Solution from the exported folder alone (sm_90 through TVM_FFI_CUDA_ARCH_LIST)."""
+    from jitk.build import toolchain
+
+    jitk.fib.export(tmp_path / "set", ["fused_add_rmsnorm"], hidden=[2048])
+    cudart = next(flag[2:] for flag in toolchain.cudart_link_flags() if flag.startswith("-L"))
+    env = {**os.environ, "FIB_CACHE_PATH": str(tmp_path / "cache"),
+           "TVM_FFI_CUDA_ARCH_LIST": "9.0", "NVCC_APPEND_FLAGS": fib_norm.NVCC_APPEND_FLAGS,
+           "CUDA_HOME": str(toolchain.cuda_home()),  # its link step reads CUDA_HOME's lib64
+           "LIBRARY_PATH": os.pathsep.join(filter(None, [cudart, os.environ.get(
+               "LIBRARY_PATH")]))}
+    done = subprocess.run([sys.executable, "-c", _STOCK_BUILD, str(tmp_path / "set"),
+                           "fused_add_rmsnorm_h2048"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "built tvm_ffi " in done.stdout and done.stdout.strip().endswith(".so")
+
+
+# ------------------------------------------------------------------- logs to Workloads
+_LOGGED_RUN = """
+import torch, jitk
+x = torch.randn(3, 4096).bfloat16()
+jitk.fused_add_rmsnorm(x, torch.randn_like(x), torch.randn(4096).bfloat16(), eps=1e-5)
+y = torch.randn(5, 2, 2048).half()
+jitk.rmsnorm(y, torch.randn(2048).half(), torch.empty_like(y), 1e-6)
+jitk.rmsnorm(y, torch.randn(2048).half(), torch.empty_like(y), 1e-6)  # the same shape again
+print("the program's own output")
+"""
+
+
+def _logged_run(tmp_path, level: int) -> Path:
+    """The program above run on CPU (the ops' references) with the call log at `level`."""
+    log = tmp_path / f"calls{level}.log"
+    env = {**os.environ, "JITK_LOGLEVEL": str(level), "JITK_REFERENCE": "all",
+           "JITK_LOGDEST": str(log), "JITK_DUMP_DIR": str(tmp_path / "dumps"),
+           "JITK_DUMP_INCLUDE": "*fused_add_rmsnorm*"}
+    done = subprocess.run([sys.executable, "-c", _LOGGED_RUN], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return log
+
+
+def test_a_logged_run_becomes_workloads_flashinfer_bench_loads(tmp_path):
+    log = _logged_run(tmp_path, 3)
+    assert main(["fib", "workloads", str(log), str(tmp_path / "set")]) == 0
+    traces = fib_data.TraceSet.from_path(str(tmp_path / "set"))
+    assert sorted(traces.workloads) == ["fused_add_rmsnorm_h4096", "rmsnorm_h2048_float16_eps1e-06"]
+    (fused,) = traces.workloads["fused_add_rmsnorm_h4096"]
+    assert fused.workload.axes == {"batch_size": 3}
+    assert set(fused.workload.inputs) == {"hidden_states", "residual", "weight"}
+    (norm,) = traces.workloads["rmsnorm_h2048_float16_eps1e-06"]  # one a shape
+    assert norm.workload.axes == {"batch_size": 10}
+    assert traces.definitions["rmsnorm_h2048_float16_eps1e-06"].inputs["weight"].dtype == \
+        "float16"
+    assert [s.name for s in traces.solutions["fused_add_rmsnorm_h4096"]] == [
+        "fused_add_rmsnorm_h4096_jitk"]
+
+
+def test_a_dumped_call_becomes_a_workload_of_its_own_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    log = _logged_run(tmp_path, 10)
+    counts = jitk.fib.workloads([log], tmp_path / "set")
+    assert counts == {"fused_add_rmsnorm_h4096": 1, "rmsnorm_h2048_float16_eps1e-06": 1}
+    traces = fib_data.TraceSet.from_path(str(tmp_path / "set"))
+    (fused,) = traces.workloads["fused_add_rmsnorm_h4096"]
+    spec = fused.workload.inputs["hidden_states"]
+    assert spec.type == "safetensors" and spec.tensor_key == "input"
+    (dump,) = (tmp_path / "dumps").iterdir()
+    stored = load_file(str(tmp_path / "set" / spec.path))
+    assert torch.equal(stored["input"], load_file(str(dump / "inputs.safetensors"))["input"])
+    assert stored["input"].shape == (3, 4096)
+
+
+def test_workloads_refuse_a_missing_log(tmp_path):
+    with pytest.raises(jitk.ArgumentError, match="log '/no/such.log' is not a file"):
+        jitk.fib.workloads(["/no/such.log"], tmp_path)
+
+
+# --------------------------------------------------------------------------- apply()
+def _passed_trace(definition: str, solution: str, rows: int) -> object:
+    evaluation = fib_data.Evaluation(
+        status="PASSED", environment=fib_data.Environment(hardware="test"),
+        timestamp="2026-01-01T00:00:00", correctness=fib_data.Correctness(),
+        performance=fib_data.Performance(latency_ms=1.0, reference_latency_ms=2.0,
+                                         speedup_factor=2.0))
+    return fib_data.Trace(definition=definition, solution=solution, evaluation=evaluation,
+                          workload=fib_data.Workload(axes={"batch_size": rows}, inputs={
+                              k: fib_data.RandomInput() for k in ("hidden_states", "residual",
+                                                                  "weight")}, uuid=f"w{rows}"))
+
+
+def test_apply_routes_to_jitks_solution_and_falls_back_where_none_qualifies(tmp_path,
+                                                                             monkeypatch):
+    """The benchmark's passed trace at 4 rows makes apply() pick jitk's Solution there (the
+    GPU script runs it); at 7 rows nothing qualifies and the decorated function runs."""
+    from flashinfer_bench import apply, disable_apply, enable_apply
+    from flashinfer_bench.apply import ApplyConfig, ApplyConfigRegistry
+    from flashinfer_bench.apply.key import ApplyKey
+    from flashinfer_bench.apply.table import ApplyTable
+
+    monkeypatch.setenv("FIB_CACHE_PATH", str(tmp_path / "cache"))
+    jitk.fib.export(tmp_path / "set", ["fused_add_rmsnorm"], hidden=[4096])
+    traces = tmp_path / "set" / "traces" / "rmsnorm" / "fused_add_rmsnorm_h4096.jsonl"
+    traces.parent.mkdir(parents=True)
+    traces.write_text(_passed_trace("fused_add_rmsnorm_h4096", "fused_add_rmsnorm_h4096_jitk",
+                                    4).model_dump_json() + "\n")
+    config = ApplyConfigRegistry(default=ApplyConfig(aot_ratio=0.0))  # nothing built ahead
+    table = ApplyTable.load_or_build(fib_data.TraceSet.from_path(str(tmp_path / "set")), config)
+    at = lambda rows: ApplyKey(axes=(("batch_size", rows),))
+    assert table.match_solution("fused_add_rmsnorm_h4096", at(4)) == \
+        "fused_add_rmsnorm_h4096_jitk"
+    assert table.match_solution("fused_add_rmsnorm_h4096", at(7)) is None
+
+    @apply("fused_add_rmsnorm_h4096")
+    def fused_add_rmsnorm(hidden_states, residual, weight):
+        x = hidden_states.float() + residual.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+                ).to(hidden_states.dtype)
+
+    x, residual = (torch.randn(7, 4096).bfloat16() for _ in range(2))
+    weight = torch.randn(4096).bfloat16()
+    enable_apply(str(tmp_path / "set"), config)
+    try:
+        got = fused_add_rmsnorm(x, residual, weight)
+    finally:
+        disable_apply()
+    want = run_of(fib_norm.definition("fused_add_rmsnorm", 4096))(x, residual, weight)
+    assert torch.equal(got, want)
