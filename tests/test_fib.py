@@ -5,7 +5,9 @@ BuildError. Skipped where flashinfer-bench is not installed (pip install jitk[fi
 
 import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from flashinfer_bench.compile import BuilderRegistry, BuildError  # noqa: E402
 import jitk  # noqa: E402
 import jitk.fib  # noqa: E402
 from jitk.cli.main import main  # noqa: E402
-from jitk.kernels.norm import COMMON_SIZES  # noqa: E402
+from jitk.integrations import fib_norm  # noqa: E402
 
 
 def _shifted_reference(x: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
@@ -47,45 +49,95 @@ def run_of(definition):
     return namespace["run"]
 
 
-def test_export_writes_definitions_and_solutions_that_flashinfer_bench_loads(tmp_path):
-    assert main(["fib", "export", str(tmp_path)]) == 0
-    definitions = sorted((tmp_path / "definitions").rglob("*.json"))
-    solutions = sorted((tmp_path / "solutions").rglob("*.json"))
-    assert len(solutions) == 2 * len(COMMON_SIZES)  # the RMSNorm kernels
-    assert len(definitions) == len(solutions) + 2  # and the two one-layer KV transfers
-    loaded = {d.name: d for d in (fib_data.load_json_file(fib_data.Definition, p)
-                                  for p in definitions)}
-    for path in solutions:
-        solution = fib_data.load_json_file(fib_data.Solution, path)
-        definition = loaded[solution.definition]
-        assert solution.spec.language == "cuda" and solution.spec.binding == "tvm-ffi"
-        hidden = definition.axes["hidden_size"]
-        assert definition.axes["batch_size"].type == "var" and hidden.type == "const"
-        assert f"RMSNorm<{hidden.value}, jitk::" in solution.get_entry_source().content
-    rmsnorm = loaded["jitk_rmsnorm_h4096_bfloat16"]
-    assert list(rmsnorm.inputs) == ["input", "weight"] and list(rmsnorm.outputs) == ["out"]
-    assert rmsnorm.inputs["weight"].shape == ["hidden_size"]
-    fused = loaded["jitk_fused_add_rmsnorm_h4096_float16"]
-    assert list(fused.outputs) == ["input_out", "residual_out"]
-    assert fused.outputs["residual_out"].dtype == "float16"
+def test_export_writes_a_trace_set_in_the_datasets_form(tmp_path):
+    assert main(["fib", "export", str(tmp_path), "--hidden", "2048", "4096",
+                 "--dtype", "bfloat16", "float16", "--eps", "1e-5"]) == 0
+    traces = fib_data.TraceSet.from_path(str(tmp_path))  # flashinfer-bench's own loader
+    rmsnorm_names = [f"{op}_h{hidden}{suffix}" for op in ("rmsnorm", "fused_add_rmsnorm")
+                     for hidden in (2048, 4096) for suffix in ("", "_float16")]
+    assert sorted(traces.definitions) == sorted(
+        [*rmsnorm_names, "jitk_transfer_hicache_one_layer_8x128_bfloat16",
+         "jitk_transfer_hicache_one_layer_mla_576_bfloat16"])
+    for path in (tmp_path / "definitions").rglob("*.json"):  # the folder is the op_type
+        assert traces.definitions[path.stem].op_type == path.parent.name
+    fused = traces.definitions["fused_add_rmsnorm_h4096"]
+    assert list(fused.inputs) == ["hidden_states", "residual", "weight"]
+    assert list(fused.outputs) == ["output"] and fused.op_type == "rmsnorm"
+    assert fused.inputs["residual"].dtype == "bfloat16"
+    assert fused.axes["batch_size"].type == "var" and fused.axes["hidden_size"].value == 4096
+    assert list(traces.definitions["rmsnorm_h2048_float16"].inputs) == ["hidden_states",
+                                                                       "weight"]
+    for name in rmsnorm_names:
+        (solution,) = traces.solutions[name]
+        assert solution.spec.destination_passing_style and solution.spec.binding == "tvm-ffi"
+        paths = [source.path for source in solution.sources]
+        assert paths[:2] == ["main.cu", "rmsnorm.cuh"] and "jitk/utils.cuh" in paths
+        main_cu = solution.get_entry_source().content
+        assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);" in main_cu
+        assert f"RMSNorm<{name.split('_h')[1].split('_')[0]}, " in main_cu
+
+
+def test_a_solution_carries_the_instantiation_jitk_picks_for_each_row_bucket(monkeypatch):
+    """A tuning file's choice for 16 rows (and only there) reaches the Solution's dispatch."""
+    from jitk.kernels import norm
+
+    tuned = "jitk::norm::RMSNorm<4096, bf16_t, jitk::norm::Tuning<8, true>>"
+    picks = {16: tuned}
+    monkeypatch.setattr(norm, "instantiation", lambda op, hidden, dtype, rows:
+                        picks.get(rows, f"jitk::norm::RMSNorm<{hidden}, bf16_t>"))
+    main_cu = jitk.fib.solution(fib_norm.definition("rmsnorm", 4096)).sources[0].content
+    assert "if (rows <= 8) return jitk::norm::RMSNorm<4096, bf16_t>::run(" in main_cu
+    assert f"if (rows <= 16) return {tuned}::run(" in main_cu
+    assert "  jitk::norm::RMSNorm<4096, bf16_t>::run(hidden_states" in main_cu  # the rest
+
+
+def test_instantiation_is_the_default_without_a_tuning_file():
+    from jitk.kernels import norm
+
+    assert norm.instantiation("fused_add_rmsnorm", 4096, torch.bfloat16, 77) == \
+        "jitk::norm::RMSNorm<4096, bf16_t>"
+    with pytest.raises(jitk.ArgumentError, match="'rows' must be an int >= 1, got 0"):
+        norm.instantiation("rmsnorm", 4096, torch.bfloat16, 0)
 
 
 @pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
-def test_a_definitions_reference_computes_what_the_ops_reference_does(op):
-    info = jitk.runtime.op.find_op(op)
-    example = jitk.fib._SHIPPED[info.name].examples()[0]
-    run = run_of(jitk.fib._shipped_definition(info, example))
-    hidden, dtype = example[0].shape[-1], example[0].dtype
-    x, residual = (torch.randn(3, hidden).to(dtype) for _ in range(2))
-    weight = torch.randn(hidden).to(dtype)
+def test_a_definitions_reference_matches_jitks_reference(op):
+    definition = fib_norm.definition(op, 256, torch.float32, 1e-5)
+    x, residual = torch.randn(5, 256), torch.randn(5, 256)
+    weight = torch.randn(256)
+    inputs = (x, weight) if op == "rmsnorm" else (x, residual, weight)
+    got = run_of(definition)(*inputs)
+    want = torch.empty_like(x)
     if op == "rmsnorm":
-        want = torch.empty_like(x)
-        info.reference(x, weight, want, 1e-6)
-        assert torch.equal(run(x, weight), want)
+        jitk.runtime.op.find_op(op).reference(x, weight, want, 1e-5)
     else:
-        inputs = (x.clone(), residual.clone())
-        info.reference(*inputs, weight, 1e-6)
-        assert all(map(torch.equal, run(x, residual, weight), inputs))
+        want, summed = x.clone(), residual.clone()
+        jitk.runtime.op.find_op(op).reference(want, summed, weight, 1e-5)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(inputs[0], x)  # value-returning: the inputs are left as they were
+
+
+def test_solution_checks_the_definition_against_the_kernel():
+    good = fib_norm.definition("fused_add_rmsnorm", 4096)
+    assert jitk.fib.solution(good).definition == "fused_add_rmsnorm_h4096"
+    changed = lambda **fields: fib_data.Definition(**{**good.model_dump(), **fields})
+    with pytest.raises(jitk.ArgumentTypeError, match="must be a flashinfer_bench Definition"):
+        jitk.fib.solution("fused_add_rmsnorm_h4096")
+    inputs = good.model_dump()["inputs"]
+    with pytest.raises(jitk.ArgumentError, match=r"takes \(hidden_states, weight\) -> output"
+                       r"; jitk's fused_add_rmsnorm kernel takes \(hidden_states, residual"):
+        jitk.fib.solution(changed(inputs={k: v for k, v in inputs.items() if k != "residual"}))
+    with pytest.raises(jitk.ArgumentTypeError, match="residual: float16"):
+        jitk.fib.solution(changed(inputs={**inputs, "residual": {
+            **inputs["residual"], "dtype": "float16"}}))
+    with pytest.raises(jitk.ArgumentError, match=r"eps constants are \[1e-06\]; the name "
+                       r"\(and so jitk's kernel\) says 1e-05"):
+        jitk.fib.solution(changed(reference=good.reference.replace("1e-05", "1e-06")))
+    with pytest.raises(jitk.ArgumentError, match="axis 'hidden_size' must be const 4096"):
+        jitk.fib.solution(changed(axes={**good.model_dump()["axes"], "hidden_size": {
+            "type": "const", "value": 2048}}))
+    with pytest.raises(jitk.ArgumentError, match="is not named"):
+        jitk.fib.solution(changed(name="add_rmsnorm_h4096"))
 
 
 @pytest.mark.parametrize("op", ["transfer_hicache_one_layer", "transfer_hicache_one_layer_mla"])
@@ -157,15 +209,13 @@ def registry(tmp_path_factory):
         os.environ["FIB_CACHE_PATH"] = before
 
 
-def shipped_pair(op):
-    info = jitk.runtime.op.find_op(op)
-    example = jitk.fib._SHIPPED[info.name].examples()[0]
-    definition = jitk.fib._shipped_definition(info, example)
-    return definition, jitk.fib.solution(info, example, definition.name)
+def rmsnorm_pair():
+    definition = fib_norm.definition("rmsnorm", 128)
+    return definition, jitk.fib.solution(definition)
 
 
 def test_the_builder_builds_a_shipped_solution_for_sm90(registry):
-    definition, solution = shipped_pair("rmsnorm")
+    definition, solution = rmsnorm_pair()
     built = registry.build(definition, solution)
     assert built.metadata.build_type == "jitk"
     assert built.metadata.solution_name == solution.name
@@ -205,14 +255,161 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);
 
 
 def test_a_broken_solutions_compiler_lines_reach_build_error(registry):
-    definition, solution = shipped_pair("rmsnorm")
-    entry = solution.sources[0]
+    definition, solution = rmsnorm_pair()
+    entry, *others = solution.sources
     broken = fib_data.Solution(**{
         **solution.model_dump(), "name": "broken",
-        "sources": [{"path": entry.path, "content": entry.content.replace("(input,", "(inptu,")},
-                    solution.sources[1].model_dump()]})
+        "sources": [{"path": entry.path, "content": entry.content.replace(
+            "hidden_states.numel()", "inptu.numel()")}, *(f.model_dump() for f in others)]})
     with pytest.raises(BuildError) as failure:
         registry.build(definition, broken)
     message = str(failure.value)
     assert message.startswith("jitk failed to compile Solution 'broken':")
-    assert 'main.cuh(' in message and 'error: identifier "inptu" is undefined' in message
+    assert 'main.cu(' in message and 'error: identifier "inptu" is undefined' in message
+
+
+# ------------------------------------------------- flashinfer-bench's own tooling, no jitk
+_STOCK_BUILD = """
+import sys
+from pathlib import Path
+sys.modules["jitk"] = None  # the worker has no jitk: importing it would raise
+from flashinfer_bench.compile.builders.tvm_ffi_builder import TVMFFIBuilder
+from flashinfer_bench.data import TraceSet
+
+traces = TraceSet.from_path(sys.argv[1])
+(solution,) = traces.solutions[sys.argv[2]]
+built = TVMFFIBuilder().build(traces.definitions[sys.argv[2]], solution)
+print("built", built.metadata.build_type, built.metadata.misc["binary"])
+"""
+
+
+def test_flashinfer_benchs_own_builder_compiles_jitks_solution_for_sm90(tmp_path):
+    """Its stock tvm-ffi builder, in a process where jitk cannot be imported, builds the
+    fused Solution from the exported folder alone (sm_90 through TVM_FFI_CUDA_ARCH_LIST)."""
+    from jitk.build import toolchain
+
+    jitk.fib.export(tmp_path / "set", ["fused_add_rmsnorm"], hidden=[2048])
+    cudart = next(flag[2:] for flag in toolchain.cudart_link_flags() if flag.startswith("-L"))
+    env = {**os.environ, "FIB_CACHE_PATH": str(tmp_path / "cache"),
+           "TVM_FFI_CUDA_ARCH_LIST": "9.0", "NVCC_APPEND_FLAGS": fib_norm.NVCC_APPEND_FLAGS,
+           "CUDA_HOME": str(toolchain.cuda_home()),  # its link step reads CUDA_HOME's lib64
+           "LIBRARY_PATH": os.pathsep.join(filter(None, [cudart, os.environ.get(
+               "LIBRARY_PATH")]))}
+    done = subprocess.run([sys.executable, "-c", _STOCK_BUILD, str(tmp_path / "set"),
+                           "fused_add_rmsnorm_h2048"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "built tvm_ffi " in done.stdout and done.stdout.strip().endswith(".so")
+
+
+# ------------------------------------------------------------------- logs to Workloads
+_LOGGED_RUN = """
+import torch, jitk
+x = torch.randn(3, 4096).bfloat16()
+jitk.fused_add_rmsnorm(x, torch.randn_like(x), torch.randn(4096).bfloat16(), eps=1e-5)
+y = torch.randn(5, 2, 2048).half()
+jitk.rmsnorm(y, torch.randn(2048).half(), torch.empty_like(y), 1e-6)
+jitk.rmsnorm(y, torch.randn(2048).half(), torch.empty_like(y), 1e-6)  # the same shape again
+print("the program's own output")
+"""
+
+
+def _logged_run(tmp_path, level: int) -> Path:
+    """The program above run on CPU (the ops' references) with the call log at `level`."""
+    log = tmp_path / f"calls{level}.log"
+    env = {**os.environ, "JITK_LOGLEVEL": str(level), "JITK_REFERENCE": "all",
+           "JITK_LOGDEST": str(log), "JITK_DUMP_DIR": str(tmp_path / "dumps"),
+           "JITK_DUMP_INCLUDE": "*fused_add_rmsnorm*"}
+    done = subprocess.run([sys.executable, "-c", _LOGGED_RUN], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return log
+
+
+def test_a_logged_run_becomes_workloads_flashinfer_bench_loads(tmp_path):
+    log = _logged_run(tmp_path, 3)
+    assert main(["fib", "workloads", str(log), str(tmp_path / "set")]) == 0
+    traces = fib_data.TraceSet.from_path(str(tmp_path / "set"))
+    assert sorted(traces.workloads) == ["fused_add_rmsnorm_h4096", "rmsnorm_h2048_float16_eps1e-06"]
+    (fused,) = traces.workloads["fused_add_rmsnorm_h4096"]
+    assert fused.workload.axes == {"batch_size": 3}
+    assert set(fused.workload.inputs) == {"hidden_states", "residual", "weight"}
+    (norm,) = traces.workloads["rmsnorm_h2048_float16_eps1e-06"]  # one a shape
+    assert norm.workload.axes == {"batch_size": 10}
+    assert traces.definitions["rmsnorm_h2048_float16_eps1e-06"].inputs["weight"].dtype == \
+        "float16"
+    assert [s.name for s in traces.solutions["fused_add_rmsnorm_h4096"]] == [
+        "fused_add_rmsnorm_h4096_jitk"]
+
+
+def test_a_dumped_call_becomes_a_workload_of_its_own_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    log = _logged_run(tmp_path, 10)
+    counts = jitk.fib.workloads([log], tmp_path / "set")
+    assert counts == {"fused_add_rmsnorm_h4096": 1, "rmsnorm_h2048_float16_eps1e-06": 1}
+    traces = fib_data.TraceSet.from_path(str(tmp_path / "set"))
+    (fused,) = traces.workloads["fused_add_rmsnorm_h4096"]
+    spec = fused.workload.inputs["hidden_states"]
+    assert spec.type == "safetensors" and spec.tensor_key == "input"
+    (dump,) = (tmp_path / "dumps").iterdir()
+    stored = load_file(str(tmp_path / "set" / spec.path))
+    assert torch.equal(stored["input"], load_file(str(dump / "inputs.safetensors"))["input"])
+    assert stored["input"].shape == (3, 4096)
+
+
+def test_workloads_refuse_a_missing_log(tmp_path):
+    with pytest.raises(jitk.ArgumentError, match="log '/no/such.log' is not a file"):
+        jitk.fib.workloads(["/no/such.log"], tmp_path)
+
+
+# --------------------------------------------------------------------------- apply()
+def _passed_trace(definition: str, solution: str, rows: int) -> object:
+    evaluation = fib_data.Evaluation(
+        status="PASSED", environment=fib_data.Environment(hardware="test"),
+        timestamp="2026-01-01T00:00:00", correctness=fib_data.Correctness(),
+        performance=fib_data.Performance(latency_ms=1.0, reference_latency_ms=2.0,
+                                         speedup_factor=2.0))
+    return fib_data.Trace(definition=definition, solution=solution, evaluation=evaluation,
+                          workload=fib_data.Workload(axes={"batch_size": rows}, inputs={
+                              k: fib_data.RandomInput() for k in ("hidden_states", "residual",
+                                                                  "weight")}, uuid=f"w{rows}"))
+
+
+def test_apply_routes_to_jitks_solution_and_falls_back_where_none_qualifies(tmp_path,
+                                                                             monkeypatch):
+    """The benchmark's passed trace at 4 rows makes apply() pick jitk's Solution there (the
+    GPU script runs it); at 7 rows nothing qualifies and the decorated function runs."""
+    from flashinfer_bench import apply, disable_apply, enable_apply
+    from flashinfer_bench.apply import ApplyConfig, ApplyConfigRegistry
+    from flashinfer_bench.apply.key import ApplyKey
+    from flashinfer_bench.apply.table import ApplyTable
+
+    monkeypatch.setenv("FIB_CACHE_PATH", str(tmp_path / "cache"))
+    jitk.fib.export(tmp_path / "set", ["fused_add_rmsnorm"], hidden=[4096])
+    traces = tmp_path / "set" / "traces" / "rmsnorm" / "fused_add_rmsnorm_h4096.jsonl"
+    traces.parent.mkdir(parents=True)
+    traces.write_text(_passed_trace("fused_add_rmsnorm_h4096", "fused_add_rmsnorm_h4096_jitk",
+                                    4).model_dump_json() + "\n")
+    config = ApplyConfigRegistry(default=ApplyConfig(aot_ratio=0.0))  # nothing built ahead
+    table = ApplyTable.load_or_build(fib_data.TraceSet.from_path(str(tmp_path / "set")), config)
+    at = lambda rows: ApplyKey(axes=(("batch_size", rows),))
+    assert table.match_solution("fused_add_rmsnorm_h4096", at(4)) == \
+        "fused_add_rmsnorm_h4096_jitk"
+    assert table.match_solution("fused_add_rmsnorm_h4096", at(7)) is None
+
+    @apply("fused_add_rmsnorm_h4096")
+    def fused_add_rmsnorm(hidden_states, residual, weight):
+        x = hidden_states.float() + residual.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+                ).to(hidden_states.dtype)
+
+    x, residual = (torch.randn(7, 4096).bfloat16() for _ in range(2))
+    weight = torch.randn(4096).bfloat16()
+    enable_apply(str(tmp_path / "set"), config)
+    try:
+        got = fused_add_rmsnorm(x, residual, weight)
+    finally:
+        disable_apply()
+    want = run_of(fib_norm.definition("fused_add_rmsnorm", 4096))(x, residual, weight)
+    assert torch.equal(got, want)

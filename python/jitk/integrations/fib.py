@@ -3,7 +3,12 @@ Solutions, and jitk as the builder of CUDA Solutions.
 
     jitk.fib.install_builder()                    # flashinfer-bench builds cuda Solutions with jitk
     definition = jitk.fib.definition(info, x, w, out, 1e-6, axes=..., const=...)
-    python -m jitk fib export OUT_DIR [OP ...]    # every shipped op's Definitions and Solutions
+    python -m jitk fib export OUT_DIR [OP ...] [--hidden N ...] [--dtype D ...] [--eps E ...]
+    python -m jitk fib workloads LOGS OUT_DIR     # JITK_LOGLEVEL>=3 logs -> Workloads
+    solution = jitk.fib.solution(definition)      # jitk's kernel for a dataset Definition
+
+RMSNorm's Definitions and Solutions take FlashInfer-Bench's dataset form (fib_norm); the
+ops it lacks get jitk's own, made by `definition()`:
 
 A Definition is made from one example call of an op that has a reference: each tensor
 parameter's dimensions become axes, named by `axes` (else '<parameter>_<dimension>'),
@@ -20,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
 import textwrap
 import types
 from collections.abc import Callable, Iterable
@@ -28,17 +32,15 @@ from pathlib import Path
 
 import torch
 
-from jitk.base.errors import JitkError
-from jitk.build.jit import KERNEL_DIR
+from jitk.base.errors import ArgumentError
+from jitk.integrations import fib_norm
+from jitk.integrations.fib_base import FibUnavailableError, require_fib, write_model
+from jitk.integrations.fib_norm import solution
+from jitk.integrations.fib_workloads import workloads
 from jitk.runtime.op import OpInfo, find_op
 
-__all__ = ["FibUnavailableError", "definition", "export", "install_builder", "solution"]
-
-AUTHOR = "jitk"
-
-
-class FibUnavailableError(JitkError, ImportError):
-    """flashinfer-bench is not installed."""
+__all__ = ["FibUnavailableError", "definition", "export", "install_builder", "solution",
+           "workloads"]
 
 
 def _op(op: OpInfo | str) -> OpInfo:
@@ -53,21 +55,12 @@ def _op(op: OpInfo | str) -> OpInfo:
     return find_op(op)
 
 
-def _require_fib() -> types.ModuleType:
-    try:
-        import flashinfer_bench
-    except ImportError as error:
-        raise FibUnavailableError(f"jitk.fib needs flashinfer-bench ({error}): pip install "
-                                  "'jitk[fib]'") from None
-    return flashinfer_bench
-
-
 def install_builder() -> object:
     """Puts jitk's builder first in flashinfer-bench's BuilderRegistry, so that cuda and cpp
     Solutions with the tvm-ffi binding are built by jitk.load_jit; returns the builder. Call
     it at the top level of the script: flashinfer-bench's benchmark workers are spawned
     processes, which import that script again and so install it too."""
-    _require_fib()
+    require_fib()
     from flashinfer_bench.compile import BuilderRegistry
 
     from jitk.integrations.fib_builder import JitkBuilder
@@ -148,7 +141,7 @@ def definition(info: OpInfo | str, *args: object, axes: dict[str, Iterable[str]]
                description: str | None = None, **kwargs: object) -> object:
     """The Definition (a flashinfer_bench.data.Definition) of `info`'s op for the example
     call (*args, **kwargs); see the module docstring."""
-    fib = _require_fib()
+    fib = require_fib()
     info = _op(info)
     if info.reference is None:
         raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
@@ -214,7 +207,7 @@ def _bound_dim(axis: str, inputs: list[str], shapes: dict[str, list[str]]) -> st
 # ------------------------------------------------------------------ jitk's own kernels
 @dataclasses.dataclass(frozen=True)
 class _Shipped:
-    """How a shipped op reads as a Definition, and its kernel as a Solution."""
+    """How a shipped op without a FlashInfer-Bench form of its own reads as a Definition."""
 
     op_type: str
     axes: dict[str, tuple[str, ...]]
@@ -222,76 +215,10 @@ class _Shipped:
     write_only: tuple[str, ...]
     examples: Callable[[], list[tuple]]  # example calls' arguments
     suffix: Callable[[tuple], str]  # the Definition's name after jitk_<op>_, per example
-    entry: Callable[[tuple], str] | None  # the Solution's main.cuh; None: no Solution
 
 
 def _dtype_suffix(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
-
-
-def _rmsnorm_examples() -> list[tuple]:
-    """(input, weight, out, eps) of one row for each common size; the Definitions' batch
-    size is var, so one row stands for any."""
-    from jitk.kernels.norm import COMMON_SIZES
-
-    return [(torch.empty(1, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype),
-             torch.empty(1, hidden, dtype=dtype), 1e-6) for hidden, dtype in COMMON_SIZES]
-
-
-def _fused_add_rmsnorm_examples() -> list[tuple]:
-    """(input, residual, weight, eps), as _rmsnorm_examples."""
-    return [(input, torch.empty_like(input), weight, eps)
-            for input, weight, _, eps in _rmsnorm_examples()]
-
-
-def _cpp_type(tensor: torch.Tensor) -> str:
-    from jitk.build.cpp_args import make_cpp_args
-
-    return str(make_cpp_args(tensor.dtype))
-
-
-_SOLUTION_HEAD = """\
-// jitk's {kernel} as a FlashInfer-Bench Solution: destination-passing, built by jitk
-// (jitk.fib.install_builder()), whose include path has the <jitk/...> headers.
-#include <jitk/utils.cuh>
-
-#include "rmsnorm.cuh"
-"""
-
-
-def _rmsnorm_entry(example: tuple) -> str:
-    x, eps = example[0], example[-1]
-    kernel = f"jitk::norm::RMSNorm<{x.shape[-1]}, jitk::{_cpp_type(x)}>"
-    return _SOLUTION_HEAD.format(kernel=kernel) + f"""
-inline void run(jitk::TensorView input, jitk::TensorView weight, jitk::TensorView out) {{
-  {kernel}::run(input, weight, out, {eps!r});
-}}
-"""
-
-
-def _fused_add_rmsnorm_entry(example: tuple) -> str:
-    x, eps = example[0], example[-1]
-    kernel = f"jitk::norm::RMSNorm<{x.shape[-1]}, jitk::{_cpp_type(x)}>"
-    return _SOLUTION_HEAD.format(kernel=kernel) + f"""
-// The kernel works in place; the outputs are separate buffers here, so the inputs are copied
-// into them first (two device copies that the in-place jitk.fused_add_rmsnorm does not make).
-inline void copy_into(jitk::TensorView out, jitk::TensorView in) {{
-  jitk::RuntimeCheck(out.numel() == in.numel() && out.dtype() == in.dtype(),
-                     "an output does not match its input");
-  const auto bytes = static_cast<size_t>(in.numel()) * (in.dtype().bits / 8);
-  jitk::RuntimeDeviceCheck(cudaMemcpyAsync(
-      static_cast<char*>(out.data_ptr()) + out.byte_offset(),
-      static_cast<const char*>(in.data_ptr()) + in.byte_offset(), bytes,
-      cudaMemcpyDeviceToDevice, jitk::current_stream(in.device())));
-}}
-
-inline void run(jitk::TensorView input, jitk::TensorView residual, jitk::TensorView weight,
-                jitk::TensorView input_out, jitk::TensorView residual_out) {{
-  copy_into(input_out, input);
-  copy_into(residual_out, residual);
-  {kernel}::run_fused_add(input_out, residual_out, weight, {eps!r});
-}}
-"""
 
 
 def _hicache_examples(caches: int) -> Callable[[], list[tuple]]:
@@ -316,31 +243,20 @@ def _hicache_axes(caches: int) -> dict[str, tuple[str, ...]]:
 
 
 _SHIPPED = {
-    "jitk::rmsnorm": _Shipped(
-        op_type="rmsnorm",
-        axes={"input": ("batch_size", "hidden_size"), "weight": ("hidden_size",),
-              "out": ("batch_size", "hidden_size")},
-        const=("hidden_size",), write_only=("out",), examples=_rmsnorm_examples,
-        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}", entry=_rmsnorm_entry),
-    "jitk::fused_add_rmsnorm": _Shipped(
-        op_type="rmsnorm",
-        axes={"input": ("batch_size", "hidden_size"), "residual": ("batch_size", "hidden_size"),
-              "weight": ("hidden_size",)},
-        const=("hidden_size",), write_only=(), examples=_fused_add_rmsnorm_examples,
-        suffix=lambda e: f"h{e[0].shape[-1]}_{_dtype_suffix(e[0])}",
-        entry=_fused_add_rmsnorm_entry),
-    # The KV transfers' Definitions describe the copy by index lists; their kernel needs
-    # pinned host caches and CUDA streams, which a Solution's workload does not give it, so
-    # they export no Solution. The all-layer transfers take raw pointer tables and the
-    # stream flag ops move no data: no Definition describes them.
+    # The one-layer KV transfers' Definitions copy rows by index lists: dst[indices_dst[i]] =
+    # src[indices_src[i]]. Their kernel needs pinned host caches and CUDA streams, which a
+    # Solution's workload does not give it, so they export no Solution. The all-layer
+    # transfers take tables of raw pointers (one a layer), which a Definition's tensors of
+    # named axes cannot state, and the stream wait/write ops compute nothing a reference
+    # could compare (they order streams through a flag): no Definition describes them.
     "jitk::transfer_hicache_one_layer": _Shipped(
         op_type="kv_transfer", axes=_hicache_axes(2), const=("heads", "head_dim"),
         write_only=(), examples=_hicache_examples(2),
-        suffix=lambda e: f"{e[0].shape[1]}x{e[0].shape[2]}_{_dtype_suffix(e[0])}", entry=None),
+        suffix=lambda e: f"{e[0].shape[1]}x{e[0].shape[2]}_{_dtype_suffix(e[0])}"),
     "jitk::transfer_hicache_one_layer_mla": _Shipped(
         op_type="kv_transfer", axes=_hicache_axes(1), const=("latent_dim",),
         write_only=(), examples=_hicache_examples(1),
-        suffix=lambda e: f"{e[0].shape[1]}_{_dtype_suffix(e[0])}", entry=None),
+        suffix=lambda e: f"{e[0].shape[1]}_{_dtype_suffix(e[0])}"),
 }
 
 
@@ -351,56 +267,33 @@ def _shipped_definition(info: OpInfo, example: tuple) -> object:
                       name=f"jitk_{info.label}_{shipped.suffix(example)}")
 
 
-def solution(info: OpInfo | str, example: tuple, definition_name: str) -> object:
-    """The Solution (flashinfer_bench.data.Solution) of a shipped op's jitk kernel for the
-    instantiation of the example call."""
-    fib = _require_fib()
-    info = _op(info)
-    if info.name not in _SHIPPED or _SHIPPED[info.name].entry is None:
-        raise KeyError(f"{info.name} is not one of jitk's kernels with a Solution "
-                       f"({', '.join(n for n, s in _SHIPPED.items() if s.entry)})")
-    return fib.data.Solution(
-        name=f"{definition_name}_jitk", definition=definition_name, author=AUTHOR,
-        spec=fib.data.BuildSpec(language="cuda", binding="tvm-ffi", target_hardware=["cuda"],
-                                entry_point="main.cuh::run", dependencies=["jitk"]),
-        sources=[fib.data.SourceFile(path="main.cuh", content=_SHIPPED[info.name].entry(example)),
-                 fib.data.SourceFile(path="rmsnorm.cuh",
-                                     content=(KERNEL_DIR / "norm" / "rmsnorm.cuh").read_text())],
-        description=f"jitk's kernel for {info.name}, built by jitk.fib.install_builder()")
-
-
-def _selected(names: Iterable[str] | None) -> list[OpInfo]:
-    """The named ops (default: jitk's kernels that have Definitions), each checked."""
-    chosen = [_op(name) for name in names or _SHIPPED]
+def export(out_dir: Path | str, ops: Iterable[str] | None = None,
+           hidden: Iterable[int] = fib_norm.DEFAULT_HIDDEN, dtypes: Iterable[str] = ("bfloat16",),
+           eps: Iterable[float] = (fib_norm.DATASET_EPS,)) -> list[Path]:
+    """Writes a TraceSet folder: OUT_DIR/definitions/<op_type>/<name>.json and, for jitk's
+    RMSNorm kernels, OUT_DIR/solutions/<op_type>/<name>_jitk.json, for the named ops (label or
+    name; default all of them): RMSNorm's at every hidden size x dtype x eps (fib_norm), the
+    one-layer KV transfers at their example shapes. Returns the paths. An unknown op raises
+    KeyError; a user op (whose example shapes jitk does not know: call definition() for it),
+    ArgumentError."""
+    require_fib()
+    out_dir, written = Path(out_dir), []
+    chosen = [_op(name) for name in ops or [*fib_norm.OPS, *_SHIPPED]]
     for info in chosen:
-        if info.reference is None:
-            raise ValueError(f"{info.name} has no reference (jitk.op(reference=...)), which a "
-                             "Definition needs")
-        if info.name not in _SHIPPED:
-            raise ValueError(f"{info.name}: export covers {', '.join(_SHIPPED)}; for another "
-                             "op with a reference, call jitk.fib.definition(op, "
-                             "*example_args, ...)")
-    return chosen
-
-
-def export(out_dir: Path | str, ops: Iterable[str] | None = None) -> list[Path]:
-    """Writes OUT_DIR/definitions/<op>/<definition>.json for each shipped op's example
-    shapes (or each named op) and OUT_DIR/solutions/<op>/<definition>_jitk.json for jitk's
-    kernels; returns the paths. An unknown name raises KeyError; an op without a reference,
-    or a user op (whose example shapes jitk does not know: call definition() for it),
-    ValueError."""
-    _require_fib()
-    out_dir = Path(out_dir)
-    written = []
-    for info in _selected(ops):
+        if info.label not in fib_norm.OPS and info.name not in _SHIPPED:
+            raise ArgumentError(f"{info.name}: export covers {', '.join(fib_norm.OPS)}, "
+                                f"{', '.join(_SHIPPED)}; for another op with a reference, "
+                                "call jitk.fib.definition(op, *example_args, ...)")
+    sizes = fib_norm.sizes(hidden, dtypes, eps)
+    for info in chosen:
+        if info.label in fib_norm.OPS:
+            for op, size, dtype, e in sizes:
+                if op == info.label:
+                    made = fib_norm.definition(op, size, dtype, e)
+                    written += [write_model(out_dir, "definitions", made),
+                                write_model(out_dir, "solutions", solution(made))]
+            continue
         for example in _SHIPPED[info.name].examples():
             made = _shipped_definition(info, example)
-            models = [("definitions", made)]
-            if _SHIPPED[info.name].entry is not None:
-                models.append(("solutions", solution(info, example, made.name)))
-            for kind, model in models:
-                path = out_dir / kind / info.label / f"{model.name}.json"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(model.model_dump(mode="json"), indent=2) + "\n")
-                written.append(path)
+            written.append(write_model(out_dir, "definitions", made))
     return written

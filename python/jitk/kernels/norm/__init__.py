@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from jitk.base.errors import ArgumentError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
 from jitk.kernels.norm.rules import applies as _applies
@@ -39,7 +40,7 @@ from jitk.tools import api_log
 from jitk.tools.autotune import TuningSpace
 from jitk.tools.timing import gemm_neighbour
 
-__all__ = ["fused_add_rmsnorm", "precompile_configs", "rmsnorm"]
+__all__ = ["fused_add_rmsnorm", "instantiation", "precompile_configs", "rmsnorm"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm.cuh); a test builds the largest
@@ -64,8 +65,7 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
     at rmsnorm.cuh's DefaultTuning when none is given."""
     _check_kernel_args(hidden, dtype)
     args = make_cpp_args(hidden, dtype)
-    norms = [f"jitk::norm::RMSNorm<{args}, jitk::norm::Tuning<{make_cpp_args(*t)}>>"
-             for t in tunings] or [f"jitk::norm::RMSNorm<{args}>"]
+    norms = [_norm_type(hidden, dtype, t) for t in tunings] or [_norm_type(hidden, dtype)]
     suffixes = [f"_{i}" for i in range(len(tunings))] if len(tunings) > 1 else [""]
     module = load_jit(
         name, *args, *(make_cpp_args(*tunings[0]) if len(tunings) == 1 else ()),
@@ -77,6 +77,15 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return [_Kernels(getattr(module, f"rmsnorm{suffix}"),
                      getattr(module, f"fused_add_rmsnorm{suffix}")) for suffix in suffixes]
+
+
+def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> str:
+    """The C++ instantiation at a tuning (knob values in _KNOBS's order), else the default's;
+    its dtype is written unqualified (bf16_t), as load_jit's sources declare it."""
+    args = make_cpp_args(hidden, dtype)
+    if tuning is None:
+        return f"jitk::norm::RMSNorm<{args}>"
+    return f"jitk::norm::RMSNorm<{args}, jitk::norm::Tuning<{make_cpp_args(*tuning)}>>"
 
 
 @functools.cache
@@ -399,6 +408,23 @@ def _cases(entry: str) -> list:
 # precompile builds and what `python -m jitk fib export` describes.
 COMMON_SIZES = ((128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
                 (8192, torch.bfloat16), (4096, torch.float16))
+
+
+def instantiation(function: str, hidden: int, dtype: torch.dtype, rows: int) -> str:
+    """The C++ instantiation that jitk.<function> ("rmsnorm", out of place, or
+    "fused_add_rmsnorm") runs for `rows` rows: its bucket's choice in the tuning file, else
+    the defaults. FlashInfer-Bench Solutions (jitk.fib) are written from it."""
+    if function not in ("rmsnorm", "fused_add_rmsnorm"):
+        raise ArgumentError(f"instantiation: 'function' must be 'rmsnorm' or "
+                            f"'fused_add_rmsnorm', got {function!r}")
+    _check_kernel_args(hidden, dtype)
+    if not isinstance(rows, int) or rows < 1:
+        raise ArgumentError(f"instantiation: 'rows' must be an int >= 1, got {rows!r}")
+    bucket = (hidden, dtype, 1 << (rows - 1).bit_length())
+    knobs = (_RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE).config(bucket)
+    if knobs == _default_knobs(bucket):
+        return _norm_type(hidden, dtype)
+    return _norm_type(hidden, dtype, _knob_values(knobs))
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
