@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import io
 import ipaddress
 import json
@@ -128,7 +129,8 @@ def _request(remote: Remote, method: str, url: str, what: str, data: bytes | Non
             if error.code < 500:
                 return error.code, dict(error.headers), error.read(MAX_SMALL)
             failure = f"HTTP {error.code}"
-        except (OSError, TimeoutError) as error:  # URLError, a reset, a timeout
+        except (OSError, http.client.HTTPException) as error:  # unreachable, a timeout, a
+            # reset, a reply cut short or one that is not HTTP
             failure = str(getattr(error, "reason", error)) or type(error).__name__
     raise RemoteCacheError(f"{remote.text}: {what} failed {1 + retries} time(s) within "
                            f"{timeout:g} s each: {failure}")
@@ -143,6 +145,9 @@ def _read_within(reply, limit: int, deadline: float, what: str) -> bytes:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: the reply did not arrive in time")
         chunks.append(chunk)
+    declared = reply.headers.get("Content-Length")
+    if declared and declared.isdigit() and int(declared) != size:  # the server hung up
+        raise http.client.IncompleteRead(b"", int(declared) - size)
     return b"".join(chunks)
 
 
