@@ -52,6 +52,23 @@ SETTINGS = _declare(
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),
             "more kernel modules for `python -m jitk precompile`, comma-separated"),
+    # build: the remote cache (jitk/build/remote.py)
+    Setting("JITK_REMOTE_CACHE", "text", None,
+            "an OCI registry entries are fetched from before compiling: oci://host:port/repo "
+            "(default: off)"),
+    Setting("JITK_REMOTE_CACHE_KEY", "path", None,
+            "the ed25519 private key (PEM) entries are signed with when pushed"),
+    Setting("JITK_REMOTE_CACHE_TRUST", "names", (),
+            "public key files (PEM), comma-separated, whose signatures a pull accepts; "
+            "without one nothing is pulled"),
+    Setting("JITK_REMOTE_CACHE_TIMEOUT", "seconds", 10.0,
+            "the longest one call to the remote cache may take"),
+    Setting("JITK_REMOTE_CACHE_RETRIES", "count", 1,
+            "how often a failed call to the remote cache is tried again"),
+    Setting("JITK_REMOTE_CACHE_HTTP_HOSTS", "names", (),
+            "registry hosts spoken to in plain HTTP besides loopback ones (default: TLS)"),
+    Setting("JITK_REMOTE_CACHE_PUSH", "flag", False,
+            "push every entry this process builds to the remote cache (needs the key)"),
     # runtime and tools
     Setting("JITK_VERBOSE", "flag", False, "log builds and cache decisions to stderr"),
     Setting("JITK_REFERENCE", "names", (),

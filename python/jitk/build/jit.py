@@ -29,8 +29,7 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, names, toolchain, trust
-
+from jitk.build import cache, loader, names, remote, toolchain, trust
 from jitk.build.builder import BuildSpec, JitCompileError, build_and_publish
 from jitk.build.lock import build_lock, lock_timeout
 
@@ -227,8 +226,9 @@ def precompile_command(call: dict, archs: tuple[str, ...]) -> str:
 
 
 def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
-                problem: str | None) -> JitCacheMissError:
+                problem: str | None, remote_failure: str | None = None) -> JitCacheMissError:
     why = f"its entry cannot be used: {problem}" if problem else "it is not in the cache"
+    why += f" nor fetched from the remote cache ({remote_failure})" if remote_failure else ""
     return JitCacheMissError(
         f"jitk: module '{spec.name}' (template arguments: "
         f"{', '.join(map(str, template_args)) or 'none'}; architectures: "
@@ -319,18 +319,26 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
     module, archs, problem = _load_cached(spec, build_key)
     if module:
         return module, archs, False
-    if disabled:
+    shared = not spec.in_place and remote.configured() is not None
+    if disabled and not shared:
         raise _miss_error(spec, template_args, call, problem)
-    if spec.archs:
+    if spec.archs and not disabled:
         toolchain.check_buildable(spec.archs)
     with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
-        # another process may have built it meanwhile
+        # another process may have built (or fetched) it meanwhile
         module, archs, problem = _load_cached(spec, build_key)
+        missed = None if module or not shared else remote.fetch(spec.entry, spec.key, spec.archs)
+        if shared and not module and not missed:  # fetched, verified and published
+            module, archs, problem = _load_cached(spec, build_key)
         if module:
             return module, archs, False
+        if disabled:
+            raise _miss_error(spec, template_args, call, problem, missed)
         if problem:
             logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry, problem)
         module = build_and_publish(spec)
+        if shared:
+            remote.push_built(spec.entry)
     with _state_lock:
         _builds += 1
     return module, spec.archs, True

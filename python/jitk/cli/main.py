@@ -31,6 +31,8 @@ from jitk.base import NUMPY_WARNING
 from jitk.base.errors import PREFIX, JitkError
 from jitk.build import cache, clangd, pruning, toolchain
 from jitk.build.lock import JitLockError
+from jitk.build.signing import RemoteCacheError
+from jitk.cli import remote as remote_commands
 from jitk.tools import env, precompile
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -530,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--dry-run", action="store_true",
                        help="list what would be removed and remove nothing")
     prune.set_defaults(handler=prune_cache)
+    remote_commands.add_commands(cache_actions)
 
     build = commands.add_parser(
         "precompile", help="build the kernels' common configurations into the cache",
@@ -643,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         parser.exit(EXIT_USAGE, f"jitk: error: {_said(error)}\n")
     except (CommandError, precompile.PrecompileError, toolchain.ToolchainError,
-            JitLockError, ValueError) as error:  # ValueError: a bad JITK_* setting
+            JitLockError, RemoteCacheError, ValueError) as error:  # ValueError: a bad setting
         print(f"jitk: error: {_said(error)}", file=sys.stderr)
         return EXIT_FAILURE
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from jitk.base import __version__
-from jitk.build import cache, toolchain
+from jitk.build import cache, remote, toolchain
 
 KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
         "driver", "gpus", "target_archs", "cache", "settings")
@@ -110,6 +110,7 @@ def collect() -> dict:
         "gpus": _gpus(),
         "target_archs": _target_archs(),
         "cache": _cache(),
+        "remote_cache": remote.describe(),
         "settings": {name: value for name, value in sorted(os.environ.items())
                      if name.startswith("JITK_")},
     }
@@ -122,6 +123,16 @@ def _mib(size: int) -> str:
 def _compiler_line(found: dict) -> str:
     return f"{found['path']} ({found['source']}), " \
         f"{found['version'] or 'error: ' + str(found['error'])}"
+
+
+def _remote_line(found: dict) -> str:
+    if not found.get("remote"):
+        return found.get("error") or "off (JITK_REMOTE_CACHE unset)"
+    trusted = found["trusted"]
+    if isinstance(trusted, list):
+        trusted = ", ".join(trusted) or "no key, so it pulls nothing"
+    return (f"{found['remote']} ({found['url']}), {found['reachable']}; signs with "
+            f"{found['signing_key'] or 'no key'}; trusts {trusted}")
 
 
 def render(report: dict) -> str:
@@ -144,6 +155,7 @@ def render(report: dict) -> str:
         ("builds for", archs),
         ("cache", f"{report['cache']['dir']}: {report['cache']['entries']} entries, "
                   f"{_mib(report['cache']['bytes'])}"),
+        ("remote cache", _remote_line(report["remote_cache"])),
         ("settings", ", ".join(f"{k}={v}" for k, v in report["settings"].items()) or "none"),
     ]
     width = max(len(name) for name, _ in rows) + 1
