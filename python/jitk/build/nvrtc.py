@@ -1,0 +1,112 @@
+"""NVRTC in the process: CUDA device code to a cubin without nvcc (JITK_DEVICE_COMPILER=nvrtc).
+
+The library comes from the nvidia-cuda-nvrtc wheel (nvidia/cu13/lib, pinned by the `nvrtc`
+extra to the CUDA line of the nvcc and runtime jitk builds with), else from the dynamic
+loader's path. Template instantiations are named as NVRTC name expressions ("&ns::k<float>");
+`compile_cubin` returns each one's lowered (mangled) name, which the host side looks the
+kernel up by in the loaded cubin."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from jitk.base.errors import ArgumentError, JitkError
+from jitk.build import toolchain
+
+__all__ = ["NvrtcError", "Program", "compile_cubin", "library_path", "version"]
+
+_SONAME = "libnvrtc.so.13"
+_SUCCESS = 0
+
+
+class NvrtcError(JitkError, RuntimeError):
+    """NVRTC could not be loaded, or refused a program (its log is in the message)."""
+
+
+@functools.cache
+def library_path() -> str:
+    """The libnvrtc a build loads: the nvidia-cuda-nvrtc wheel's, else the loader's own."""
+    for folder in sys.path:
+        candidate = Path(folder or ".", toolchain.WHEEL_ROOT, "lib", _SONAME)
+        if candidate.is_file():
+            return str(candidate)
+    return _SONAME
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    try:
+        # libnvrtc opens its builtins by name at the first compile; the wheel's folder is not
+        # on the loader's path, so they are loaded here first from beside it.
+        for builtins in sorted(Path(library_path()).parent.glob("libnvrtc-builtins.so.*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(library_path())
+    except OSError as error:
+        raise NvrtcError(f"JITK_DEVICE_COMPILER=nvrtc: could not load {library_path()} "
+                         f"({error}); pip install 'jitk[nvrtc]' for the CUDA 13.0 line") from None
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _check(result: int, call: str, log: str = "") -> None:
+    if result != _SUCCESS:
+        what = _lib().nvrtcGetErrorString(result).decode()
+        raise NvrtcError(f"NVRTC {call} failed: {what}" + (f"\n{log}" if log else ""))
+
+
+def version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(_lib().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+@dataclass(frozen=True)
+class Program:
+    cubin: bytes
+    lowered: dict[str, str]  # name expression -> the kernel's mangled name in the cubin
+    log: str
+
+
+def _text(getter: str, size_getter: str, handle: ctypes.c_void_p) -> bytes:
+    size = ctypes.c_size_t()
+    _check(getattr(_lib(), size_getter)(handle, ctypes.byref(size)), size_getter)
+    buffer = ctypes.create_string_buffer(size.value)
+    _check(getattr(_lib(), getter)(handle, buffer), getter)
+    return buffer.raw[:size.value]
+
+
+def compile_cubin(source: str, name: str, expressions: list[str], options: list[str]
+                  ) -> Program:
+    """Compiles `source` (named `name` in messages) with `options` (an -arch=sm_XX among
+    them, for a cubin) and returns the cubin and each name expression's lowered name."""
+    if not any(option.startswith(("-arch=sm_", "--gpu-architecture=sm_")) for option in options):
+        raise ArgumentError(f"compile_cubin(options=...): a cubin needs a real architecture, "
+                            f"e.g. -arch=sm_90; got {options}")
+    lib = _lib()
+    handle = ctypes.c_void_p()
+    _check(lib.nvrtcCreateProgram(ctypes.byref(handle), source.encode(), name.encode(), 0,
+                                  None, None), "nvrtcCreateProgram")
+    try:
+        for expression in expressions:
+            _check(lib.nvrtcAddNameExpression(handle, expression.encode()),
+                   f"nvrtcAddNameExpression({expression!r})")
+        encoded = [option.encode() for option in options]
+        argv = (ctypes.c_char_p * len(encoded))(*encoded)
+        result = lib.nvrtcCompileProgram(handle, len(encoded), argv)
+        log = _text("nvrtcGetProgramLog", "nvrtcGetProgramLogSize", handle)
+        log = log.rstrip(b"\0").decode(errors="replace").strip()
+        _check(result, f"compiling {name}", log)
+        lowered = {}
+        for expression in expressions:
+            mangled = ctypes.c_char_p()
+            _check(lib.nvrtcGetLoweredName(handle, expression.encode(), ctypes.byref(mangled)),
+                   f"nvrtcGetLoweredName({expression!r})")
+            lowered[expression] = mangled.value.decode()
+        cubin = _text("nvrtcGetCUBIN", "nvrtcGetCUBINSize", handle)
+        return Program(cubin, lowered, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(handle))
