@@ -324,8 +324,14 @@ def case_own_stream(small: bool) -> None:
     """Workers started without a stream run on streams no other code is given: none of torch's
     pooled streams (each pool cycled twice), not each other's; `running` says which is up."""
     first, second = test_worker(), chain_worker()
+    # torch's pools are made (each cycled twice) before any worker holds the GPU: making a
+    # pool's streams waits for running work, and a resident worker never ends.
+    torch_streams = {torch.cuda.Stream(priority=p).cuda_stream
+                     for p in (0, -1) for _ in range(64)}
+    torch_streams |= {torch.cuda.current_stream().cuda_stream,
+                      torch.cuda.default_stream().cuda_stream}
     # Each worker's kernel is loaded (a start and stop) before the other holds the GPU: lazy
-    # module loading may wait for a running kernel, and a resident worker never ends.
+    # module loading may wait for a running kernel too.
     for worker in (first, second):
         worker.start(blocks=1)
         worker.stop(timeout=5.0)
@@ -334,10 +340,6 @@ def case_own_stream(small: bool) -> None:
     try:
         assert first.running and second.running
         ours = {first._stream.cuda_stream, second._stream.cuda_stream}
-        torch_streams = {torch.cuda.Stream(priority=p).cuda_stream
-                         for p in (0, -1) for _ in range(64)}
-        torch_streams |= {torch.cuda.current_stream().cuda_stream,
-                          torch.cuda.default_stream().cuda_stream}
         assert len(ours) == 2 and not ours & torch_streams, (ours, torch_streams)
     finally:
         first.stop(timeout=5.0)

@@ -3,6 +3,7 @@ name, C++ name, command, setting and quoted source line they mention is checked 
 
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -285,7 +286,8 @@ def test_fib_page_example_and_quoted_error_hold():
 
 # ------------------------------------------------------------------ code blocks build and run
 # A block may be marked by an HTML comment on the line right above its fence:
-# <!-- fragment --> (not whole: shown, not built), <!-- gpu --> (Python that needs a GPU) or
+# <!-- fragment --> (not whole: shown, not built), <!-- gpu --> (Python that needs a GPU),
+# <!-- fib --> (Python that needs flashinfer-bench: run where it is installed) or
 # <!-- file: NAME --> (written out as NAME beside the page's Python blocks when they run).
 BLOCK = re.compile(r"(?:<!-- ([\w-]+)(?:: ([\w./-]+))? -->\n[ \t]*)?```(\w[\w+]*)\n(.*?)```",
                    re.S)
@@ -346,6 +348,8 @@ def test_python_blocks_run(tmp_path):
     path = os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "JITK_CUDA_ARCH": "9.0"}
     commands = {}
+    skipped = {"fragment", "gpu"} | (
+        set() if importlib.util.find_spec("flashinfer_bench") else {"fib"})
     for number, page in enumerate(PAGES):
         folder = tmp_path / f"{number}_{page.stem}"  # two pages are README.md
         folder.mkdir()
@@ -354,7 +358,7 @@ def test_python_blocks_run(tmp_path):
             if marker == "file":
                 (folder / Path(name).name).write_text(text)
         for index, (marker, _, language, text) in enumerate(blocks):
-            if language != "python" or marker in {"fragment", "gpu"}:
+            if language != "python" or marker in skipped:
                 continue
             script = folder / f"block_{index}.py"
             script.write_text(textwrap.dedent(text))

@@ -15,7 +15,7 @@ from jitk.base import __version__
 from jitk.build import cache, remote, toolchain
 
 KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
-        "driver", "gpus", "target_archs", "cache", "settings")
+        "driver", "gpus", "target_archs", "cache", "remote_cache", "settings")
 NVCC_KEYS = ("path", "source", "version", "toolkit", "error")
 COMPILER_KEYS = ("path", "source", "version", "error")
 GPU_KEYS = ("index", "name", "capability", "sm_count")
