@@ -90,13 +90,13 @@ def write_workloads(root: Path) -> None:
         path.write_text(solution.model_dump_json(indent=2) + "\n")
 
 
-def benchmark(out_dir: Path) -> int:
+def benchmark(out_dir: Path, hidden: list[int]) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    jitk.fib.export(out_dir, OPS)
+    jitk.fib.export(out_dir, OPS, hidden=hidden)
     write_workloads(out_dir)
     trace_set = TraceSet.from_path(str(out_dir))
     bench = Benchmark(trace_set, BenchmarkConfig(warmup_runs=10, iterations=100, num_trials=3))
@@ -269,12 +269,14 @@ def main() -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("benchmark", help="flashinfer-bench's benchmark (needs a GPU)")
     run.add_argument("out_dir", type=Path)
+    run.add_argument("--hidden", type=int, nargs="+", default=list(fib_norm.DEFAULT_HIDDEN),
+                     help="hidden sizes (default: %(default)s)")
     commands.add_parser("build-timing", help="cold and warm builds by both builders")
     child = commands.add_parser("_build")
     child.add_argument("builder", choices=("tvm-ffi", "jitk"))
     args = parser.parse_args()
     if args.command == "benchmark":
-        return benchmark(args.out_dir)
+        return benchmark(args.out_dir, args.hidden)
     if args.command == "build-timing":
         return build_timing()
     build_once(args.builder)
