@@ -3,12 +3,17 @@
     python scripts/fib_gpu.py benchmark OUT_DIR     # needs a GPU
     python scripts/fib_gpu.py build-timing          # runs anywhere nvcc does (sm_90)
 
-benchmark: exports the Definitions and jitk's Solutions of RMSNorm and fused-add RMSNorm
-(python -m jitk fib export), adds workloads (batch sizes below, random inputs), and runs
-flashinfer-bench's own Benchmark on them with jitk's builder installed: each Solution is
-built by jitk, checked against its Definition's reference and timed against it. The Traces
-are written to OUT_DIR/traces; a table of correctness and speedup is printed. Exits 1
-unless every trace passed.
+benchmark: exports the dataset-shaped Definitions of RMSNorm and fused-add RMSNorm
+(rmsnorm_h<N>, fused_add_rmsnorm_h<N>, hidden 2048 to 8192) with jitk's Solutions
+(python -m jitk fib export), adds workloads (batch sizes below, random inputs) and a torch
+Solution of each Definition, and runs flashinfer-bench's own Benchmark on them. jitk's
+Solutions are built by flashinfer-bench's stock tvm-ffi builder (NVCC_APPEND_FLAGS set for
+it), or by jitk's with JITK_FIB_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a
+table of correctness and speedup is printed. Then the apply() example: a function decorated
+with flashinfer_bench.apply("fused_add_rmsnorm_h4096") runs at a benchmarked batch size
+(routed to the fastest passing Solution: the table says which) and at one no trace covers
+(its own body runs), each checked against the Definition's reference. Exits 1 unless every
+jitk trace passed and both apply() calls matched.
 
 build-timing: one tvm-ffi Solution (an RMSNorm written against tvm-ffi's own headers, as
 flashinfer-bench's examples are) built by flashinfer-bench's TVMFFIBuilder and by jitk's
@@ -26,10 +31,13 @@ import uuid
 from pathlib import Path
 
 import jitk.fib
+from jitk.integrations import fib_norm
 
 # flashinfer-bench's benchmark workers are spawned processes that import this file again:
-# installing the builder here, at the top level, installs it in them too.
-jitk.fib.install_builder()
+# the builder installed here, at the top level, is installed in them too.
+if os.environ.get("JITK_FIB_BUILDER") == "jitk":
+    jitk.fib.install_builder()
+os.environ.setdefault("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)
 
 from flashinfer_bench.bench import Benchmark, BenchmarkConfig  # noqa: E402
 from flashinfer_bench.data import (  # noqa: E402
@@ -48,6 +56,26 @@ OPS = ("rmsnorm", "fused_add_rmsnorm")
 ARCH = "9.0"
 
 # ------------------------------------------------------------------------------ benchmark
+TORCH_SOLUTION = """\
+import torch
+
+
+def run({inputs}):
+    x = hidden_states{add}
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps={eps!r})
+"""
+
+
+def torch_solution(definition: Definition) -> Solution:
+    """torch.nn.functional.rms_norm as a value-returning Python Solution, for comparison."""
+    fused = "residual" in definition.inputs
+    source = TORCH_SOLUTION.format(inputs=", ".join(definition.inputs),
+                                   add=" + residual" if fused else "", eps=fib_norm.DATASET_EPS)
+    return Solution(
+        name=f"{definition.name}_torch", definition=definition.name, author="fib_gpu.py",
+        spec={"language": "python", "target_hardware": ["cuda"], "entry_point": "main.py::run",
+              "destination_passing_style": False},
+        sources=[{"path": "main.py", "content": source}])
 
 
 def write_workloads(root: Path) -> None:
@@ -57,15 +85,18 @@ def write_workloads(root: Path) -> None:
             axes={"batch_size": size}, inputs={key: RandomInput() for key in definition.inputs},
             uuid=str(uuid.uuid4()))) for size in BATCH_SIZES]
         save_jsonl_file(traces, root / "workloads" / definition.op_type / f"{name}.jsonl")
+        solution = torch_solution(definition)
+        path = root / "solutions" / definition.op_type / f"{solution.name}.json"
+        path.write_text(solution.model_dump_json(indent=2) + "\n")
 
 
-def benchmark(out_dir: Path) -> int:
+def benchmark(out_dir: Path, hidden: list[int]) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    jitk.fib.export(out_dir, OPS)
+    jitk.fib.export(out_dir, OPS, hidden=hidden)
     write_workloads(out_dir)
     trace_set = TraceSet.from_path(str(out_dir))
     bench = Benchmark(trace_set, BenchmarkConfig(warmup_runs=10, iterations=100, num_trials=3))
@@ -73,24 +104,66 @@ def benchmark(out_dir: Path) -> int:
         result = bench.run_all(dump_traces=True)
     finally:
         bench.close()
-    rows, failed = [], 0
+    rows, failed, jitk_traces = [], 0, 0
     for name in sorted(result.traces):
-        for trace in sorted(result.traces[name], key=lambda t: t.workload.axes["batch_size"]):
+        for trace in sorted(result.traces[name], key=lambda t: (t.solution or "",
+                                                                t.workload.axes["batch_size"])):
             evaluation = trace.evaluation
             passed = evaluation.status == EvaluationStatus.PASSED
-            failed += not passed
+            if (trace.solution or "").endswith("_jitk"):
+                jitk_traces += 1
+                failed += not passed
             performance, correctness = evaluation.performance, evaluation.correctness
-            rows.append((name, trace.workload.axes["batch_size"], evaluation.status.value,
+            rows.append((name, trace.solution, trace.workload.axes["batch_size"],
+                         evaluation.status.value,
                          f"{correctness.max_absolute_error:.3g}" if correctness else "-",
                          f"{performance.latency_ms * 1000:.2f}" if performance else "-",
                          f"{performance.reference_latency_ms * 1000:.2f}" if performance else "-",
                          f"{performance.speedup_factor:.2f}x" if performance else "-"))
-    print_table(("definition", "batch", "status", "max abs err", "jitk us", "reference us",
-                 "speedup"), rows)
+    print_table(("definition", "solution", "batch", "status", "max abs err", "us",
+                 "reference us", "speedup"), rows)
     expected = len(trace_set.definitions) * len(BATCH_SIZES)
-    print(f"{len(rows)} traces of {expected} expected, {failed} not passed; traces in "
+    print(f"{jitk_traces} jitk traces of {expected} expected, {failed} not passed; traces in "
           f"{out_dir / 'traces'}")
-    return 0 if rows and not failed and len(rows) == expected else 1
+    applied = apply_example(out_dir)
+    return 0 if jitk_traces == expected and not failed and applied else 1
+
+
+def apply_example(out_dir: Path) -> bool:
+    """The guide's apply() example, on the TraceSet the benchmark just wrote."""
+    import torch
+    from flashinfer_bench import apply, disable_apply, enable_apply
+    from flashinfer_bench.apply import ApplyConfig, ApplyConfigRegistry
+    from flashinfer_bench.apply.key import ApplyKey
+    from flashinfer_bench.apply.table import ApplyTable
+
+    name = "fused_add_rmsnorm_h4096"
+    config = ApplyConfigRegistry(default=ApplyConfig())
+    trace_set = TraceSet.from_path(str(out_dir))
+    table = ApplyTable.load_or_build(trace_set, config)
+    reference = {}
+    exec(trace_set.definitions[name].reference, reference)  # noqa: S102 - the Definition's
+
+    @apply(name)
+    def fused_add_rmsnorm(hidden_states, residual, weight):
+        return reference["run"](hidden_states, residual, weight)
+
+    ok = True
+    enable_apply(str(out_dir), config)
+    try:
+        for rows in (BATCH_SIZES[-1], 3):  # benchmarked; covered by no trace
+            chosen = table.match_solution(name, ApplyKey(axes=(("batch_size", rows),)))
+            x, residual = (torch.randn(rows, 4096, device="cuda").bfloat16() for _ in range(2))
+            weight = torch.randn(4096, device="cuda").bfloat16()
+            got = fused_add_rmsnorm(x, residual, weight)
+            want = reference["run"](x, residual, weight)
+            close = torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+            print(f"apply({name}) at {rows} rows: {chosen or 'no Solution: fallback'}, "
+                  f"{'matches' if close else 'DIFFERS FROM'} the reference")
+            ok &= close and (rows == 3) == (chosen is None)
+    finally:
+        disable_apply()
+    return ok
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:
@@ -143,13 +216,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);
 
 
 def timing_pair() -> tuple[Definition, Solution]:
-    import torch
-
-    from jitk.kernels.norm import _rmsnorm
-
-    example = (torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16),
-               torch.empty(1, 4096, dtype=torch.bfloat16), 1e-6)
-    definition = jitk.fib._shipped_definition(_rmsnorm.info, example)
+    definition = fib_norm.definition("rmsnorm", 4096)
     solution = Solution(
         name="rmsnorm_h4096_tvm_ffi", definition=definition.name, author="fib_gpu.py",
         spec={"language": "cuda", "binding": "tvm-ffi", "target_hardware": ["cuda"],
@@ -202,12 +269,14 @@ def main() -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("benchmark", help="flashinfer-bench's benchmark (needs a GPU)")
     run.add_argument("out_dir", type=Path)
+    run.add_argument("--hidden", type=int, nargs="+", default=list(fib_norm.DEFAULT_HIDDEN),
+                     help="hidden sizes (default: %(default)s)")
     commands.add_parser("build-timing", help="cold and warm builds by both builders")
     child = commands.add_parser("_build")
     child.add_argument("builder", choices=("tvm-ffi", "jitk"))
     args = parser.parse_args()
     if args.command == "benchmark":
-        return benchmark(args.out_dir)
+        return benchmark(args.out_dir, args.hidden)
     if args.command == "build-timing":
         return build_timing()
     build_once(args.builder)

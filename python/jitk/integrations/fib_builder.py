@@ -116,6 +116,7 @@ class JitkBuilder(Builder):
         except AttributeError:
             raise BuildError(f"Solution '{solution.name}': entry point '{symbol}' is not "
                              "exported by the built module") from None
+        self._try_validate_signature(function, definition, solution)  # where it can read one
         metadata = RunnableMetadata(
             build_type=BUILD_TYPE, definition_name=definition.name, solution_name=solution.name,
             destination_passing_style=solution.spec.destination_passing_style,

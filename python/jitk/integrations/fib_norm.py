@@ -77,7 +77,8 @@ def definition(op: str, hidden: int, dtype: torch.dtype = DATASET_DTYPE,
     """The Definition of `op` ("rmsnorm" or "fused_add_rmsnorm") at a hidden size, dtype and
     eps, in the dataset's form."""
     fib = require_fib()
-    name = definition_name(op, hidden, dtype, eps)
+    if op not in OPS:
+        raise ArgumentError(f"jitk.fib: 'op' must be one of {', '.join(OPS)}, got {op!r}")
     if dtype not in _DTYPES.values():
         raise ArgumentTypeError(f"jitk.fib: 'dtype' must be one of {', '.join(_DTYPES)}, "
                                 f"got {dtype}")
@@ -85,6 +86,7 @@ def definition(op: str, hidden: int, dtype: torch.dtype = DATASET_DTYPE,
         raise ArgumentError(f"jitk.fib: 'hidden' must be an int >= 1, got {hidden!r}")
     if not isinstance(eps, float) or not eps >= 0.0:
         raise ArgumentError(f"jitk.fib: 'eps' must be a float >= 0, got {eps!r}")
+    name = definition_name(op, hidden, dtype, eps)
     rows = {"shape": ["batch_size", "hidden_size"], "dtype": _dtype_name(dtype)}
     inputs = {key: ({"shape": ["hidden_size"], "dtype": _dtype_name(dtype)}
                     if key == "weight" else rows) for key in _INPUTS[op]}

@@ -405,7 +405,7 @@ def _cases(entry: str) -> list:
 
 
 # Common model widths in bfloat16, plus the head dimension that q/k norms use: what
-# precompile builds and what `python -m jitk fib export` describes.
+# precompile builds.
 COMMON_SIZES = ((128, torch.bfloat16), (4096, torch.bfloat16), (5120, torch.bfloat16),
                 (8192, torch.bfloat16), (4096, torch.float16))
 
