@@ -469,3 +469,33 @@ def test_reference_env_selects_ops_in_a_fresh_process():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "jitk::rmsnorm" in result.stdout and "fused_add_rmsnorm" not in result.stdout
+
+
+@jitk.op("jitk_test::doubled_detached", mutates_args=())
+def doubled_detached(x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """2 * x computed as a kernel does: invisible to autograd."""
+    return x.detach() * 2
+
+
+def test_a_call_that_needs_a_gradient_does_what_the_operator_does():
+    import warnings
+    outcomes = {}
+    for path, call in (("eager", doubled_detached), ("operator", doubled_detached.op)):
+        for where in ("x", "extra"):
+            x = torch.ones(3, requires_grad=where == "x")
+            extra = torch.ones(3, requires_grad=True) if where == "extra" else None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = call(x, extra)
+                grad = None
+                if x.requires_grad:
+                    (result * x).sum().backward()
+                    grad = x.grad.tolist()
+            outcomes[path, where] = (result.requires_grad, grad,
+                                     sorted({str(w.message) for w in caught}))
+    for where in ("x", "extra"):
+        assert outcomes["eager", where] == outcomes["operator", where]
+    assert any("autograd kernel was not registered" in text
+               for text in outcomes["operator", "x"][2])
+    with torch.no_grad():  # the fast path: not through the operator, nothing attached
+        assert not doubled_detached(torch.ones(3, requires_grad=True)).requires_grad

@@ -10,8 +10,10 @@ against its annotation (a TypeError names the parameter and what it got). Called
 plain tensors, it then calls `axpy` directly: no dispatcher, a fraction of a microsecond over
 a direct call. While anything traces or transforms the call it calls the operator instead:
 torch.compile, torch.export, make_fx, a FakeTensorMode or any other torch dispatch or
-function mode, tensor subclasses. So the body, and the module loading or building in it,
-runs only when the operator runs, never while a graph is traced.
+function mode, tensor subclasses; and where grad mode is on and a tensor argument requires
+grad, so that autograd hears, as from any op without a formula, that it has none. So the
+body, and the module loading or building in it, runs only when the operator runs, never
+while a graph is traced.
 
 Tracing needs the op's fake implementation: what it returns, without running the kernel.
 jitk writes it for an op that returns nothing, and for one that returns tensors shaped like
@@ -180,7 +182,10 @@ class _Call:
         kwargs = dict(zip(self.keyword_only, values[self.positional:]))
         if (torch.compiler.is_dynamo_compiling() or torch._C._len_torch_dispatch_stack()
                 or torch._C._len_torch_function_stack()
-                or not all(k.plain(v) for k, v in zip(self.kinds.values(), values))):
+                or not all(k.plain(v) for k, v in zip(self.kinds.values(), values))
+                or (torch.is_grad_enabled() and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad
+                    for value in values for t in _tensors(value)))):
             return self.operator(*args, **kwargs)
         result = self.slot["_jitk_fn"](*args, **kwargs)
         if self.written:
@@ -191,7 +196,7 @@ class _Call:
 _EAGER_PATH = """\
 def _jitk_eager({parameters}):
     if (not _jitk_dynamo() and {fast}
-            and not _jitk_dispatch_modes() and not _jitk_function_modes()):
+            and not _jitk_dispatch_modes() and not _jitk_function_modes(){no_grad}):
         _jitk_result = _jitk_fn({arguments})
         {bump}
         return _jitk_result
@@ -207,6 +212,21 @@ def _written_expression(signature: inspect.Signature, written: list[str]) -> str
     return f"_jitk_bump([{', '.join(items)}])" if items else "pass"
 
 
+def _no_grad_expression(signature: inspect.Signature) -> str:
+    """The fast path's last test, as Python source: grad mode is off (one call: serving runs
+    under no_grad or inference_mode), or no tensor argument asks for a gradient. An op has
+    no autograd formula, so such a call goes to the operator, which tells autograd so (torch
+    warns, as for any op without one) rather than returning a result cut off from the graph.
+    Lists take the checked path."""
+    tests = [f"{name}.requires_grad" if param.annotation is torch.Tensor
+             else f"({name} is not None and {name}.requires_grad)"
+             for name, param in signature.parameters.items()
+             if param.annotation is torch.Tensor
+             or torch.Tensor in typing.get_args(param.annotation)
+             and typing.get_origin(param.annotation) not in _SEQUENCES]
+    return f"\n            and (not _jitk_grad() or not ({' or '.join(tests)}))" if tests else ""
+
+
 def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str, _Kind],
                     namespace: dict, written: list[str]) -> Callable:
     """A function with fn's parameters whose common case (no tracing, plain arguments of the
@@ -215,6 +235,7 @@ def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str,
     for fn: nothing is parsed per call."""
     namespace.update(_FAST_NAMES, _jitk_bump=_bump_versions,
                      _jitk_dynamo=torch.compiler.is_dynamo_compiling,
+                     _jitk_grad=torch.is_grad_enabled,
                      _jitk_dispatch_modes=torch._C._len_torch_dispatch_stack,
                      _jitk_function_modes=torch._C._len_torch_function_stack)
     parameters, arguments = [], []
@@ -230,6 +251,7 @@ def _eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str,
                          else f"{param.name}={param.name}")
     source = _EAGER_PATH.format(
         parameters=", ".join(parameters), arguments=", ".join(arguments),
+        no_grad=_no_grad_expression(signature),
         values=", ".join(kinds), bump=_written_expression(signature, written), fast=" and ".join(
             kind.fast.format(v=name) for name, kind in kinds.items()) or "True")
     exec(compile(source, f"<jitk.op {fn.__qualname__}>", "exec"), namespace)  # noqa: S102
