@@ -389,3 +389,22 @@ def test_compiled_decoder_block_equals_eager():
                 torch.testing.assert_close(compiled_inputs[i], eager_inputs[i], rtol=1e-2,
                                            atol=1e-2, equal_nan=True)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name, change, error, message", [
+    ("weight", lambda t: t.new_empty(63), jitk.ArgumentError, r"'weight' must have shape \(64,\)"),
+    ("weight", lambda t: t.float(), jitk.ArgumentTypeError, "'weight' must have input's dtype"),
+    ("out", lambda t: t.new_empty(3, 64), jitk.ArgumentError, r"'out' must have shape \(4, 64\)"),
+    ("residual", lambda t: t.float(), jitk.ArgumentTypeError, "'residual' must have input's"),
+])
+def test_norm_fakes_refuse_what_the_kernel_refuses(name, change, error, message):
+    with FakeTensorMode():
+        x = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+        tensors = {"weight": torch.empty(64, dtype=torch.bfloat16, device="cuda"),
+                   "out": torch.empty_like(x), "residual": torch.empty_like(x)}
+        tensors[name] = change(tensors[name])
+        with pytest.raises(error, match=message):
+            if name == "residual":
+                jitk.fused_add_rmsnorm(x, tensors["residual"], tensors["weight"])
+            else:
+                jitk.rmsnorm(x, tensors["weight"], out=tensors["out"])

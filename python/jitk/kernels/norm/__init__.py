@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from jitk.base.errors import ArgumentError
+from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
 from jitk.kernels.norm.rules import applies as _applies
@@ -306,8 +306,35 @@ _TOLERANCE = {torch.bfloat16: Tolerance(2**-6, 2**-6), torch.float16: Tolerance(
               torch.float32: Tolerance(1e-5, 1e-5)}
 
 
+def _check_operands(function: str, input: torch.Tensor, weight: torch.Tensor,
+                    **like_input: torch.Tensor) -> None:
+    """What the kernel checks of the tensors' shapes and dtypes, for the fake implementations:
+    a traced call fails where the kernel would. `like_input` are the tensors shaped and typed
+    like input (out, residual)."""
+    hidden = input.shape[-1] if input.dim() else None
+    for name, tensor in {"weight": weight, **like_input}.items():
+        if tensor.dtype != input.dtype:
+            raise ArgumentTypeError(f"{function}: '{name}' must have input's dtype "
+                                    f"{input.dtype}, got {tensor.dtype}")
+        want, what = ((hidden,), "(hidden,)") if name == "weight" else \
+            (tuple(input.shape), "input's")
+        if tuple(tensor.shape) != want:
+            raise ArgumentError(f"{function}: '{name}' must have shape {want} ({what}), got "
+                                f"{tuple(tensor.shape)}")
+
+
+def _rmsnorm_fake(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                  eps: float) -> None:
+    _check_operands("rmsnorm", input, weight, out=out)
+
+
+def _fused_add_rmsnorm_fake(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float = 1e-6) -> None:
+    _check_operands("fused_add_rmsnorm", input, weight, residual=residual)
+
+
 @op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
-    tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"))
+    tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"), fake=_rmsnorm_fake)
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
     _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps, out is input)(input, weight, out, eps)
 
@@ -324,7 +351,7 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
 @op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"),
     reference=_fused_add_rmsnorm_reference, tolerance=_TOLERANCE,
-    cases=lambda: _cases("fused_add_rmsnorm"))
+    cases=lambda: _cases("fused_add_rmsnorm"), fake=_fused_add_rmsnorm_fake)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place."""
