@@ -5,26 +5,29 @@
 #include <jitk/utils.cuh>
 
 #include <cstdio>
-#include <vector>
+#include <cstdlib>
 
 namespace axpy {
 
 using namespace jitk;
 
-// One library per process, loaded at the first call; the kernel looked up once.
+// One library per process, loaded at the first call; the kernel looked up once. Plain C I/O:
+// <vector> alone would cost this unit half a second of g++ (debugging_and_performance.md).
 inline cudaKernel_t loaded_kernel() {
   static const cudaKernel_t kernel = [] {
     std::FILE* file = std::fopen(EXP_CUBIN, "rb");
     RuntimeCheck(file != nullptr, "cannot open ", EXP_CUBIN);
-    std::vector<char> image;
-    char chunk[4096];
-    for (std::size_t got; (got = std::fread(chunk, 1, sizeof chunk, file)) > 0;) {
-      image.insert(image.end(), chunk, chunk + got);
-    }
+    std::fseek(file, 0, SEEK_END);
+    const long size = std::ftell(file);
+    std::fseek(file, 0, SEEK_SET);
+    char* image = static_cast<char*>(std::malloc(size));
+    const bool read = image != nullptr && std::fread(image, 1, size, file) == std::size_t(size);
     std::fclose(file);
+    RuntimeCheck(read, "cannot read ", EXP_CUBIN);
     cudaLibrary_t library = nullptr;
     RuntimeDeviceCheck(
-        cudaLibraryLoadData(&library, image.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
+        cudaLibraryLoadData(&library, image, nullptr, nullptr, 0, nullptr, nullptr, 0));
+    std::free(image);
     cudaKernel_t found = nullptr;
     RuntimeDeviceCheck(cudaLibraryGetKernel(&found, library, EXP_LOWERED));
     return found;

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import jitk
-from jitk.build import cache, toolchain
+from jitk.build import cache, nvrtc, toolchain
 from jitk.tools import env
 
 
@@ -27,6 +27,7 @@ def fake_entry(cache_dir, name="m_0123456789abcdef_sm90"):
 def assert_stable_keys(report):
     assert tuple(report) == env.KEYS
     assert tuple(report["nvcc"]) == env.NVCC_KEYS
+    assert tuple(report["nvrtc"]) == env.NVRTC_KEYS
     assert tuple(report["host_compiler"]) == env.COMPILER_KEYS
     assert tuple(report["nvcc_host_compiler"]) == env.COMPILER_KEYS
     assert tuple(report["target_archs"]) == env.TARGET_KEYS
@@ -46,6 +47,12 @@ def test_json_report(tmp_path):
     assert report["nvcc"]["error"] is None
     assert report["nvcc"]["version"] == toolchain.compiler_versions([toolchain.nvcc_path()])[0]
     assert os.path.isfile(report["nvcc"]["path"])
+    try:
+        expected = {"path": nvrtc.library_path(), "version": "{}.{}".format(*nvrtc.version()),
+                    "error": None}
+    except nvrtc.NvrtcError as error:
+        expected = {"path": None, "version": None, "error": str(error)}
+    assert report["nvrtc"] == expected
     for key, compiler in (("host_compiler", toolchain.host_compiler()),
                           ("nvcc_host_compiler", toolchain.nvcc_host_compiler())):
         assert report[key]["path"] == compiler
@@ -73,7 +80,11 @@ def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     def no_nvcc():
         raise jitk.ToolchainError("jitk: could not find the CUDA toolkit")
 
+    def no_nvrtc():
+        raise nvrtc.NvrtcError("could not load libnvrtc.so.13")
+
     monkeypatch.setattr(toolchain, "find_nvcc", no_nvcc)
+    monkeypatch.setattr(nvrtc, "version", no_nvrtc)
     monkeypatch.delenv("JITK_CUDA_ARCH", raising=False)
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(toolchain, "current_gpu_capability", lambda: None)
@@ -85,3 +96,6 @@ def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     assert "set JITK_CUDA_ARCH" in report["target_archs"]["error"]
     text = env.render(report)
     assert "nvcc:" in text and "error: jitk: could not find the CUDA toolkit" in text
+    assert report["nvrtc"] == {"path": None, "version": None,
+                               "error": "jitk: could not load libnvrtc.so.13"}
+    assert "nvrtc:" in text and "not found: jitk: could not load libnvrtc.so.13" in text

@@ -12,11 +12,13 @@ import sys
 from collections.abc import Callable
 
 from jitk.base import __version__
-from jitk.build import cache, remote, toolchain
+from jitk.build import cache, nvrtc, remote, toolchain
 
-KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
-        "driver", "gpus", "target_archs", "cache", "remote_cache", "settings")
+KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "nvrtc", "host_compiler",
+        "nvcc_host_compiler", "driver", "gpus", "target_archs", "cache", "remote_cache",
+        "settings")
 NVCC_KEYS = ("path", "source", "version", "toolkit", "error")
+NVRTC_KEYS = ("path", "version", "error")
 COMPILER_KEYS = ("path", "source", "version", "error")
 GPU_KEYS = ("index", "name", "capability", "sm_count")
 TARGET_KEYS = ("archs", "source", "error")
@@ -38,6 +40,19 @@ def _nvcc() -> dict:
         found["version"] = toolchain.compiler_versions([str(path)])[0]
         found["toolkit"] = str(toolchain.cuda_home())
     except toolchain.ToolchainError as error:
+        found["error"] = str(error)
+    return found
+
+
+def _nvrtc() -> dict:
+    """NVRTC, which compiles device code in the process where it is installed (the `nvrtc`
+    extra); builds do not use it yet (debugging_and_performance.md, "NVRTC for device
+    code")."""
+    found = dict.fromkeys(NVRTC_KEYS)
+    try:
+        found["version"] = "{}.{}".format(*nvrtc.version())
+        found["path"] = nvrtc.library_path()
+    except nvrtc.NvrtcError as error:
         found["error"] = str(error)
     return found
 
@@ -104,6 +119,7 @@ def collect() -> dict:
         "torch": _installed("torch"),
         "tvm_ffi": _installed("apache-tvm-ffi"),
         "nvcc": _nvcc(),
+        "nvrtc": _nvrtc(),
         "host_compiler": _compiler(toolchain.host_compiler, "CXX", "c++"),
         "nvcc_host_compiler": _compiler(toolchain.nvcc_host_compiler, "NVCC_CCBIN", "gcc"),
         "driver": _driver(),
@@ -137,7 +153,7 @@ def _remote_line(found: dict) -> str:
 
 def render(report: dict) -> str:
     """The report as lines of `name: value`."""
-    nvcc, target = report["nvcc"], report["target_archs"]
+    nvcc, found_nvrtc, target = report["nvcc"], report["nvrtc"], report["target_archs"]
     gpus = [f"cuda:{g['index']} {g['name']} (sm_{g['capability'].replace('.', '')}, "
             f"{g['sm_count']} SMs)" for g in report["gpus"]]
     archs = (f"{', '.join(toolchain.sm_name(a) for a in target['archs'])} "
@@ -148,6 +164,8 @@ def render(report: dict) -> str:
         ("apache-tvm-ffi", report["tvm_ffi"] or "not installed"),
         ("nvcc", f"{nvcc['path']} ({nvcc['source']}), {nvcc['version']}; toolkit "
                  f"{nvcc['toolkit']}" if not nvcc["error"] else f"error: {nvcc['error']}"),
+        ("nvrtc", f"{found_nvrtc['path']}, {found_nvrtc['version']} (not used by builds yet)"
+                  if not found_nvrtc["error"] else f"not found: {found_nvrtc['error']}"),
         ("host compiler", _compiler_line(report["host_compiler"])),
         ("nvcc's host compiler", _compiler_line(report["nvcc_host_compiler"])),
         ("driver", report["driver"] or "none found"),
