@@ -15,7 +15,7 @@ from jitk.base import __version__
 from jitk.build import cache, remote, toolchain
 
 KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "host_compiler", "nvcc_host_compiler",
-        "driver", "gpus", "target_archs", "cache", "settings")
+        "driver", "gpus", "target_archs", "cache", "remote_cache", "settings")
 NVCC_KEYS = ("path", "source", "version", "toolkit", "error")
 COMPILER_KEYS = ("path", "source", "version", "error")
 GPU_KEYS = ("index", "name", "capability", "sm_count")
@@ -126,13 +126,12 @@ def _compiler_line(found: dict) -> str:
 
 
 def _remote_line(found: dict) -> str:
-    if not found.get("remote"):
-        return found.get("error") or "off (JITK_REMOTE_CACHE unset)"
-    trusted = found["trusted"]
-    if isinstance(trusted, list):
-        trusted = ", ".join(trusted) or "no key, so it pulls nothing"
+    error = f"; error: {found['error']}" if found["error"] else ""
+    if not found["remote"]:
+        return "off (JITK_REMOTE_CACHE unset)" + error
+    trusted = ", ".join(found["trusted"]) or "no key, so it pulls nothing"
     return (f"{found['remote']} ({found['url']}), {found['reachable']}; signs with "
-            f"{found['signing_key'] or 'no key'}; trusts {trusted}")
+            f"{found['signing_key'] or 'no key'}; trusts {trusted}{error}")
 
 
 def render(report: dict) -> str:
