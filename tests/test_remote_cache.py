@@ -371,3 +371,20 @@ def test_env_shows_the_remote_and_the_keys(fleet, tmp_path):
     fingerprint = signing.fingerprint(serialization.load_pem_public_key(public))
     assert fleet["settings"]["JITK_REMOTE_CACHE"] in line and "reachable" in line
     assert f"signs with {fingerprint}; trusts {fingerprint}" in line
+
+
+def test_a_build_is_pushed_as_it_is_made_under_remote_cache_push(registry, keys, tmp_path):
+    header = tmp_path / "add_one.h"
+    header.write_text("inline long add_one(long x) { return x + 1; }  // pushed by the build\n")
+    settings = {"JITK_REMOTE_CACHE": f"{registry[0]}/as-built",
+                "JITK_REMOTE_CACHE_KEY": str(keys / "fleet" / "jitk-remote.key"),
+                "JITK_REMOTE_CACHE_TRUST": str(keys / "fleet" / "jitk-remote.pub")}
+    built = _host(tmp_path / "a", ADD_ONE, str(header), timeout=300,
+                  JITK_REMOTE_CACHE_PUSH="1", **settings)
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout.splitlines()[-1]) == {"builds": 1, "sum": 42}
+    loaded = _host(tmp_path / "b", ADD_ONE, str(header), timeout=120, JITK_DISABLE_JIT="1",
+                   **settings)
+    assert loaded.returncode == 0, loaded.stderr
+    assert json.loads(loaded.stdout.splitlines()[-1]) == {"builds": 0, "sum": 42}
+    assert _entries(tmp_path / "b") == _entries(tmp_path / "a")
