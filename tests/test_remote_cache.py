@@ -388,3 +388,29 @@ def test_a_build_is_pushed_as_it_is_made_under_remote_cache_push(registry, keys,
     assert loaded.returncode == 0, loaded.stderr
     assert json.loads(loaded.stdout.splitlines()[-1]) == {"builds": 0, "sum": 42}
     assert _entries(tmp_path / "b") == _entries(tmp_path / "a")
+
+
+def test_a_registry_answering_garbage_falls_back_to_a_local_build(keys, tmp_path):
+    with socket.socket() as garbage:
+        garbage.bind(("127.0.0.1", 0))
+        garbage.listen(16)
+
+        def answer() -> None:
+            while True:
+                try:
+                    client, _ = garbage.accept()
+                except OSError:
+                    return  # closed at the end of the test
+                with client:
+                    client.recv(65536)
+                    client.sendall(b"not a registry\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        header = tmp_path / "add_one.h"
+        header.write_text("inline long add_one(long x) { return x + 1; }  // garbage\n")
+        built = _host(tmp_path, ADD_ONE, str(header), timeout=300, JITK_VERBOSE="1",
+                      JITK_REMOTE_CACHE=f"oci://127.0.0.1:{garbage.getsockname()[1]}/jitk",
+                      JITK_REMOTE_CACHE_TRUST=str(keys / "fleet" / "jitk-remote.pub"))
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout.splitlines()[-1]) == {"builds": 1, "sum": 42}
+    assert "manifest failed 2 time(s)" in built.stderr  # reported, then built
