@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import jitk
-from jitk.build import cache, nvrtc, toolchain
+from jitk.build import cache, nvrtc, remote, toolchain
 from jitk.tools import env
 
 
@@ -32,6 +32,7 @@ def assert_stable_keys(report):
     assert tuple(report["nvcc_host_compiler"]) == env.COMPILER_KEYS
     assert tuple(report["target_archs"]) == env.TARGET_KEYS
     assert tuple(report["cache"]) == env.CACHE_KEYS
+    assert tuple(report["remote_cache"]) == remote.DESCRIBE_KEYS
     assert all(tuple(gpu) == env.GPU_KEYS for gpu in report["gpus"])
 
 

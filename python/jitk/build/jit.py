@@ -312,7 +312,8 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
                     build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
     """The module of `spec`, the architectures it holds code for and whether this call built
     it. A complete, intact entry (or, given `build_key`, one for more architectures) is
-    loaded without a lock or a write; anything else is built under the entry's lock."""
+    loaded without a lock or a write; anything else is fetched from the remote cache, where
+    one is set (jitk/build/remote.py), or built, under the entry's lock."""
     global _builds
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()

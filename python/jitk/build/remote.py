@@ -61,6 +61,7 @@ MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT_TYPE = "application/vnd.jitk.cache-entry.v1"
 CONFIG_TYPE = "application/vnd.jitk.cache-entry.statement.v1+json"
 LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar"
+DESCRIBE_KEYS = ("remote", "url", "reachable", "signing_key", "trusted", "error")
 NOTE = "dev.jitk."  # annotation prefix
 TAG_PREFIX = "e-"
 MAX_SMALL = 1 << 20  # a manifest, a statement, a tag list
@@ -397,21 +398,23 @@ def listed(remote: Remote, wanted: Callable[[dict], bool]) -> list[tuple[str, di
 
 
 def describe() -> dict:
-    """The remote cache as `python -m jitk env` shows it: where, whether it answers, and the
-    fingerprints of the signing key and the trusted keys (or why they cannot be read)."""
+    """The remote cache as `python -m jitk env` shows it (keys: DESCRIBE_KEYS): where,
+    whether it answers, the fingerprints of the signing key and of the trusted keys, and
+    what could not be read."""
+    found = dict.fromkeys(DESCRIBE_KEYS)
+    found["trusted"], problems = [], []
     try:
         where = configured()
     except SettingError as error:
-        return {"remote": None, "error": str(error)}
-    found: dict = {"remote": where.text if where else None}
+        where = None
+        problems.append(str(error))
     if where:
-        found["url"] = where.url("")
-        found["reachable"] = reachable(where)
-    for name, read in (("signing_key", signing_key), ("trusted", trusted_keys)):
-        try:
-            value = read()
-            found[name] = sorted(value) if isinstance(value, dict) else \
-                (fingerprint(value.public_key()) if value else None)
-        except (RemoteCacheError, SettingError) as error:
-            found[name] = f"error: {error}"
+        found.update(remote=where.text, url=where.url(""), reachable=reachable(where))
+    try:
+        key = signing_key()
+        found["signing_key"] = fingerprint(key.public_key()) if key else None
+        found["trusted"] = sorted(trusted_keys())
+    except (RemoteCacheError, SettingError) as error:
+        problems.append(str(error))
+    found["error"] = "; ".join(problems) or None
     return found

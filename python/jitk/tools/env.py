@@ -142,13 +142,12 @@ def _compiler_line(found: dict) -> str:
 
 
 def _remote_line(found: dict) -> str:
-    if not found.get("remote"):
-        return found.get("error") or "off (JITK_REMOTE_CACHE unset)"
-    trusted = found["trusted"]
-    if isinstance(trusted, list):
-        trusted = ", ".join(trusted) or "no key, so it pulls nothing"
+    error = f"; error: {found['error']}" if found["error"] else ""
+    if not found["remote"]:
+        return "off (JITK_REMOTE_CACHE unset)" + error
+    trusted = ", ".join(found["trusted"]) or "no key, so it pulls nothing"
     return (f"{found['remote']} ({found['url']}), {found['reachable']}; signs with "
-            f"{found['signing_key'] or 'no key'}; trusts {trusted}")
+            f"{found['signing_key'] or 'no key'}; trusts {trusted}{error}")
 
 
 def render(report: dict) -> str:
