@@ -46,8 +46,7 @@ from pathlib import Path
 from jitk.base import __version__, settings
 from jitk.base.errors import PREFIX, SettingError
 from jitk.build import cache
-from jitk.build.signing import (TRUST_ENV, RemoteCacheError, fingerprint, signing_key,
-                                trusted_keys)
+from jitk.build.signing import TRUST_ENV, RemoteCacheError, fingerprint, signing_key, trusted_keys
 
 logger = logging.getLogger("jitk")
 

@@ -1,0 +1,1 @@
+"""The command line, `python -m jitk`: main.py assembles the commands."""

@@ -1,0 +1,1 @@
+"""Other projects speaking to jitk: FlashInfer-Bench (jitk.fib)."""

@@ -1,0 +1,2 @@
+"""The tools floor: call logging and replay, parity testing, tuning and its store,
+precompile, timing, the environment report."""
