@@ -100,3 +100,18 @@ def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     assert report["nvrtc"] == {"path": None, "version": None,
                                "error": "jitk: could not load libnvrtc.so.13"}
     assert "nvrtc:" in text and "not found: jitk: could not load libnvrtc.so.13" in text
+
+
+def test_text_report_lists_every_declared_setting(tmp_path):
+    """`python -m jitk env` prints every JITK_* setting with its value and meaning, a bad
+    value as the error it gives, and a JITK_* name no setting declares."""
+    from jitk.base import settings
+
+    result = run_env(JITK_CUDA_ARCH="9.0", JITK_CACHE_DIR=str(tmp_path), JITK_AUTOTUNE="maybe",
+                     JITK_REFERNCE="all")
+    assert result.returncode == 0, result.stderr
+    for name in settings.SETTINGS:
+        assert f"  {name}: " in result.stdout, name
+    assert "  JITK_AUTOTUNE: 'maybe' -> error: jitk: JITK_AUTOTUNE='maybe'" in result.stdout
+    assert "  JITK_LOCK_TIMEOUT: unset -> default (300.0)" in result.stdout
+    assert "  JITK_REFERNCE: not a jitk setting" in result.stdout

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from jitk.base import __version__
+from jitk.base import __version__, settings
 from jitk.build import cache, nvrtc, remote, toolchain
 
 KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "nvrtc", "host_compiler",
@@ -176,4 +176,16 @@ def render(report: dict) -> str:
         ("settings", ", ".join(f"{k}={v}" for k, v in report["settings"].items()) or "none"),
     ]
     width = max(len(name) for name, _ in rows) + 1
-    return "\n".join(f"{name + ':':<{width}} {value}" for name, value in rows)
+    lines = [f"{name + ':':<{width}} {value}" for name, value in rows]
+    return "\n".join([*lines, *_settings_lines()])
+
+
+def _settings_lines() -> list[str]:
+    """Every declared JITK_* setting: its value here (or unset), what it means now, what it
+    does; then any JITK_* variable no setting declares (a typo, say)."""
+    lines = ["every setting (base/settings.py):"]
+    for setting, text, meaning in settings.table():
+        shown = "unset" if text is None else repr(text)
+        lines.append(f"  {setting.name}: {shown} -> {meaning}; {setting.doc}")
+    lines += [f"  {name}: not a jitk setting (a typo?)" for name in settings.unknown()]
+    return lines
