@@ -8,7 +8,7 @@ benchmark: exports the dataset-shaped Definitions of RMSNorm and fused-add RMSNo
 (python -m jitk fib export), adds workloads (batch sizes below, random inputs) and a torch
 Solution of each Definition, and runs flashinfer-bench's own Benchmark on them. jitk's
 Solutions are built by flashinfer-bench's stock tvm-ffi builder (NVCC_APPEND_FLAGS set for
-it), or by jitk's with JITK_FIB_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a
+it), or by jitk's with FIB_GPU_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a
 table of correctness and speedup is printed. Then the apply() example: a function decorated
 with flashinfer_bench.apply("fused_add_rmsnorm_h4096") runs at a benchmarked batch size
 (routed to the fastest passing Solution: the table says which) and at one no trace covers
@@ -35,7 +35,7 @@ from jitk.integrations import fib_norm
 
 # flashinfer-bench's benchmark workers are spawned processes that import this file again:
 # the builder installed here, at the top level, is installed in them too.
-if os.environ.get("JITK_FIB_BUILDER") == "jitk":
+if os.environ.get("FIB_GPU_BUILDER") == "jitk":
     jitk.fib.install_builder()
 os.environ.setdefault("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)
 
