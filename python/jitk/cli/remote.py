@@ -26,7 +26,7 @@ _FOLDER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # an entry folder a regis
 def _needed(setting_value: object, what: str) -> None:
     if not setting_value:
         raise signing.RemoteCacheError(f"cache {what}: {remote.REMOTE_ENV} is unset; set it to "
-                                      "oci://host:port/repository")
+                                       "oci://host:port/repository")
 
 
 def _archs(values: list[str] | None) -> set[tuple[str, ...]] | None:
@@ -75,7 +75,7 @@ def run_push(args: argparse.Namespace) -> int:
     key = signing.signing_key()
     if key is None:
         raise signing.RemoteCacheError(f"cache push: {signing.KEY_ENV} is unset; entries are "
-                                      "pushed signed (python -m jitk cache keygen DIR)")
+                                       "pushed signed (python -m jitk cache keygen DIR)")
     entries = [e for e in cache.list_entries() if _wanted(args, e.module, e.archs)]
     started, failed, size = time.perf_counter(), 0, 0
     for done, entry in enumerate(entries, 1):
@@ -114,7 +114,7 @@ def run_pull(args: argparse.Namespace) -> int:
     _needed(where, "pull")
     if not signing.trusted_keys():
         raise signing.RemoteCacheError(f"cache pull: {signing.TRUST_ENV} names no public key, "
-                                      "and jitk pulls nothing it cannot verify")
+                                       "and jitk pulls nothing it cannot verify")
     started, node = time.perf_counter(), _node_archs()
 
     def wanted(notes: dict) -> bool:
