@@ -101,11 +101,11 @@ def keys(tmp_path_factory):
 def _host(folder: Path, code: str, *arguments: str, timeout: float = HOST_SECONDS,
           **settings: str) -> subprocess.CompletedProcess:
     """Runs `code` (or `-m jitk ...` when code is "") as a host whose caches are in
-    `folder`, with no GPU and sm_90 as its target."""
+    `folder`, with no GPU and sm_90 as its target (unless `settings` say otherwise)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITK_")}
-    env.update(PYTHONPATH=str(PYTHON_DIR), CUDA_VISIBLE_DEVICES="", JITK_CUDA_ARCH="9.0",
-               JITK_CACHE_DIR=str(folder / "cache"), JITK_STAGING_DIR=str(folder / "staging"),
-               **settings)
+    env.update({"PYTHONPATH": str(PYTHON_DIR), "CUDA_VISIBLE_DEVICES": "",
+                "JITK_CUDA_ARCH": "9.0", "JITK_CACHE_DIR": str(folder / "cache"),
+                "JITK_STAGING_DIR": str(folder / "staging"), **settings})
     command = [sys.executable, *(["-c", code] if code else ["-m", "jitk"]), *arguments]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
@@ -162,6 +162,10 @@ def test_cache_pull_warms_a_node(fleet, tmp_path):
     assert _entries(tmp_path) == fleet["entries"]
     again = _host(tmp_path, "", "cache", "pull", timeout=120, **fleet["settings"])
     assert "0 fetched, 3 already cached" in again.stdout
+    other = _host(tmp_path / "sm100", "", "cache", "pull", timeout=120, JITK_CUDA_ARCH="10.0",
+                  **fleet["settings"])  # a node of another GPU takes the host code only
+    assert "1 entries" in other.stdout and "1 fetched" in other.stdout, other.stdout
+    assert [n.split("_")[0] for n in _entries(tmp_path / "sm100")] == ["addone"]
 
 
 def test_an_unknown_signer_is_refused_and_nothing_is_loaded(fleet, keys, tmp_path):

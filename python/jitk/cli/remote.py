@@ -26,7 +26,7 @@ _FOLDER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # an entry folder a regis
 def _needed(setting_value: object, what: str) -> None:
     if not setting_value:
         raise signing.RemoteCacheError(f"cache {what}: {remote.REMOTE_ENV} is unset; set it to "
-                                      "oci://host:port/repository")
+                                       "oci://host:port/repository")
 
 
 def _archs(values: list[str] | None) -> set[tuple[str, ...]] | None:
@@ -36,11 +36,25 @@ def _archs(values: list[str] | None) -> set[tuple[str, ...]] | None:
     return {toolchain.canonical_archs(toolchain.parse_archs(v)) if v else () for v in values}
 
 
-def _wanted(args: argparse.Namespace, module: str, archs: tuple[str, ...]) -> bool:
+def _wanted(args: argparse.Namespace, module: str, archs: tuple[str, ...],
+            node: tuple[str, ...] | None = None) -> bool:
+    """Whether --module and --arch select an entry; without --arch, given the node's
+    architectures, host code and entries that serve all of them (a fat one included)."""
     chosen = _archs(args.arch)
     if chosen is not None and tuple(archs) not in chosen:
         return False
+    if chosen is None and node and archs and not all(
+            toolchain.serves(archs, wanted) for wanted in node):
+        return False
     return not args.module or any(module.startswith(name) for name in args.module)
+
+
+def _node_archs() -> tuple[str, ...] | None:
+    """$JITK_CUDA_ARCH, else the GPU's; None (every architecture) when neither is known."""
+    try:
+        return toolchain.target_archs()
+    except toolchain.ToolchainError:
+        return None
 
 
 def run_keygen(args: argparse.Namespace) -> int:
@@ -61,7 +75,7 @@ def run_push(args: argparse.Namespace) -> int:
     key = signing.signing_key()
     if key is None:
         raise signing.RemoteCacheError(f"cache push: {signing.KEY_ENV} is unset; entries are "
-                                      "pushed signed (python -m jitk cache keygen DIR)")
+                                       "pushed signed (python -m jitk cache keygen DIR)")
     entries = [e for e in cache.list_entries() if _wanted(args, e.module, e.archs)]
     started, failed, size = time.perf_counter(), 0, 0
     for done, entry in enumerate(entries, 1):
@@ -100,15 +114,15 @@ def run_pull(args: argparse.Namespace) -> int:
     _needed(where, "pull")
     if not signing.trusted_keys():
         raise signing.RemoteCacheError(f"cache pull: {signing.TRUST_ENV} names no public key, "
-                                      "and jitk pulls nothing it cannot verify")
-    started = time.perf_counter()
+                                       "and jitk pulls nothing it cannot verify")
+    started, node = time.perf_counter(), _node_archs()
 
     def wanted(notes: dict) -> bool:
         try:
             archs = tuple(json.loads(notes.get(remote.NOTE + "archs", "[]")))
-        except ValueError:
+            return _wanted(args, str(notes.get(remote.NOTE + "module", "")), archs, node)
+        except (ValueError, TypeError, toolchain.ToolchainError):
             return True  # refused, with its reason, when pulled
-        return _wanted(args, str(notes.get(remote.NOTE + "module", "")), archs)
 
     listed = remote.listed(where, wanted)
     counts = {"fetched": 0, "already cached": 0, "failed": 0}
