@@ -4,8 +4,11 @@ A kernel module declares an op's TuningSpace (its knobs and their choices, how t
 arguments map to a shape bucket, today's defaults, and how to build one choice) and calls
 `space.lookup(bucket)` on its call path: a dict lookup, cached per bucket. What a lookup
 finds, in order: a choice made in this process, the tuning file's entry for this GPU and
-these versions, today's default. Tuning happens only when asked: `python -m jitk tune`,
-`jitk.autotune.tune(...)`, or JITK_AUTOTUNE=1 (a lookup that misses tunes then, on fresh
+these versions, the entry of the table shipped with the package for this GPU (the space's
+`tables`, written by `python -m jitk tune --export-table`), today's default. A choice the
+space no longer allows (its knobs, values or `allowed`) is passed over with a warning.
+Tuning happens only when asked: `python -m jitk tune`, `jitk.autotune.tune(...)`, or
+JITK_AUTOTUNE=1 (a lookup that neither the file nor the table answers tunes then, on fresh
 tensors shaped like the call's).
 
 `tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
@@ -35,6 +38,7 @@ import importlib.metadata
 import itertools
 import json
 import os
+import re
 import statistics
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -182,6 +186,55 @@ class _Store:
 _STORE = _Store()
 
 
+# ---------------------------------------------------------------------------- shipped tables
+def table_name(gpu: str) -> str:
+    """The file of a GPU's shipped table: its name in lower case, other characters as '-'
+    ("NVIDIA H100 80GB HBM3" -> nvidia-h100-80gb-hbm3.json)."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
+
+
+_TABLES: dict[Path, dict[str, dict]] = {}
+
+
+def _table_configs(folder: Path) -> dict[str, dict]:
+    """The shipped table's {key: config} for this GPU (name and SM count), read once; {}
+    when none ships for it or it cannot be read (with a warning: a packaging fault)."""
+    path = folder / table_name(environment()["gpu"])
+    if path not in _TABLES:
+        configs = {}
+        if path.is_file():
+            try:
+                document = json.loads(path.read_text())
+                if document.get("format") != FORMAT:
+                    raise ValueError(f"not a jitk tuning table of format {FORMAT}")
+                here = environment()
+                if [document["gpu"], document["sms"]] == [here["gpu"], here["sms"]]:
+                    configs = {_key(e["op"], e["bucket"]): e["config"]
+                               for e in document["entries"]}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                warnings.warn(f"jitk.autotune: the shipped tuning table {path} cannot be used "
+                              f"({error}); the defaults apply where the tuning file has no "
+                              "entry", stacklevel=5)
+        _TABLES[path] = configs
+    return _TABLES[path]
+
+
+def export_table(ops: Iterable[str], path: Path) -> int:
+    """Writes the tuning file's entries for `ops` on this GPU and these versions as a table
+    to ship (`TuningSpace.tables`); returns how many it holds."""
+    here = environment()
+    names = set(ops)
+    entries = [{"op": e["op"], "bucket": e["bucket"], "config": e["config"]}
+               for e in _read(tuning_file())[0]
+               if e["op"] in names and e["environment"] == here]
+    entries.sort(key=lambda e: _key(e["op"], e["bucket"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "gpu": here["gpu"], "sms": here["sms"],
+                                "tuned_with": here, "entries": entries}, indent=1,
+                               sort_keys=True) + "\n")
+    return len(entries)
+
+
 # ---------------------------------------------------------------------------- the space
 @dataclasses.dataclass(eq=False)
 class TuningSpace:
@@ -208,6 +261,8 @@ class TuningSpace:
     beside_knobs: knobs kept at their default but when tuning beside the neighbour: their
              gain or cost shows only between different kernels (PDL). `allowed` sees them
              at their default.
+    tables:  a folder of tuning tables shipped with the package, one a GPU (table_name):
+             what a lookup uses for a bucket the tuning file has no entry for.
     """
 
     knobs: Mapping[str, Sequence]
@@ -221,6 +276,7 @@ class TuningSpace:
     module_key: Callable[[tuple, dict], Hashable] | None = None
     neighbour: Callable[..., Callable[[], object]] | None = None
     beside_knobs: tuple[str, ...] = ()
+    tables: Path | None = None
     op: str = ""  # set by attach()
     calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -269,7 +325,8 @@ class TuningSpace:
 
     def lookup(self, bucket: tuple) -> Callable:
         """The function for a bucket: what this process chose, else the file's, else the
-        default; with JITK_AUTOTUNE=1, a bucket the file lacks is tuned at its first call."""
+        shipped table's, else the default; with JITK_AUTOTUNE=1, a bucket neither the file
+        nor the table has is tuned at its first call."""
         chosen = self._chosen.get(bucket)
         if chosen is None:
             config = self._recorded_config(bucket)
@@ -279,16 +336,30 @@ class TuningSpace:
         return chosen
 
     def _recorded_config(self, bucket: tuple) -> dict | None:
-        """The file's choice for the bucket, if it is one of this space's (a file written
-        by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
-        config = _STORE.config(self.op, _jsonable(bucket))
-        if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
-                              and all(config[k] in v for k, v in self.knobs.items())):
-            return config
-        warnings.warn(f"jitk.autotune: the tuning file's choice for {self.op} at "
-                      f"{_jsonable(bucket)} ({config!r}) is not in this jitk's space "
-                      f"({dict(self.knobs)!r}); the default applies", stacklevel=3)
+        """The tuning file's choice for the bucket, else the shipped table's, if it is one
+        this space allows (a file written by another jitk may name knobs or values this one
+        lacks or no longer tries: passed over, with a warning)."""
+        key = _jsonable(bucket)
+        for source, config in (
+                ("tuning file", _STORE.config(self.op, key)),
+                ("shipped table", None if self.tables is None else
+                 _table_configs(self.tables).get(_key(self.op, key)))):
+            if config is None:
+                continue
+            if self._allows(bucket, config):
+                return config
+            warnings.warn(f"jitk.autotune: the {source}'s choice for {self.op} at {key} "
+                          f"({config!r}) is not in this jitk's space ({dict(self.knobs)!r}) "
+                          "or not one it tries there; passed over", stacklevel=3)
         return None
+
+    def _allows(self, bucket: tuple, config: object) -> bool:
+        if not (isinstance(config, dict) and config.keys() == self.knobs.keys()
+                and all(config[k] in v for k, v in self.knobs.items())):
+            return False
+        default = self.default(bucket)
+        at_default = {name: default[name] for name in self.beside_knobs}
+        return config == default or self.allowed(bucket, {**config, **at_default})
 
     def _tuned_at_first_call(self, bucket: tuple) -> Callable:
         def first_call(*args: object, **kwargs: object) -> object:

@@ -122,6 +122,18 @@ constexpr bool tuning_applies(int hidden, int elem_bytes, int max_vec_bytes, boo
                      : widest_vec_size(hidden, elem_bytes, max_vec_bytes) > 1;
 }
 
+// The threads a row is spread over, in accesses of vec_size elements with row_registers a
+// thread would rather give x (Tiling): a row too short for a warp takes a power of two of its
+// lanes, a longer one whole warps, at most a block. With the access width it fixes a row's
+// order of summation: the slots a thread adds and the tree over lanes and warps.
+constexpr int threads_per_row(int hidden, int elem_bytes, int vec_size, int row_registers) {
+  const int vec_registers = max_of(1, vec_size * elem_bytes / 4);
+  const int wanted = div_ceil(hidden / vec_size, max_of(1, row_registers / vec_registers));
+  return wanted <= kWarpThreads
+             ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(wanted)))
+             : min_of(div_ceil(wanted, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
+}
+
 // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh): what
 // combine needs of a layout.
 template <typename T, int kVecSize>
@@ -143,13 +155,10 @@ struct Tiling : Access<T_, kVecSize_> {
   // A 16-bit element takes a register of its own; wider vectors one per 4 bytes.
   static constexpr int kVecRegisters = max_of(1, kVecBytes / 4);
   static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
-  static constexpr int kWantedThreads =
-      div_ceil(kVecsPerRow, max_of(1, Tune::kRowRegisters / kVecRegisters));
-  // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
-  static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
-      kSubWarp ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(kWantedThreads)))
-               : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
+      threads_per_row(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
+  // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
+  static constexpr bool kSubWarp = kThreadsPerRow <= kWarpThreads;
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kRowWarps = kSubWarp ? 1 : kThreadsPerRow / kWarpThreads;
@@ -695,6 +704,16 @@ inline int rules_default_knob(int hidden, int elem_bytes, int index) {
   RuntimeCheck(index >= 0 && index < rules_knob_count(), "knob index ", index, " is not in 0..",
                rules_knob_count() - 1);
   return index == 0 ? default_row_registers(hidden, elem_bytes) : Rest::kKnobs[index];
+}
+
+// The threads a row of a tuning's own kernel is spread over (threads_per_row at the access
+// width tuning_applies finds), which with kSumChains and kTwoVectors fixes its summation order.
+inline int rules_threads_per_row(int hidden, int elem_bytes, int max_vec_bytes,
+                                 int row_registers) {
+  RuntimeCheck(hidden >= 1 && hidden <= kMaxHidden, "hidden size ", hidden, " is not in 1..",
+               kMaxHidden);
+  return threads_per_row(hidden, elem_bytes, widest_vec_size(hidden, elem_bytes, max_vec_bytes),
+                         row_registers);
 }
 
 }  // namespace jitk::norm
