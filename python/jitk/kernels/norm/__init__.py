@@ -151,12 +151,14 @@ _TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets"
 # may get its own choice, so every choice the tuner times adds a row in the default's order
 # (rules.keeps_order: the same access width, threads a row and partial sums a thread, not
 # TwoVectors' kernel). A tried change that would add in another order is timed with those
-# knobs at the default's values and its launch changes kept. JITK_RMSNORM_FAST_UNSTABLE=1
+# knobs at the default's values and its launch changes kept, but fill_sm, whose register plan
+# was chosen for the threads it was tried with (left on, it spilled under ptxas at 8192 with
+# the default's 16 registers, sm_90). JITK_RMSNORM_FAST_UNSTABLE=1
 # times the changes as written, giving up invariance (docs/developer_guide/
 # verifying_and_tuning.md, "Batch invariance"); it is read when a bucket's candidates are
 # first worked out.
 FAST_UNSTABLE_ENV = "JITK_RMSNORM_FAST_UNSTABLE"
-_ORDER_KNOBS = ("row_registers", "max_vec_bytes", "sum_chains", "two_vectors")
+_PUT_BACK = ("row_registers", "max_vec_bytes", "sum_chains", "two_vectors", "fill_sm")
 
 
 def _unstable_allowed() -> bool:
@@ -169,7 +171,7 @@ def _as_tried(changes: dict, hidden: int, dtype: torch.dtype, unstable: bool) ->
     default = _default_knobs((hidden, dtype))
     knobs = {**default, **changes}
     if not unstable and not _keeps_order(knobs, hidden, dtype):
-        knobs = {**knobs, **{name: default[name] for name in _ORDER_KNOBS}}
+        knobs = {**knobs, **{name: default[name] for name in _PUT_BACK}}
     return knobs if knobs == default or _applies(knobs, hidden, dtype) else None
 
 

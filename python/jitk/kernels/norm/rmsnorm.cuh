@@ -11,6 +11,7 @@
 #pragma once
 
 #include <jitk/device.cuh>
+#include <jitk/norm_order.cuh>
 #include <jitk/packed.cuh>
 #include <jitk/rows.h>
 #include <jitk/tensor.h>
@@ -31,11 +32,7 @@ namespace jitk::norm {
 
 // The largest hidden size: a row's vectors are counted in int, with room to spare.
 inline constexpr int kMaxHidden = 1 << 30;
-inline constexpr int kMaxBlockThreads = 1024;
 inline constexpr int kShortRowsBlockThreads = 128;
-// The most registers a thread gives to its part of x (and as many to the weight) before a
-// row is read twice: room to spare in the 64 a 1024-thread block leaves each.
-inline constexpr int kMaxRowRegisters = 16;
 
 // The launch knobs jitk.autotune and benchmarks/tune_rmsnorm.py sweep: registers a thread would
 // rather give x (fewer spread a row over more threads); block 0 prefetching the weight; launch
@@ -83,13 +80,8 @@ struct Tuning {
                       kFillSm_, kOneTurn_, kTwoVectors_>;
 };
 
-// From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
-// vector (a warp's loads cover whole lines); longer: four vectors a thread (ahead of two at
-// 8192). The prefetch pays when the weight is out of L2 (each layer has its own).
-// jitk.norm overrides these per shape where `python -m jitk tune` found better.
-constexpr int default_row_registers(int hidden, int elem_bytes) {
-  return int64_t{hidden} * elem_bytes < 512 ? 4 : 16;  // up to kMaxHidden x 4 bytes
-}
+// default_row_registers (jitk/norm_order.cuh); the prefetch pays when the weight is out of L2
+// (each layer has its own).
 template <int kRowRegisters>
 using DefaultTuningWith = Tuning<kRowRegisters, true>;
 template <int kHidden, typename T>
@@ -120,18 +112,6 @@ constexpr bool two_vectors_fit(int hidden, int elem_bytes) {
 constexpr bool tuning_applies(int hidden, int elem_bytes, int max_vec_bytes, bool two_vectors) {
   return two_vectors ? two_vectors_fit(hidden, elem_bytes)
                      : widest_vec_size(hidden, elem_bytes, max_vec_bytes) > 1;
-}
-
-// The threads a row is spread over, in accesses of vec_size elements with row_registers a
-// thread would rather give x (Tiling): a row too short for a warp takes a power of two of its
-// lanes, a longer one whole warps, at most a block. With the access width it fixes a row's
-// order of summation: the slots a thread adds and the tree over lanes and warps.
-constexpr int threads_per_row(int hidden, int elem_bytes, int vec_size, int row_registers) {
-  const int vec_registers = max_of(1, vec_size * elem_bytes / 4);
-  const int wanted = div_ceil(hidden / vec_size, max_of(1, row_registers / vec_registers));
-  return wanted <= kWarpThreads
-             ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(wanted)))
-             : min_of(div_ceil(wanted, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
 }
 
 // One access of a thread, as integer words until the arithmetic (jitk/packed.cuh): what
@@ -708,8 +688,7 @@ inline int rules_default_knob(int hidden, int elem_bytes, int index) {
 
 // The threads a row of a tuning's own kernel is spread over (threads_per_row at the access
 // width tuning_applies finds), which with kSumChains and kTwoVectors fixes its summation order.
-inline int rules_threads_per_row(int hidden, int elem_bytes, int max_vec_bytes,
-                                 int row_registers) {
+inline int rules_threads_per_row(int hidden, int elem_bytes, int max_vec_bytes, int row_registers) {
   RuntimeCheck(hidden >= 1 && hidden <= kMaxHidden, "hidden size ", hidden, " is not in 1..",
                kMaxHidden);
   return threads_per_row(hidden, elem_bytes, widest_vec_size(hidden, elem_bytes, max_vec_bytes),
