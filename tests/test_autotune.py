@@ -213,6 +213,13 @@ def test_export_table_writes_this_gpus_entries_of_the_ops_and_a_lookup_uses_it(f
     assert BUILT == [((8,), {"threads": 256, "unroll": 1})]
 
 
+def test_precompile_builds_the_shipped_tables_choices_too(fresh_file, h100):
+    ship([((8,), {"threads": 256, "unroll": 1})])
+    autotune.record([entry((9,), {"threads": 128, "unroll": 2})])
+    assert SPACE.recorded() == [([9], {"threads": 128, "unroll": 2}),
+                                ([8], {"threads": 256, "unroll": 1})]
+
+
 def test_candidates_start_with_the_default():
     assert SPACE.candidates((8,)) == [{"threads": 128, "unroll": 1}, {"threads": 128, "unroll": 2},
                                       {"threads": 256, "unroll": 1}, {"threads": 256, "unroll": 2}]

@@ -386,8 +386,12 @@ class TuningSpace:
 
     def recorded(self) -> list[tuple[list, dict]]:
         """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
-        versions it was tuned on: what `precompile` builds."""
-        return [(e["bucket"], e["config"]) for e in _read(tuning_file())[0]
+        versions it was tuned on, then the shipped tables' for this GPU: what `precompile`
+        builds."""
+        shipped = [] if self.tables is None else [
+            {"op": key.split(" ", 1)[0], "bucket": json.loads(key.split(" ", 1)[1]),
+             "config": config} for key, config in _table_configs(self.tables).items()]
+        return [(e["bucket"], e["config"]) for e in (*_read(tuning_file())[0], *shipped)
                 if e["op"] == self.op and isinstance(e["config"], dict)
                 and e["config"].keys() == self.knobs.keys()]
 
