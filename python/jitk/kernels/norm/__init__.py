@@ -118,8 +118,10 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # place) pay. Each combination below was added because a sweep of the knobs' products found it
 # level with SGLang or ahead at a shape where the earlier choices trailed; two_vectors is a
 # kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), tried past 256 rows at
-# the widths it fits. A set is 10 to 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT),
-# which share a module (_candidate_kernels), so that tuning the benchmark's shapes stays short.
+# the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is 10 to
+# 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
+# (6 to 8 with the default at 4096 bf16). A width's choices share a module
+# (_candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
