@@ -350,6 +350,35 @@ def case_own_stream(small: bool) -> None:
     print(f"own_stream: 2 workers' streams apart from {len(torch_streams)} of torch's")
 
 
+def case_rmsnorm_bits(small: bool) -> None:
+    """The worker's RMSNorm gives a bf16 row jitk.rmsnorm's bits (the order of
+    jitk/norm_order.cuh): rows of a multiple of 8 (vectors) and odd ones (an element a slot),
+    short and long, up to what the worker's block holds in that order, and one past it."""
+    import jitk
+
+    widths = (8, 128, 200, 256, 1000, 2048, 4096, 5120, 7168, 8192, 7, 127, 1001, 4095)
+    rows = []
+    for n in widths:
+        x = torch.randn(n, device="cuda").to(torch.bfloat16)
+        w = torch.randn(n, device="cuda").to(torch.bfloat16)
+        expected = jitk.rmsnorm(x.view(1, n), w, out=torch.empty(1, n, dtype=x.dtype,
+                                                                 device="cuda"), eps=1e-6)
+        rows.append((x, w, torch.full_like(x, float("nan")), expected.view(n)))
+    long = torch.randn(16384, device="cuda").to(torch.bfloat16)  # past the block: its own order
+    long_out, ones = torch.full_like(long, float("nan")), torch.ones_like(long)
+    reference = chain_reference(long, ones, 1)
+    relative_error(reference, reference)  # everything torch runs, before the worker starts
+    items = [("rmsnorm", dict(x=x, w=w, y=y, eps=1e-6)) for x, w, y, _ in rows]
+    items.append(("rmsnorm", dict(x=long, w=ones, y=long_out, eps=1e-6)))
+    worker = chain_worker().start(blocks=2)
+    worker.wait(worker.push_many(items)[-1], timeout=10)
+    worker.stop(timeout=10)
+    differing = [n for n, (_, _, y, expected) in zip(widths, rows) if not torch.equal(y, expected)]
+    assert not differing, f"rows whose bits differ from jitk.rmsnorm's, by width: {differing}"
+    assert relative_error(long_out, reference) < 2**-7
+    print(f"rmsnorm_bits: {len(widths)} widths bit for bit")
+
+
 CASES = {name.removeprefix("case_"): fn for name, fn in globals().items()
          if name.startswith("case_")}
 

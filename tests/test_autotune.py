@@ -34,17 +34,20 @@ def _build(bucket, config):
 SPACE = autotune.TuningSpace({"threads": (128, 256), "unroll": (1, 2)},
                              bucket=lambda x, out: (x.numel(),),
                              default=lambda bucket: {"threads": 128, "unroll": 1},
+                             # at 12 elements unroll 2 is never tried (nor taken from a file)
+                             allowed=lambda bucket, c: bucket != (12,) or c["unroll"] == 1,
                              build=_build).attach(copy)
 
 
 @pytest.fixture(autouse=True)
 def fresh_file(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    tuning_store.STORE.clear()
+    monkeypatch.setattr(SPACE, "tables", tmp_path / "tables")
+    tuning_store.reread()
     SPACE.forget()
     BUILT.clear()
     yield tmp_path / autotune.FILE_NAME
-    tuning_store.STORE.clear()
+    tuning_store.reread()
     SPACE.forget()
 
 
@@ -116,6 +119,103 @@ def test_a_choice_outside_the_space_is_ignored_with_a_warning(fresh_file):
     with pytest.warns(UserWarning, match="not in this jitk's space"):
         call(8)
     assert BUILT == [((8,), {"threads": 128, "unroll": 1})]
+
+
+def ship(entries, gpu="NVIDIA H100 80GB HBM3", sms=132, name=None):
+    """A shipped table in the space's tables folder, for `gpu` (named as table_name says)."""
+    SPACE.tables.mkdir(exist_ok=True)
+    path = SPACE.tables / (name or autotune.table_name(gpu))
+    path.write_text(json.dumps({"format": autotune.FORMAT, "gpu": gpu, "sms": sms,
+                                "entries": [{"op": "jitk_tune::copy", "bucket": list(b),
+                                             "config": c} for b, c in entries]}))
+    return path
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """This process on a made-up H100: what the tuning file and the tables are keyed by."""
+    monkeypatch.setattr(tuning_store, "_ENVIRONMENT", {**autotune.environment(),
+                                                   "gpu": "NVIDIA H100 80GB HBM3", "sms": 132})
+
+
+def test_table_names_are_the_gpu_name_in_lower_case_words():
+    assert autotune.table_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3.json"
+    assert autotune.table_name("NVIDIA GeForce RTX 4090 (D)") == "nvidia-geforce-rtx-4090-d.json"
+
+
+def test_lookup_order_process_then_file_then_shipped_table_then_default(fresh_file, h100):
+    ship([((8,), {"threads": 256, "unroll": 1}), ((9,), {"threads": 256, "unroll": 1}),
+          ((10,), {"threads": 128, "unroll": 2})])
+    autotune.record([entry((9,), {"threads": 128, "unroll": 2})])  # the user's own tuning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (8, 9, 10, 11):
+            call(n)
+    assert BUILT == [((8,), {"threads": 256, "unroll": 1}),   # the table: the file has none
+                     ((9,), {"threads": 128, "unroll": 2}),   # the file overrides the table
+                     ((10,), {"threads": 128, "unroll": 2}),  # the table
+                     ((11,), {"threads": 128, "unroll": 1})]  # neither: the default
+    assert SPACE.config((8,)) == {"threads": 256, "unroll": 1}
+    SPACE._chosen[(8,)] = lambda x, out: out.copy_(x)  # a choice made in this process wins
+    assert SPACE.lookup((8,)) is SPACE._chosen[(8,)]
+
+
+@pytest.mark.parametrize("other", [{"gpu": "NVIDIA H100 PCIe"}, {"sms": 114}])
+def test_a_table_for_another_gpu_is_not_used(fresh_file, h100, other):
+    """A table under this GPU's file name but tuned on another GPU or SM count: the default."""
+    ship([((8,), {"threads": 256, "unroll": 1})],
+         **{"gpu": "NVIDIA H100 80GB HBM3", "sms": 132, **other},
+         name=autotune.table_name("NVIDIA H100 80GB HBM3"))
+    call(8)
+    assert BUILT == [((8,), {"threads": 128, "unroll": 1})]
+
+
+def test_a_shipped_choice_the_space_does_not_try_is_passed_over(fresh_file, h100):
+    ship([((12,), {"threads": 256, "unroll": 2}), ((10,), {"threads": 512, "unroll": 1})])
+    with pytest.warns(UserWarning, match="shipped table's choice .* passed over") as caught:
+        call(12)
+        call(10)
+    assert len(caught) == 2
+    assert BUILT == [((12,), {"threads": 128, "unroll": 1}),
+                     ((10,), {"threads": 128, "unroll": 1})]
+
+
+def test_a_file_choice_the_space_no_longer_tries_is_passed_over(fresh_file):
+    autotune.record([entry((12,), {"threads": 128, "unroll": 2})])
+    with pytest.warns(UserWarning, match="tuning file's choice .* passed over"):
+        call(12)
+    assert BUILT == [((12,), {"threads": 128, "unroll": 1})]
+
+
+def test_an_unreadable_table_warns_and_the_default_applies(fresh_file, h100):
+    SPACE.tables.mkdir()
+    (SPACE.tables / autotune.table_name("NVIDIA H100 80GB HBM3")).write_text("{not json")
+    with pytest.warns(UserWarning, match="shipped tuning table .* cannot be used"):
+        call(8)
+    assert BUILT == [((8,), {"threads": 128, "unroll": 1})]
+
+
+def test_export_table_writes_this_gpus_entries_of_the_ops_and_a_lookup_uses_it(fresh_file, h100):
+    autotune.record([entry((8,), {"threads": 256, "unroll": 1}),
+                     entry((9,), {"threads": 128, "unroll": 2}, gpu="NVIDIA B200", sms=148),
+                     {**entry((10,), {"threads": 256, "unroll": 1}), "op": "other::op"}])
+    path = SPACE.tables / autotune.table_name("NVIDIA H100 80GB HBM3")
+    assert autotune.export_table(["jitk_tune::copy"], path) == 1
+    table = json.loads(path.read_text())
+    assert (table["gpu"], table["sms"], table["format"]) == ("NVIDIA H100 80GB HBM3", 132, 1)
+    assert table["entries"] == [{"op": "jitk_tune::copy", "bucket": [8],
+                                 "config": {"threads": 256, "unroll": 1}}]
+    fresh_file.unlink()  # the table alone now
+    tuning_store.reread()
+    call(8)
+    assert BUILT == [((8,), {"threads": 256, "unroll": 1})]
+
+
+def test_precompile_builds_the_shipped_tables_choices_too(fresh_file, h100):
+    ship([((8,), {"threads": 256, "unroll": 1})])
+    autotune.record([entry((9,), {"threads": 128, "unroll": 2})])
+    assert SPACE.recorded() == [([9], {"threads": 128, "unroll": 2}),
+                                ([8], {"threads": 256, "unroll": 1})]
 
 
 def test_candidates_start_with_the_default():

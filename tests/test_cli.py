@@ -366,6 +366,25 @@ def test_check_imports_the_users_module(tmp_path):
     assert missing.returncode == 2 and "--import no_such_module" in missing.stderr
 
 
+@pytest.mark.parametrize("command, message", [
+    (["check", "--full"], "--full applies only with --invariance"),
+    (["check", "--invariance", "rmsnorm"], "--invariance checks RMSNorm on the GPU"),
+    (["check", "--invariance", "--device", "cpu"], "--invariance checks RMSNorm on the GPU"),
+])
+def test_check_invariance_usage_is_refused_before_any_work(command, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        jitk_main(command)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_check_invariance_without_a_gpu_fails_in_one_line(capsys):
+    assert jitk_main(["check", "--invariance"]) == 1
+    assert capsys.readouterr().err.strip() == ("jitk: error: --invariance runs kernels on a "
+                                               "GPU, and none is visible")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_tune_without_a_gpu_fails_in_one_line(tmp_path):
     result = jitk_cli("tune", "rmsnorm", "--shapes", "16x4096", cwd=tmp_path, timeout=300)

@@ -305,6 +305,6 @@ def test_host_waits_end_with_their_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["exactly_once", "soak", "chain", "device_push",
                                   "stream_wait", "errors", "own_stream",
-                                  "stop_timeout", "fault", "refusals"])
+                                  "stop_timeout", "fault", "refusals", "rmsnorm_bits"])
 def test_gpu_case(name):
     run_case(name)

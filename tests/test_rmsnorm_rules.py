@@ -63,12 +63,14 @@ def test_applies_is_tuning_applies_at_every_width(cpp):
 
 def test_the_tuner_lists_exactly_the_choices_the_cpp_runs_as_asked(cpp):
     """Every change the tuner knows, at every width: a candidate where the C++ runs it as
-    asked; else left out, never timed as a copy of the default."""
+    asked; else left out, never timed as a copy of the default. As written with
+    JITK_RMSNORM_FAST_UNSTABLE (unstable=True); by default each candidate keeps the
+    default's order of summation and runs as asked too."""
     for dtype in DTYPES:
         for hidden in WIDTHS:
             default = norm._default_knobs((hidden, dtype))
-            candidates = norm._candidates.__wrapped__(hidden, dtype)
-            tried = norm._tried_values.__wrapped__(hidden, dtype, 1024)
+            candidates = norm._candidates.__wrapped__(hidden, dtype, True, True)
+            tried = norm._tried_values.__wrapped__(hidden, dtype, 1024, True)
             for changes in EVERY_CHANGE:
                 knobs = {**default, **changes}
                 runs = cpp.tuning_applies(hidden, dtype.itemsize, knobs["max_vec_bytes"],
@@ -76,6 +78,10 @@ def test_the_tuner_lists_exactly_the_choices_the_cpp_runs_as_asked(cpp):
                 assert (knobs in candidates) == runs, (hidden, dtype, changes)
                 if changes in (*norm._TRIED, *norm._TRIED_LONG):  # those tried at 1024 rows
                     assert (norm._knob_values(knobs) in tried) == runs, (hidden, dtype, changes)
+            for knobs in norm._candidates.__wrapped__(hidden, dtype):
+                assert rules.keeps_order(knobs, hidden, dtype), (hidden, dtype, knobs)
+                assert cpp.tuning_applies(hidden, dtype.itemsize, knobs["max_vec_bytes"],
+                                          knobs["two_vectors"]), (hidden, dtype, knobs)
     # An odd width: every access is one element, so the default is all there is to time.
     for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
         bucket = (4095, torch.bfloat16, 1024)
@@ -103,3 +109,45 @@ def test_the_kernel_refuses_to_build_a_tuning_it_would_not_run():
     knobs = {**norm._default_knobs((3000, torch.float16)), "two_vectors": True}
     with pytest.raises(JitCompileError, match="would run the defaults' kernel"):
         norm._load("rmsnorm_refused", 3000, torch.float16, norm._knob_values(knobs))
+
+
+def test_threads_per_row_is_the_cpp_rule_at_every_width(cpp):
+    """The copy behind keeps_order (which choices the tuner may time under batch invariance):
+    every row_registers and access width the knobs name, at every width."""
+    for dtype in DTYPES:
+        for hidden in WIDTHS:
+            for vec_bytes in (4, 8, 16):
+                for registers in (*norm._KNOBS["row_registers"], 1, 2, 12):
+                    knobs = {"max_vec_bytes": vec_bytes, "row_registers": registers}
+                    assert rules.threads_per_row(hidden, dtype, knobs) == cpp.threads_per_row(
+                        hidden, dtype.itemsize, vec_bytes, registers), (hidden, dtype, knobs)
+
+
+def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
+    """Batch invariance: each row-count bucket may get its own choice, so every choice the
+    tuner times adds a row as the default does; JITK_RMSNORM_FAST_UNSTABLE=1 lets the others
+    in. At 4096 bf16 the default's 16 registers give 128 threads a row; row_registers 8 (256
+    threads), four partial sums and TwoVectors each add in another order."""
+    bucket = (4096, torch.bfloat16, 1024)
+    default = norm._default_knobs(bucket)
+    for changes in ({"row_registers": 8}, {"sum_chains": 4}, {"two_vectors": True}):
+        assert not rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
+    for changes in ({"broadcast_sum": True}, {"one_turn": True}, {"fill_sm": True},
+                    {"pin_offsets": True, "row_first": True, "late_trigger": True},
+                    {"prefetch_weight": False, "pdl": False, "register_cap": False}):
+        assert rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
+    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        for rows in (1, 256, 1024):
+            for hidden, dtype in ((4096, torch.bfloat16), (5120, torch.float16),
+                                  (128, torch.float32), (16384, torch.bfloat16)):
+                candidates = space.candidates((hidden, dtype, rows))
+                assert all(rules.keeps_order(c, hidden, dtype) for c in candidates)
+                assert len(candidates) > 1, (hidden, dtype, rows)  # still a choice to make
+    # At 32768 bf16 a row takes 1024 threads whatever row_registers asks: 8 keeps the order.
+    wide = norm._default_knobs((32768, torch.bfloat16))
+    assert rules.keeps_order({**wide, "row_registers": 8}, 32768, torch.bfloat16)
+    faster = {**default, "row_registers": 8, "late_trigger": True, "fill_sm": True,
+              "one_turn": True}  # in _TRIED, another order at 4096
+    assert not norm._tried(bucket, faster)
+    monkeypatch.setenv("JITK_RMSNORM_FAST_UNSTABLE", "1")
+    assert norm._tried(bucket, faster)

@@ -87,6 +87,9 @@ SETTINGS = _declare(
     # kernels
     Setting("JITK_WAIT_VALUE_SPIN", "flag", False,
             "stream_wait_value spins in a kernel rather than using the driver's wait"),
+    Setting("JITK_RMSNORM_FAST_UNSTABLE", "flag", False,
+            "let RMSNorm's tuner pick choices that add a row in another order: a row's bits "
+            "may then depend on the batch (gives up batch invariance)"),
 )
 
 

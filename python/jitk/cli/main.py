@@ -325,6 +325,10 @@ def run_check(args: argparse.Namespace) -> int:
             importlib.import_module(module)
         except ImportError as error:
             raise UsageError(f"--import {module}: {error}") from None
+    if args.invariance:
+        return run_invariance_check(args)
+    if args.full:
+        raise UsageError("--full applies only with --invariance")
     failed = []
     for info in selected_ops(args.op):
         if info.reference is None or info.cases is None:
@@ -344,6 +348,28 @@ def run_check(args: argparse.Namespace) -> int:
             print(f"  {report.line()}")
         failed += bad
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def run_invariance_check(args: argparse.Namespace) -> int:
+    """RMSNorm's rows alone against the same rows in batches, bitwise, for every choice the
+    tuner may pick and the public entry points (jitk.kernels.norm.invariance)."""
+    import torch
+
+    if args.op or args.device == "cpu":
+        raise UsageError("--invariance checks RMSNorm on the GPU: it takes no op names and "
+                         "no --device cpu")
+    if not torch.cuda.is_available():
+        raise CommandError("--invariance runs kernels on a GPU, and none is visible")
+    from jitk.kernels.norm import invariance
+
+    findings = invariance.check(full=args.full)
+    wrong = [f for f in findings if f.differing]
+    for finding in findings if args.verbose else wrong:
+        print(f"  {finding.line()}")
+    print(f"rmsnorm invariance: {len(wrong)} case(s) with differing or inaccurate rows "
+          f"(widths {', '.join(map(str, invariance.WIDTHS))}; rows {invariance.ROWS}; "
+          f"{'every choice' if args.full else 'a sample of the choices'})")
+    return EXIT_FAILURE if wrong else EXIT_OK
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -413,6 +439,10 @@ def run_tune(args: argparse.Namespace) -> int:
                 print(f"    single {us:.3f}  {_changes(config, default)}")
     print(f"tuned {len(calls)} shape(s) in {time.perf_counter() - built:.1f} s; recorded in "
           f"{autotune.tuning_file()}")
+    if args.export_table:
+        count = autotune.export_table([info.name for info in ops], args.export_table)
+        print(f"exported {count} entries for this GPU to {args.export_table} (ship it as "
+              f"{autotune.table_name(autotune.environment()['gpu'])} in the op's tables)")
     return EXIT_OK
 
 
@@ -611,6 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--import", dest="imports", action="append", default=[],
                        metavar="MODULE", help="import MODULE first, for ops it defines "
                        "(repeatable)")
+    check.add_argument("--invariance", action="store_true",
+                       help="RMSNorm's batch invariance on the GPU: rows alone against the same "
+                            "rows in batches of 1-4096, bitwise, for the tuner's choices and "
+                            "the shipped table, plus accuracy against float64")
+    check.add_argument("--full", action="store_true",
+                       help="with --invariance: every choice the tuner may pick, not a sample")
     check.set_defaults(handler=run_check)
 
     tune = commands.add_parser(
@@ -632,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "GEMM for the norms), less that kernel's own time, and try the "
                            "choices that matter only there (PDL off); ops without one are "
                            "left out")
+    tune.add_argument("--export-table", type=Path, metavar="PATH",
+                      help="then write the tuning file's entries of these ops for this GPU "
+                           "and these versions to PATH, a table to ship with the package")
     tune.set_defaults(handler=run_tune)
     return parser
 

@@ -4,8 +4,11 @@ A kernel module declares an op's TuningSpace (its knobs and their choices, how t
 arguments map to a shape bucket, today's defaults, and how to build one choice) and calls
 `space.lookup(bucket)` on its call path: a dict lookup, cached per bucket. What a lookup
 finds, in order: a choice made in this process, the tuning file's entry for this GPU and
-these versions, today's default. Tuning happens only when asked: `python -m jitk tune`,
-`jitk.autotune.tune(...)`, or JITK_AUTOTUNE=1 (a lookup that misses tunes then, on fresh
+these versions, the entry of the table shipped with the package for this GPU (the space's
+`tables`, written by `python -m jitk tune --export-table`), today's default. A choice the
+space no longer allows (its knobs, values or `allowed`) is passed over with a warning.
+Tuning happens only when asked: `python -m jitk tune`, `jitk.autotune.tune(...)`, or
+JITK_AUTOTUNE=1 (a lookup that neither the file nor the table answers tunes then, on fresh
 tensors shaped like the call's).
 
 `tune` times every candidate on the GPU: CUDA graphs of CALLS_PER_GRAPH calls each, replayed
@@ -21,7 +24,8 @@ is taken off: the choice is made where the op runs in a model rather than after 
 and knobs whose cost shows only there (the space's `beside_knobs`, PDL) are tried too.
 
 The file, $JITK_CACHE_DIR/autotune.json, is jitk.tools.tuning_store's: entries keyed by op,
-bucket, and environment (GPU and versions), merged under a lock on every write.
+bucket, and environment (GPU and versions), merged under a lock on every write; the tables
+shipped with a family are read there too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import statistics
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -46,7 +51,9 @@ from jitk.tools.timing import captured_graph, trimmed_mean
 from jitk.tools.tuning_store import FILE_NAME as FILE_NAME
 from jitk.tools.tuning_store import FORMAT as FORMAT
 from jitk.tools.tuning_store import environment, tuning_file
+from jitk.tools.tuning_store import export_table as export_table
 from jitk.tools.tuning_store import record as record
+from jitk.tools.tuning_store import table_name as table_name
 
 __all__ = ["TuningSpace", "environment", "tune", "tuning_file"]
 
@@ -95,6 +102,8 @@ class TuningSpace:
     beside_knobs: knobs kept at their default but when tuning beside the neighbour: their
              gain or cost shows only between different kernels (PDL). `allowed` sees them
              at their default.
+    tables:  a folder of tuning tables shipped with the package, one a GPU (table_name):
+             what a lookup uses for a bucket the tuning file has no entry for.
     """
 
     knobs: Mapping[str, Sequence]
@@ -108,6 +117,7 @@ class TuningSpace:
     module_key: Callable[[tuple, dict], Hashable] | None = None
     neighbour: Callable[..., Callable[[], object]] | None = None
     beside_knobs: tuple[str, ...] = ()
+    tables: Path | None = None
     op: str = ""  # set by attach()
     calls: dict = dataclasses.field(default_factory=dict, repr=False)
     _chosen: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -157,7 +167,8 @@ class TuningSpace:
 
     def lookup(self, bucket: tuple) -> Callable:
         """The function for a bucket: what this process chose, else the file's, else the
-        default; with JITK_AUTOTUNE=1, a bucket the file lacks is tuned at its first call."""
+        shipped table's, else the default; with JITK_AUTOTUNE=1, a bucket neither the file
+        nor the table has is tuned at its first call."""
         chosen = self._chosen.get(bucket)
         if chosen is None:
             config = self._recorded_config(bucket)
@@ -167,16 +178,30 @@ class TuningSpace:
         return chosen
 
     def _recorded_config(self, bucket: tuple) -> dict | None:
-        """The file's choice for the bucket, if it is one of this space's (a file written
-        by another jitk may name knobs or values this one lacks: ignored, with a warning)."""
-        config = tuning_store.STORE.config(self.op, _jsonable(bucket))
-        if config is None or (isinstance(config, dict) and config.keys() == self.knobs.keys()
-                              and all(config[k] in v for k, v in self.knobs.items())):
-            return config
-        warnings.warn(f"jitk.autotune: the tuning file's choice for {self.op} at "
-                      f"{_jsonable(bucket)} ({config!r}) is not in this jitk's space "
-                      f"({dict(self.knobs)!r}); the default applies", stacklevel=3)
+        """The tuning file's choice for the bucket, else the shipped table's, if it is one
+        this space allows (a file written by another jitk may name knobs or values this one
+        lacks or no longer tries: passed over, with a warning)."""
+        key = _jsonable(bucket)
+        for source, config in (
+                ("tuning file", tuning_store.STORE.config(self.op, key)),
+                ("shipped table", None if self.tables is None else
+                 tuning_store.table_configs(self.tables).get(tuning_store.key(self.op, key)))):
+            if config is None:
+                continue
+            if self._allows(bucket, config):
+                return config
+            warnings.warn(f"jitk.autotune: the {source}'s choice for {self.op} at {key} "
+                          f"({config!r}) is not in this jitk's space ({dict(self.knobs)!r}) "
+                          "or not one it tries there; passed over", stacklevel=3)
         return None
+
+    def _allows(self, bucket: tuple, config: object) -> bool:
+        if not (isinstance(config, dict) and config.keys() == self.knobs.keys()
+                and all(config[k] in v for k, v in self.knobs.items())):
+            return False
+        default = self.default(bucket)
+        at_default = {name: default[name] for name in self.beside_knobs}
+        return config == default or self.allowed(bucket, {**config, **at_default})
 
     def _tuned_at_first_call(self, bucket: tuple) -> Callable:
         def first_call(*args: object, **kwargs: object) -> object:
@@ -203,8 +228,12 @@ class TuningSpace:
 
     def recorded(self) -> list[tuple[list, dict]]:
         """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
-        versions it was tuned on: what `precompile` builds."""
-        return [(e["bucket"], e["config"]) for e in tuning_store.read(tuning_file())[0]
+        versions it was tuned on, then the shipped tables' for this GPU: what `precompile`
+        builds."""
+        shipped = [] if self.tables is None else [
+            {"op": key.split(" ", 1)[0], "bucket": json.loads(key.split(" ", 1)[1]),
+             "config": config} for key, config in tuning_store.table_configs(self.tables).items()]
+        return [(e["bucket"], e["config"]) for e in (*tuning_store.read(tuning_file())[0], *shipped)
                 if e["op"] == self.op and isinstance(e["config"], dict)
                 and e["config"].keys() == self.knobs.keys()]
 

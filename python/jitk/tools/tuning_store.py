@@ -13,6 +13,7 @@ import ctypes
 import importlib.metadata
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -134,3 +135,59 @@ class Store:
 
 
 STORE = Store()
+
+
+# ---------------------------------------------------------------------------- shipped tables
+def table_name(gpu: str) -> str:
+    """The file of a GPU's shipped table: its name in lower case, other characters as '-'
+    ("NVIDIA H100 80GB HBM3" -> nvidia-h100-80gb-hbm3.json)."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
+
+
+TABLES_READ: dict[Path, dict[str, dict]] = {}
+
+
+def table_configs(folder: Path) -> dict[str, dict]:
+    """The shipped table's {key: config} for this GPU (name and SM count), read once; {}
+    when none ships for it or it cannot be read (with a warning: a packaging fault)."""
+    path = folder / table_name(environment()["gpu"])
+    if path not in TABLES_READ:
+        configs = {}
+        if path.is_file():
+            try:
+                document = json.loads(path.read_text())
+                if document.get("format") != FORMAT:
+                    raise ValueError(f"not a jitk tuning table of format {FORMAT}")
+                here = environment()
+                if [document["gpu"], document["sms"]] == [here["gpu"], here["sms"]]:
+                    configs = {key(e["op"], e["bucket"]): e["config"]
+                               for e in document["entries"]}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                warnings.warn(f"jitk.autotune: the shipped tuning table {path} cannot be used "
+                              f"({error}); the defaults apply where the tuning file has no "
+                              "entry", stacklevel=5)
+        TABLES_READ[path] = configs
+    return TABLES_READ[path]
+
+
+def export_table(ops: Iterable[str], path: Path) -> int:
+    """Writes the tuning file's entries for `ops` on this GPU and these versions as a table
+    to ship (`TuningSpace.tables`); returns how many it holds."""
+    here = environment()
+    names = set(ops)
+    entries = [{"op": e["op"], "bucket": e["bucket"], "config": e["config"]}
+               for e in read(tuning_file())[0]
+               if e["op"] in names and e["environment"] == here]
+    entries.sort(key=lambda e: key(e["op"], e["bucket"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "gpu": here["gpu"], "sms": here["sms"],
+                                "tuned_with": here, "entries": entries}, indent=1,
+                               sort_keys=True) + "\n")
+    return len(entries)
+
+
+def reread() -> None:
+    """Forgets what was read of the tuning file and the shipped tables (tests, and after
+    `python -m jitk tune` rewrote the file)."""
+    STORE.clear()
+    TABLES_READ.clear()

@@ -5,6 +5,7 @@
 
 #include <jitk/utils.cuh>
 
+#include <bit>
 #include <cstdint>
 
 namespace jitk::device {
@@ -91,13 +92,33 @@ __device__ __forceinline__ T warp_sum(T value) {
   return value;
 }
 
+namespace detail {
+// What lane kLane of a warp holds after block_sum's shuffles down to offset kOffset, from
+// `sums` (kCount of them; lanes past them hold 0): the pair of kOffset * 2's values kOffset
+// apart, added depth first so that few partial sums are live at a time. Offsets start at
+// kCount rounded up to a power of two: larger ones only add 0.
+template <int kCount, int kLane, int kOffset, typename T>
+__device__ __forceinline__ T tree_sum(const T* sums) {
+  if constexpr (kOffset >= static_cast<int>(std::bit_ceil(unsigned{kCount}))) {
+    return sums[kLane];
+  } else if constexpr (kLane + kOffset >= kCount) {
+    return tree_sum<kCount, kLane, kOffset * 2>(sums);
+  } else {
+    return tree_sum<kCount, kLane, kOffset * 2>(sums) +
+           tree_sum<kCount, kLane + kOffset, kOffset * 2>(sums);
+  }
+}
+}  // namespace detail
+
 // Sum over the block; every thread gets the result. After each warp's own sum and a barrier,
 // the warps' sums in `scratch` (one T per warp) are added by a shuffle in each warp, or, with
-// kBroadcast, by every thread itself from shared memory (same-address reads broadcast; a
-// 16-byte aligned `scratch` is read 16 bytes at a time) in four partial sums: fewer dependent
-// steps, for a short launch. `scratch` is free again on return; a caller that alternates
-// between two scratch buffers may drop that last barrier (kFreeScratch = false): the next
-// call's barrier orders the reuse.
+// kBroadcast, by every thread itself from shared memory (same-address reads broadcast): fewer
+// dependent steps, for a short launch. Both add in one tree, the shuffle's: at each offset
+// o = 16, 8, ..., 1, sum i takes sum i + o (xor pairs of lanes add the same two values, and a
+// lane past the warps adds 0, which leaves any sum but -0 as it was), so the two forms give the
+// same bits and a caller may pick either without changing its results. `scratch` is free again
+// on return; a caller that alternates between two scratch buffers may drop that last barrier
+// (kFreeScratch = false): the next call's barrier orders the reuse.
 template <int kThreads, bool kFreeScratch = true, bool kBroadcast = false, typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
@@ -111,10 +132,7 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
     if (lane == 0) scratch[warp] = value;
     __syncthreads();
     if constexpr (kBroadcast) {
-      T sums[4] = {};
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sums[w % 4] += scratch[w];
-      value = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+      value = detail::tree_sum<kWarps, 0, 1>(scratch);
     } else {
       value = warp_sum(lane < kWarps ? scratch[lane] : T{});
     }

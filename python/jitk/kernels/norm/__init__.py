@@ -25,22 +25,26 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
 from jitk.kernels.norm.rules import applies as _applies
 from jitk.kernels.norm.rules import check_applies as _check_applies
 from jitk.kernels.norm.rules import default_knobs as _default_knobs
+from jitk.kernels.norm.rules import keeps_order as _keeps_order
 from jitk.runtime.op import Tolerance, op
 from jitk.tools import api_log
 from jitk.tools.autotune import TuningSpace
 from jitk.tools.timing import gemm_neighbour
 
-__all__ = ["fused_add_rmsnorm", "instantiation", "precompile_configs", "rmsnorm"]
+__all__ = ["fused_add_rmsnorm", "instantiation", "precompile_configs", "rmsnorm",
+           "tuning_choices"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm.cuh); a test builds the largest
@@ -124,8 +128,10 @@ _KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": 
 # place) pay. Each combination below was added because a sweep of the knobs' products found it
 # level with SGLang or ahead at a shape where the earlier choices trailed; two_vectors is a
 # kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), tried past 256 rows at
-# the widths it fits. A set is 10 to 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT),
-# which share a module (_candidate_kernels), so that tuning the benchmark's shapes stays short.
+# the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is 10 to
+# 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
+# (6 to 8 with the default at 4096 bf16). A width's choices share a module
+# (_candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
@@ -153,21 +159,48 @@ _TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets"
                           "prefetch_weight": False},)
 
 
+# Batch invariance: a row's bits must not depend on the row count, and each bucket of rows
+# may get its own choice, so every choice the tuner times adds a row in the default's order
+# (rules.keeps_order: the same access width, threads a row and partial sums a thread, not
+# TwoVectors' kernel). A tried change that would add in another order is timed with those
+# knobs at the default's values and its launch changes kept, but fill_sm, whose register plan
+# was chosen for the threads it was tried with (left on, it spilled under ptxas at 8192 with
+# the default's 16 registers, sm_90). JITK_RMSNORM_FAST_UNSTABLE=1
+# times the changes as written, giving up invariance (docs/developer_guide/
+# verifying_and_tuning.md, "Batch invariance"); it is read when a bucket's candidates are
+# first worked out.
+FAST_UNSTABLE_ENV = "JITK_RMSNORM_FAST_UNSTABLE"
+_PUT_BACK = ("row_registers", "max_vec_bytes", "sum_chains", "two_vectors", "fill_sm")
+
+
+def _unstable_allowed() -> bool:
+    return settings.flag(FAST_UNSTABLE_ENV)
+
+
+def _as_tried(changes: dict, hidden: int, dtype: torch.dtype, unstable: bool) -> dict | None:
+    """A tried change's knobs as the tuner times them at a width (see above); None where the
+    choice would run the default's kernel in its place (rules.applies)."""
+    default = _default_knobs((hidden, dtype))
+    knobs = {**default, **changes}
+    if not unstable and not _keeps_order(knobs, hidden, dtype):
+        knobs = {**knobs, **{name: default[name] for name in _PUT_BACK}}
+    return knobs if knobs == default or _applies(knobs, hidden, dtype) else None
+
+
 def _tried(bucket: tuple, knobs: dict) -> bool:
     """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    return _knob_values(knobs) in _tried_values(*bucket[:3])
+    return _knob_values(knobs) in _tried_values(*bucket[:3], _unstable_allowed())
 
 
 @functools.cache
-def _tried_values(hidden: int, dtype: torch.dtype, rows: int) -> frozenset[tuple]:
+def _tried_values(hidden: int, dtype: torch.dtype, rows: int,
+                  unstable: bool = False) -> frozenset[tuple]:
     """The knob values of every choice the tuner times at a bucket: a set, since the tuning
     space asks about each of its knobs' 3072 combinations."""
     tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
              *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
-    default = _default_knobs((hidden, dtype))
-    choices = ({**default, **changes} for changes in tried)
-    return frozenset(_knob_values(knobs) for knobs in choices
-                     if knobs == default or _applies(knobs, hidden, dtype))
+    choices = (_as_tried(changes, hidden, dtype, unstable) for changes in tried)
+    return frozenset(_knob_values(knobs) for knobs in choices if knobs is not None)
 
 
 def _knob_values(knobs: dict) -> tuple:
@@ -179,16 +212,28 @@ _BESIDE_KNOBS = ("pdl",)
 
 
 @functools.cache
-def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict, ...]:
+def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True,
+                unstable: bool = False) -> tuple[dict, ...]:
     """Every choice the tuner may time at a width and dtype with PDL (or, the default too,
     without) but the default, in one order (a candidates module's); not to be modified."""
     default = _default_knobs((hidden, dtype))
     choices = [default]
     for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_AT_SHORT_LIMIT):
-        knobs = {**default, **changes}
-        if _applies(knobs, hidden, dtype) and knobs not in choices:
+        knobs = _as_tried(changes, hidden, dtype, unstable)
+        if knobs is not None and knobs not in choices:
             choices.append(knobs)
     return tuple(knobs for knobs in ({**c, "pdl": pdl} for c in choices) if knobs != default)
+
+
+def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable[[], _Kernels]]]:
+    """The default's knobs, then every other choice the tuner may pick at some row count of
+    a width and dtype, each with a function that builds (or loads) its entry points
+    (rmsnorm(input, weight, out, eps), fused_add_rmsnorm(input, residual, weight, eps)): what
+    `python -m jitk check --invariance` holds to the default's bits."""
+    _check_kernel_args(hidden, dtype)
+    choices = (_default_knobs((hidden, dtype)),
+               *_candidates(hidden, dtype, True, _unstable_allowed()))
+    return [(knobs, functools.partial(_kernels_with, (hidden, dtype), knobs)) for knobs in choices]
 
 
 # The candidates of a width and dtype share one module (those without PDL, tried only beside a
@@ -196,9 +241,11 @@ def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True) -> tuple[dict
 # benchmark's 10 widths and dtypes, most of it the front end that each build repeats. A choice
 # outside them (a file from another jitk) gets its own.
 @functools.cache
-def _candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True) -> list[_Kernels]:
-    return _load("rmsnorm_candidates" if pdl else "rmsnorm_candidates_no_pdl", hidden, dtype,
-                 *(_knob_values(knobs) for knobs in _candidates(hidden, dtype, pdl)))
+def _candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
+                       unstable: bool = False) -> list[_Kernels]:
+    name = "rmsnorm_candidates" + ("_unstable" if unstable else "") + ("" if pdl else "_no_pdl")
+    return _load(name, hidden, dtype,
+                 *(_knob_values(knobs) for knobs in _candidates(hidden, dtype, pdl, unstable)))
 
 
 @functools.cache
@@ -208,7 +255,7 @@ def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
 
 def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
     """The place of `knobs` in its candidates module (with PDL or without), if it has one."""
-    candidates = _candidates(*bucket[:2], knobs["pdl"])
+    candidates = _candidates(*bucket[:2], knobs["pdl"], _unstable_allowed())
     return candidates.index(knobs) if knobs in candidates else None
 
 
@@ -219,7 +266,7 @@ def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
         return _kernels(hidden, dtype)
     index = _candidate_index(bucket, knobs)
     if index is not None:
-        return _candidate_kernels(hidden, dtype, knobs["pdl"])[index]
+        return _candidate_kernels(hidden, dtype, knobs["pdl"], _unstable_allowed())[index]
     return _tuned_kernels(hidden, dtype, _knob_values(knobs))
 
 
@@ -232,7 +279,7 @@ def _module_key(bucket: tuple, knobs: dict) -> tuple:
         return ("jitk.kernels.norm", hidden, dtype, "default")
     if _candidate_index(bucket, knobs) is not None:
         return ("jitk.kernels.norm", hidden, dtype, "candidates" if knobs["pdl"] else
-                "candidates without PDL")
+                "candidates without PDL", _unstable_allowed())
     return ("jitk.kernels.norm", hidden, dtype, *_knob_values(knobs))
 
 
@@ -358,6 +405,12 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
     _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps)(input, residual, weight, eps)
 
 
+# Tuned out of the box: the choices `python -m jitk tune rmsnorm fused_add_rmsnorm --dtype
+# bfloat16 float16 --export-table` found on a GPU, one table a GPU (autotune.table_name),
+# used for buckets the user's tuning file lacks. Each holds only choices the space allows.
+TABLES = Path(__file__).with_name("tuned")
+
+
 def _space(entry: str) -> TuningSpace:
     def bucket(input: torch.Tensor, *args: object, **kwargs: object) -> tuple:
         if entry == "fused_add_rmsnorm":
@@ -380,7 +433,7 @@ def _space(entry: str) -> TuningSpace:
     return TuningSpace(_KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
                        allowed=_tried, module_key=_module_key, neighbour=neighbour,
-                       beside_knobs=_BESIDE_KNOBS,
+                       beside_knobs=_BESIDE_KNOBS, tables=TABLES,
                        outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <jitk/device.cuh>
+#include <jitk/norm_order.cuh>
 #include <jitk/packed.cuh>
 #include <jitk/rows.h>
 #include <jitk/tensor.h>
@@ -31,11 +32,7 @@ namespace jitk::norm {
 
 // The largest hidden size: a row's vectors are counted in int, with room to spare.
 inline constexpr int kMaxHidden = 1 << 30;
-inline constexpr int kMaxBlockThreads = 1024;
 inline constexpr int kShortRowsBlockThreads = 128;
-// The most registers a thread gives to its part of x (and as many to the weight) before a
-// row is read twice: room to spare in the 64 a 1024-thread block leaves each.
-inline constexpr int kMaxRowRegisters = 16;
 
 // The launch knobs jitk.autotune and benchmarks/tune_rmsnorm.py sweep: registers a thread would
 // rather give x (fewer spread a row over more threads); block 0 prefetching the weight; launch
@@ -83,13 +80,8 @@ struct Tuning {
                       kFillSm_, kOneTurn_, kTwoVectors_>;
 };
 
-// From H100 sweeps (debugging_and_performance.md). Rows under 512 bytes: a lane per 16-byte
-// vector (a warp's loads cover whole lines); longer: four vectors a thread (ahead of two at
-// 8192). The prefetch pays when the weight is out of L2 (each layer has its own).
-// jitk.norm overrides these per shape where `python -m jitk tune` found better.
-constexpr int default_row_registers(int hidden, int elem_bytes) {
-  return int64_t{hidden} * elem_bytes < 512 ? 4 : 16;  // up to kMaxHidden x 4 bytes
-}
+// default_row_registers (jitk/norm_order.cuh); the prefetch pays when the weight is out of L2
+// (each layer has its own).
 template <int kRowRegisters>
 using DefaultTuningWith = Tuning<kRowRegisters, true>;
 template <int kHidden, typename T>
@@ -143,13 +135,10 @@ struct Tiling : Access<T_, kVecSize_> {
   // A 16-bit element takes a register of its own; wider vectors one per 4 bytes.
   static constexpr int kVecRegisters = max_of(1, kVecBytes / 4);
   static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
-  static constexpr int kWantedThreads =
-      div_ceil(kVecsPerRow, max_of(1, Tune::kRowRegisters / kVecRegisters));
-  // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
-  static constexpr bool kSubWarp = kWantedThreads <= kWarpThreads;
   static constexpr int kThreadsPerRow =
-      kSubWarp ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(kWantedThreads)))
-               : min_of(div_ceil(kWantedThreads, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
+      threads_per_row(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
+  // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
+  static constexpr bool kSubWarp = kThreadsPerRow <= kWarpThreads;
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kRowWarps = kSubWarp ? 1 : kThreadsPerRow / kWarpThreads;
@@ -695,6 +684,15 @@ inline int rules_default_knob(int hidden, int elem_bytes, int index) {
   RuntimeCheck(index >= 0 && index < rules_knob_count(), "knob index ", index, " is not in 0..",
                rules_knob_count() - 1);
   return index == 0 ? default_row_registers(hidden, elem_bytes) : Rest::kKnobs[index];
+}
+
+// The threads a row of a tuning's own kernel is spread over (threads_per_row at the access
+// width tuning_applies finds), which with kSumChains and kTwoVectors fixes its summation order.
+inline int rules_threads_per_row(int hidden, int elem_bytes, int max_vec_bytes, int row_registers) {
+  RuntimeCheck(hidden >= 1 && hidden <= kMaxHidden, "hidden size ", hidden, " is not in 1..",
+               kMaxHidden);
+  return threads_per_row(hidden, elem_bytes, widest_vec_size(hidden, elem_bytes, max_vec_bytes),
+                         row_registers);
 }
 
 }  // namespace jitk::norm

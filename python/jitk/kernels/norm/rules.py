@@ -33,6 +33,43 @@ def applies(knobs: dict, hidden: int, dtype: torch.dtype) -> bool:
     return hidden % 2 == 0 and knobs["max_vec_bytes"] >= 2 * dtype.itemsize
 
 
+def vec_size(hidden: int, dtype: torch.dtype, max_vec_bytes: int) -> int:
+    """widest_vec_size: the widest access, at most max_vec_bytes, dividing the hidden size."""
+    size = max(1, max_vec_bytes // dtype.itemsize)
+    while hidden % size:
+        size //= 2
+    return size
+
+
+def threads_per_row(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
+    """rules_threads_per_row: the threads a row of the choice's own kernel spreads over."""
+    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+    vec_registers = max(1, size * dtype.itemsize // 4)
+    wanted = -(-(hidden // size) // max(1, knobs["row_registers"] // vec_registers))
+    if wanted <= 32:
+        return 1 << (wanted - 1).bit_length()
+    return min(-(-wanted // 32) * 32, 1024)
+
+
+def row_order(knobs: dict, hidden: int, dtype: torch.dtype) -> tuple:
+    """What fixes the order in which a row's sum of squares is added (docs/developer_guide/
+    verifying_and_tuning.md, "Batch invariance"): the access width and threads a row (which
+    slots each thread adds, the tree over lanes and warps), the partial sums a thread keeps,
+    and TwoVectors' kernel (its own layout and pairwise adds). The other knobs change only
+    how rows map to blocks and how the kernel launches; broadcast_sum adds the warps' sums
+    in the shuffle's tree (device::block_sum)."""
+    if knobs["two_vectors"]:
+        return ("two_vectors",)
+    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+    return size, threads_per_row(hidden, dtype, knobs), knobs["sum_chains"]
+
+
+def keeps_order(knobs: dict, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether the choice adds every row in the default's order, so that its bits match."""
+    return row_order(knobs, hidden, dtype) == row_order(default_knobs((hidden, dtype)),
+                                                         hidden, dtype)
+
+
 def check_applies(bucket: tuple, knobs: dict) -> None:
     """Refuses, before any build, a choice that would run the default's kernel in its place
     (RMSNorm refuses to build one too)."""
@@ -48,9 +85,10 @@ def check_applies(bucket: tuple, knobs: dict) -> None:
 @functools.cache
 def module() -> object:
     """rmsnorm.cuh's rules as host functions (no kernel): knob_count(), default_knob(hidden,
-    element bytes, index) and tuning_applies(hidden, element bytes, max_vec_bytes,
-    two_vectors)."""
+    element bytes, index), tuning_applies(hidden, element bytes, max_vec_bytes, two_vectors)
+    and threads_per_row(hidden, element bytes, max_vec_bytes, row_registers)."""
     return load_jit("rmsnorm_rules", cuda_files=["rmsnorm.cuh"],
                     cuda_wrappers=[(name, f"jitk::norm::{cpp}") for name, cpp in (
                         ("knob_count", "rules_knob_count"), ("default_knob", "rules_default_knob"),
-                        ("tuning_applies", "tuning_applies"))])
+                        ("tuning_applies", "tuning_applies"),
+                        ("threads_per_row", "rules_threads_per_row"))])

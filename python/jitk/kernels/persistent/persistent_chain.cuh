@@ -5,6 +5,7 @@
 #pragma once
 
 #include <jitk/device.cuh>
+#include <jitk/norm_order.cuh>
 #include <jitk/persistent.cuh>
 
 #include <cuda_bf16.h>
@@ -30,12 +31,14 @@ __device__ __forceinline__ void for_each_vec(int64_t n, F&& f) {
   for (int64_t v = threadIdx.x; v < n / kVec; v += kThreads) f(v);
 }
 
-// y = rmsnorm(x) * w over one row of n.
+// y = rmsnorm(x) * w over one row of n. Where the row's threads in jitk.rmsnorm's order
+// (jitk/norm_order.cuh, at the default tuning) fit this block, it adds the row in that order,
+// so a row gets the bits jitk.rmsnorm gives it: in vectors of 8 where the row and pointers
+// allow (jitk.rmsnorm's widest access for rows of a multiple of 8), else an element a slot
+// (its access for odd or misaligned rows); up to 8192 and 4096 elements. The row stays in
+// registers between the sum and the scaling, and the weight's loads go out with the row's.
+// Longer rows take a general order, reading the row twice.
 struct RMSNorm {
-  // Rows of up to kThreads * kVec * kHeldVecs elements stay in registers between the sum and
-  // the scaling, and the weight loads go out with the row's: one memory round trip an item,
-  // where the general path below takes two (a chain's item time is mostly such trips).
-  static constexpr int kHeldVecs = 2;
   struct Args {
     const bf16_t* x;
     const bf16_t* w;
@@ -45,78 +48,93 @@ struct RMSNorm {
   };
   static __device__ void run(const Args& a, BlockContext&) {
     __shared__ alignas(16) float scratch[kThreads / kWarpThreads];
-    const bool vec = vectorizable(a.n, a.x, a.w, a.y);
-    const auto* xv = reinterpret_cast<const Vec*>(a.x);
-    const auto* wv = reinterpret_cast<const Vec*>(a.w);
-    auto* yv = reinterpret_cast<Vec*>(a.y);
-    if (vec && a.n <= kThreads * kVec * kHeldVecs) return run_held(a, xv, wv, yv, scratch);
-    float sum = 0.0f;
-    if (vec) {
-      for_each_vec(a.n, [&](int64_t v) {
-        const Vec x = xv[v];
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) sum += __bfloat162float(x[k]) * __bfloat162float(x[k]);
-      });
-    } else {
-      for (int64_t i = threadIdx.x; i < a.n; i += kThreads) {
-        const float v = __bfloat162float(a.x[i]);
-        sum += v * v;
-      }
-    }
-    const float scale = inverse_rms(sum, a, scratch);
-    if (vec) {
-      for_each_vec(a.n, [&](int64_t v) {
-        const Vec x = xv[v], w = wv[v];
-        Vec y;
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          y[k] = __float2bfloat16(__bfloat162float(x[k]) * scale * __bfloat162float(w[k]));
-        }
-        yv[v] = y;
-      });
-    } else {
-      for (int64_t i = threadIdx.x; i < a.n; i += kThreads) {
-        a.y[i] = __float2bfloat16(__bfloat162float(a.x[i]) * scale * __bfloat162float(a.w[i]));
-      }
+    if (vectorizable(a.n, a.x, a.w, a.y)) {
+      if (!run_in_order<kVec>(a, scratch)) run_long<kVec>(a, scratch);
+    } else if (!run_in_order<1>(a, scratch)) {
+      run_long<1>(a, scratch);
     }
   }
 
-  // The row's sum after one barrier (device::block_sum's broadcast form); the worker's barrier
-  // after each item frees the scratch for the next item's sum. A chain's item time is mostly such
-  // dependent steps.
+  // The row's sum after one barrier (device::block_sum's broadcast form, which adds in its
+  // shuffle form's tree); the worker's barrier after each item frees the scratch for the
+  // next item's sum. Threads past the row's add 0, which leaves the tree's sums as they are.
   static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
     const float total = device::block_sum<kThreads, false, true>(sum, scratch);
     return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
   }
 
-  static __device__ void run_held(const Args& a, const Vec* xv, const Vec* wv, Vec* yv,
-                                  float* scratch) {
-    Vec x[kHeldVecs], w[kHeldVecs];
+  // jitk.rmsnorm's order; false, doing nothing, where its threads would not fit the block.
+  template <int kSize>
+  static __device__ bool run_in_order(const Args& a, float* scratch) {
+    using Slot = device::Vec<bf16_t, kSize>;
+    constexpr int kBytes = static_cast<int>(sizeof(bf16_t));
+    constexpr int kMaxSlots = norm::kMaxRowRegisters / max_of(1, kSize * kBytes / 4);
+    if (a.n > int64_t{kThreads} * kSize * kMaxSlots) return false;
+    const int n = static_cast<int>(a.n), slots = n / kSize;
+    const int threads =
+        norm::threads_per_row(n, kBytes, kSize, norm::default_row_registers(n, kBytes));
+    if (threads > kThreads) return false;
+    const auto* xs = reinterpret_cast<const Slot*>(a.x);
+    const auto* ws = reinterpret_cast<const Slot*>(a.w);
+    auto* ys = reinterpret_cast<Slot*>(a.y);
+    const int lane = static_cast<int>(threadIdx.x);
+    Slot x[kMaxSlots], w[kMaxSlots];
+#pragma unroll
+    for (int k = 0; k < kMaxSlots; ++k) {
+      const int v = lane + k * threads;
+      if (lane < threads && v < slots) {
+        x[k] = xs[v];
+        w[k] = ws[v];
+      }
+    }
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kHeldVecs; ++j) {
-      const int64_t v = threadIdx.x + j * kThreads;
-      if (v >= a.n / kVec) continue;
-      x[j] = xv[v];
-      w[j] = wv[v];
-    }
+    for (int k = 0; k < kMaxSlots; ++k) {
+      if (lane >= threads || lane + k * threads >= slots) continue;
 #pragma unroll
-    for (int j = 0; j < kHeldVecs; ++j) {
-      if (threadIdx.x + j * kThreads >= a.n / kVec) continue;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) sum += __bfloat162float(x[j][k]) * __bfloat162float(x[j][k]);
+      for (int e = 0; e < kSize; ++e) {
+        const float f = __bfloat162float(x[k][e]);
+        sum = fmaf(f, f, sum);
+      }
     }
     const float scale = inverse_rms(sum, a, scratch);
 #pragma unroll
-    for (int j = 0; j < kHeldVecs; ++j) {
-      const int64_t v = threadIdx.x + j * kThreads;
-      if (v >= a.n / kVec) continue;
-      Vec y;
+    for (int k = 0; k < kMaxSlots; ++k) {
+      const int v = lane + k * threads;
+      if (lane >= threads || v >= slots) continue;
+      Slot y;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        y[k] = __float2bfloat16(__bfloat162float(x[j][k]) * scale * __bfloat162float(w[j][k]));
+      for (int e = 0; e < kSize; ++e) {
+        y[e] = __float2bfloat16(__bfloat162float(x[k][e]) * scale * __bfloat162float(w[k][e]));
       }
-      yv[v] = y;
+      ys[v] = y;
+    }
+    return true;
+  }
+
+  // Rows too long for the block in jitk.rmsnorm's order: a pass for the sum, one to scale.
+  template <int kSize>
+  static __device__ void run_long(const Args& a, float* scratch) {
+    using Slot = device::Vec<bf16_t, kSize>;
+    const auto* xs = reinterpret_cast<const Slot*>(a.x);
+    const auto* ws = reinterpret_cast<const Slot*>(a.w);
+    auto* ys = reinterpret_cast<Slot*>(a.y);
+    float sum = 0.0f;
+    for (int64_t v = threadIdx.x; v < a.n / kSize; v += kThreads) {
+      const Slot x = xs[v];
+#pragma unroll
+      for (int e = 0; e < kSize; ++e)
+        sum = fmaf(__bfloat162float(x[e]), __bfloat162float(x[e]), sum);
+    }
+    const float scale = inverse_rms(sum, a, scratch);
+    for (int64_t v = threadIdx.x; v < a.n / kSize; v += kThreads) {
+      const Slot x = xs[v], w = ws[v];
+      Slot y;
+#pragma unroll
+      for (int e = 0; e < kSize; ++e) {
+        y[e] = __float2bfloat16(__bfloat162float(x[e]) * scale * __bfloat162float(w[e]));
+      }
+      ys[v] = y;
     }
   }
 };
