@@ -138,6 +138,21 @@ def h100(monkeypatch):
                                                    "gpu": "NVIDIA H100 80GB HBM3", "sms": 132})
 
 
+def test_a_process_without_a_gpu_reads_the_table_jitk_tuned_for_names(fresh_file, monkeypatch):
+    """precompile's workers see no GPU: named the parent's, they list the table's choices."""
+    monkeypatch.setattr(tuning_store, "_ENVIRONMENT", {**autotune.environment(), "gpu": "none",
+                                                       "sms": 0})
+    ship([((8,), {"threads": 256, "unroll": 1})])
+    assert tuning_store.table_configs(SPACE.tables) == {}
+    monkeypatch.setenv("JITK_TUNED_FOR", "NVIDIA H100 80GB HBM3,132")
+    assert SPACE.recorded() == [([8], {"threads": 256, "unroll": 1})]
+    monkeypatch.setenv("JITK_TUNED_FOR", "NVIDIA H100 80GB HBM3,114")  # another SM count
+    assert tuning_store.table_configs(SPACE.tables) == {}
+    monkeypatch.setenv("JITK_TUNED_FOR", "NVIDIA H100")
+    with pytest.raises(jitk.SettingError, match="JITK_TUNED_FOR='NVIDIA H100': expected"):
+        tuning_store.table_configs(SPACE.tables)
+
+
 def test_table_names_are_the_gpu_name_in_lower_case_words():
     assert autotune.table_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3.json"
     assert autotune.table_name("NVIDIA GeForce RTX 4090 (D)") == "nvidia-geforce-rtx-4090-d.json"
@@ -480,7 +495,9 @@ def test_tuning_fused_add_rmsnorm_beside_a_gemm_tries_pdl_off_and_records_the_se
     result = autotune.tune(info, args, kwargs, beside=True)
     tried = [config for config, us in result.timings if us is not None]
     assert result.beside and not result.failures
-    assert len(tried) == len(info.tuning.candidates(bucket, beside=True)) == 24
+    # beside a GEMM, each choice is tried with PDL off too
+    assert len(tried) == len(info.tuning.candidates(bucket, beside=True)) == 2 * len(
+        info.tuning.candidates(bucket))
     assert {config["pdl"] for config in tried} == {True, False}
     fastest = min(us for _, us in result.timings)
     assert fastest <= result.us <= fastest * (1 + autotune.GRAPH_TIE)  # single calls break ties

@@ -12,7 +12,7 @@ import torch
 
 from jitk.kernels import norm
 from jitk.kernels.norm import invariance
-from jitk.tools import autotune
+from jitk.tools import autotune, tuning_store
 
 
 def test_ulps_are_the_dtypes_at_the_exact_value():
@@ -57,12 +57,11 @@ def test_a_shipped_table_keeps_the_bits(tmp_path, monkeypatch):
                                  ("jitk::fused_add_rmsnorm", ()))]
     (tmp_path / autotune.table_name(here["gpu"])).write_text(json.dumps(
         {"format": autotune.FORMAT, "gpu": here["gpu"], "sms": here["sms"], "entries": entries}))
-    monkeypatch.setattr(autotune, "tuning_file", lambda: tmp_path / "none.json")  # no file
+    monkeypatch.setattr(tuning_store, "tuning_file", lambda: tmp_path / "none.json")  # no file
     for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
         monkeypatch.setattr(space, "tables", tmp_path)
         space.forget()
-    autotune._STORE.clear()
-    autotune._TABLES.clear()
+    tuning_store.reread()
     try:
         assert norm._RMSNORM_SPACE.config((hidden, dtype, 1024)) == other
         findings = list(invariance.check_width(hidden, dtype))
@@ -70,8 +69,7 @@ def test_a_shipped_table_keeps_the_bits(tmp_path, monkeypatch):
     finally:
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
             space.forget()
-        autotune._STORE.clear()
-        autotune._TABLES.clear()
+        tuning_store.reread()
 
 
 @pytest.mark.gpu

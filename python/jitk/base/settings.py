@@ -73,6 +73,9 @@ SETTINGS = _declare(
     Setting("JITK_VERBOSE", "flag", False, "log builds and cache decisions to stderr"),
     Setting("JITK_REFERENCE", "names", (),
             "ops that run their references instead of their kernels ('all' for every op)"),
+    Setting("JITK_TUNED_FOR", "text", None,
+            "the GPU whose shipped tuning tables apply in a process that sees none, as "
+            "'NAME,SMS' (e.g. 'NVIDIA H200,132'): precompile's workers, image builds"),
     Setting("JITK_AUTOTUNE", "flag", False,
             "tune an op's bucket on its first call where the tuning file has no entry"),
     Setting("JITK_LOGLEVEL", "choice", "0",

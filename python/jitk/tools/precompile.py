@@ -27,6 +27,7 @@ from jitk.base.errors import JitkError
 # The kernel modules shipped with jitk, as they declare themselves.
 from jitk.build import toolchain
 from jitk.runtime import registry
+from jitk.tools.tuning_store import TUNED_FOR_ENV, table_gpu
 
 KERNEL_MODULES = tuple(registry.kernel_modules())
 # More modules with precompile_configs(), e.g. a project's own kernels: "pkg.a,pkg.b".
@@ -184,16 +185,22 @@ def workers_see_no_gpu() -> Iterator[None]:
     """Workers only build. With no GPU visible, load_jit skips its check that the library
     runs on this machine's GPU, so code for other architectures can be built too. It must
     be in the environment the workers start with: once CUDA is initialised, hiding devices
-    makes torch and the CUDA runtime disagree on how many there are."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    makes torch and the CUDA runtime disagree on how many there are. The GPU this process
+    sees is named to them (JITK_TUNED_FOR), so that they list the configurations its shipped
+    tuning tables add, as this process did."""
+    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", TUNED_FOR_ENV)}
+    gpu = table_gpu()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if gpu is not None:
+        os.environ[TUNED_FOR_ENV] = f"{gpu[0]},{gpu[1]}"
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_in_worker(task: Task) -> tuple[float, bool, str | None]:
@@ -206,7 +213,12 @@ def _run_in_worker(task: Task) -> tuple[float, bool, str | None]:
         if task.call is not None:
             _replay(task.call)
         else:
-            _, thunk = importlib.import_module(task.module).precompile_configs()[task.index]
+            configs = importlib.import_module(task.module).precompile_configs()
+            label, thunk = configs[task.index] if task.index < len(configs) else (None, None)
+            if label != task.label:  # the worker must list what this process listed
+                raise PrecompileError(f"{task.module}.precompile_configs() lists {len(configs)} "
+                                      f"configuration(s) in a worker, item {task.index} "
+                                      f"{label!r}, where this process listed {task.label!r}")
             thunk()
         error = None
     except Exception as failure:  # reported with the task's name, not raised

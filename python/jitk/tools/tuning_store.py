@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
-from jitk.base import __version__
+from jitk.base import __version__, settings
+from jitk.base.errors import SettingError
 from jitk.build.cache import cache_root
 from jitk.build.lock import build_lock, lock_path
 
 FILE_NAME = "autotune.json"
 FORMAT = 1
+TUNED_FOR_ENV = "JITK_TUNED_FOR"
 
 
 def tuning_file() -> Path:
@@ -144,30 +146,48 @@ def table_name(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
 
 
-TABLES_READ: dict[Path, dict[str, dict]] = {}
+TABLES_READ: dict[tuple[Path, tuple[str, int]], dict[str, dict]] = {}
+
+
+def table_gpu() -> tuple[str, int] | None:
+    """Whose shipped tables apply: this process's GPU (name, SM count), else the one
+    JITK_TUNED_FOR names (a process that builds for a GPU it cannot see), else None."""
+    here = environment()
+    if here["gpu"] != "none":
+        return here["gpu"], here["sms"]
+    text = settings.get(TUNED_FOR_ENV)
+    if not text:
+        return None
+    name, _, sms = text.rpartition(",")
+    if not name.strip() or not sms.strip().isdigit():
+        raise SettingError(f"{TUNED_FOR_ENV}={text!r}: expected 'NAME,SMS', e.g. "
+                           "'NVIDIA H200,132'")
+    return name.strip(), int(sms)
 
 
 def table_configs(folder: Path) -> dict[str, dict]:
-    """The shipped table's {key: config} for this GPU (name and SM count), read once; {}
-    when none ships for it or it cannot be read (with a warning: a packaging fault)."""
-    path = folder / table_name(environment()["gpu"])
-    if path not in TABLES_READ:
+    """The shipped table's {key: config} for table_gpu() (name and SM count), read once;
+    {} when none ships for it or it cannot be read (with a warning: a packaging fault)."""
+    gpu = table_gpu()
+    if gpu is None:
+        return {}
+    path = folder / table_name(gpu[0])
+    if (path, gpu) not in TABLES_READ:
         configs = {}
         if path.is_file():
             try:
                 document = json.loads(path.read_text())
                 if document.get("format") != FORMAT:
                     raise ValueError(f"not a jitk tuning table of format {FORMAT}")
-                here = environment()
-                if [document["gpu"], document["sms"]] == [here["gpu"], here["sms"]]:
+                if (document["gpu"], document["sms"]) == gpu:
                     configs = {key(e["op"], e["bucket"]): e["config"]
                                for e in document["entries"]}
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
                 warnings.warn(f"jitk.autotune: the shipped tuning table {path} cannot be used "
                               f"({error}); the defaults apply where the tuning file has no "
                               "entry", stacklevel=5)
-        TABLES_READ[path] = configs
-    return TABLES_READ[path]
+        TABLES_READ[(path, gpu)] = configs
+    return TABLES_READ[(path, gpu)]
 
 
 def export_table(ops: Iterable[str], path: Path) -> int:
