@@ -34,8 +34,8 @@ class Kind(NamedTuple):
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 # Under aliases: a parameter may be called `int` or `type`.
 FAST_NAMES = {"_jitk_type": type, "_jitk_tensor": torch.Tensor,
-               "_jitk_parameter": torch.nn.Parameter, "_jitk_int": int, "_jitk_float": float,
-               "_jitk_bool": bool, "_jitk_str": str}
+              "_jitk_parameter": torch.nn.Parameter, "_jitk_int": int, "_jitk_float": float,
+              "_jitk_bool": bool, "_jitk_str": str}
 
 
 def _always(value: object) -> bool:
@@ -53,9 +53,9 @@ def _scalar(expected: str, accepted: tuple[type, ...], fast: str,
 
 _SCALARS: dict[object, Kind] = {
     torch.Tensor: Kind("a torch.Tensor", _instance_of((torch.Tensor,)),
-                        lambda value: type(value) in _PLAIN_TENSORS,
+                       lambda value: type(value) in _PLAIN_TENSORS,
                         # two `is` tests cost less than one set lookup
-                        "(_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"),
+                       "(_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"),
     # bool is an int to Python but never to a kernel: True where a size goes is a bug.
     int: _scalar("an int", (int, torch.SymInt), "_jitk_type({v}) is _jitk_int", (bool,)),
     float: _scalar("a float", (float, int, torch.SymFloat, torch.SymInt),
@@ -76,16 +76,16 @@ def kind_of(annotation: object, where: str) -> Kind:
     if origin in (typing.Union, types.UnionType) and len(args) == 2 and types.NoneType in args:
         inner = kind_of(args[0] if args[1] is types.NoneType else args[1], where)
         return Kind(f"{inner.expected} or None",
-                     lambda value: value is None or inner.accepts(value),
-                     lambda value: value is None or inner.plain(value),
-                     f"({{v}} is None or {inner.fast})")
+                    lambda value: value is None or inner.accepts(value),
+                    lambda value: value is None or inner.plain(value),
+                    f"({{v}} is None or {inner.fast})")
     if origin in SEQUENCES and len(args) == 1:
         item = kind_of(args[0], where)
         return Kind(f"a list of {item.expected.split(' ', 1)[1]}",
-                     lambda value: isinstance(value, list | tuple)
-                     and all(item.accepts(v) for v in value),
-                     lambda value: all(item.plain(v) for v in value),
-                     "False")  # lists take the checked path
+                    lambda value: isinstance(value, list | tuple)
+                    and all(item.accepts(v) for v in value),
+                    lambda value: all(item.plain(v) for v in value),
+                    "False")  # lists take the checked path
     raise TypeError(f"{where} is annotated {annotation!r}; jitk.op checks torch.Tensor, int, "
                     "float, bool, str, torch.dtype, torch.device, lists of these, and any of "
                     "them or None")

@@ -82,7 +82,7 @@ def _no_grad_expression(signature: inspect.Signature) -> str:
 
 
 def eager_function(fn: Callable, signature: inspect.Signature, kinds: dict[str, Kind],
-                    namespace: dict, written: list[str]) -> Callable:
+                   namespace: dict, written: list[str]) -> Callable:
     """A function with fn's parameters whose common case (no tracing, plain arguments of the
     annotated types) is a few inlined type tests and a call of the slot `_jitk_fn` in
     `namespace` (its globals). It is generated so that Python binds the arguments, as it does

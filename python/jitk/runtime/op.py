@@ -184,7 +184,7 @@ def op(qualified_name: str, *, mutates_args: Iterable[str], fake: Callable | Non
         keyword_only = [name for name, param in signature.parameters.items()
                         if param.kind is param.KEYWORD_ONLY]
         slot["_jitk_call"] = CheckedCall(label, kinds, keyword_only, slot, operator,
-                                   list(mutates_args))
+                                         list(mutates_args))
         eager = eager_function(fn, signature, kinds, slot, list(mutates_args))
         info = OpInfo(qualified_name, fn, signature, mutates_args, reference, tolerance,
                       operator, eager, slot, cases)

@@ -142,7 +142,7 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
     element_dim = resolved_element_dim(dst, element_dim)
     element_size = checked_element_size(element_dim * dst.element_size(),
-                                 f"element_dim {element_dim} of {dst.dtype}")
+                                        f"element_dim {element_dim} of {dst.dtype}")
     hint, pages = checked_pages(page_size, index_granularity)
     launch_named = unroll is not None or block_quota is not None
     unroll, quota = checked_unroll(unroll), optional_int(block_quota, "block_quota", 1)
@@ -248,7 +248,7 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         size = checked_element_size(checked_int(element_size, "element_size", 1), "element_size")
     hint, pages = checked_pages(page_size, index_granularity)
     layout = (*strides, size, pages, hint, *(optional_int(value, name, 1)
-                                       for name, value in (src_page_stride, dst_page_stride)),
+                                             for name, value in (src_page_stride, dst_page_stride)),
               optional_int(num_tokens_src, "num_tokens_src", 0),
               optional_int(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = checked_unroll(unroll), optional_int(block_quota, "block_quota", 1)
