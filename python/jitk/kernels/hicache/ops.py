@@ -3,6 +3,8 @@ do): their argument checks and method choice, then the kernel or copy-engine cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from jitk.kernels.hicache import methods, modules, tuning
@@ -61,6 +63,31 @@ def _instantiation(method: str, element_size: int, unroll: int, quota: int) -> d
             "block_quota": "default" if quota == NOT_GIVEN else quota}
 
 
+def _chosen(method: object, tensors: tuple, caches: int, gpu: int | None, row_bytes: int,
+            hint: int, rows_packed: Callable[[], bool]) -> tuple[tuple, str]:
+    """The method a one-layer or all-layer call runs, and the tensors it runs on: "auto"'s
+    kernel on host indices gets GPU copies of them. A copy engine's copy is a row, or a run
+    of `hint` slots where `rows_packed()` and the first page of both index lists agree."""
+    indices_dst, indices_src = tensors[caches], tensors[2 * caches + 1]
+    chosen = methods.choose(method, indices_dst, lambda: row_bytes * (
+        methods.run_length(indices_dst, indices_src, hint) if rows_packed() else 1), gpu)
+    if chosen == KERNEL_ON_COPIED_INDICES:
+        return methods.on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    return tensors, chosen
+
+
+def _run(entry: str, chosen: str, tensors: tuple, layout: tuple, row_bytes: int, unroll: int,
+         quota: int, stream: Callable[[], int]) -> None:
+    """Notes the call for the log, then calls `entry` of the kernel module (rows of
+    `row_bytes`, `unroll`, `quota`) or of the copy engines' module (on `stream()`)."""
+    if api_log.noting:
+        api_log.note(method=chosen, **_instantiation(chosen, row_bytes, unroll, quota))
+    if chosen == "kernel":
+        getattr(modules.kernel_module(row_bytes, unroll), entry)(*tensors, *layout, quota)
+    else:
+        getattr(modules.copy_entries(), entry)(*tensors, *layout, stream())
+
+
 # ---------------------------------------------------------------------------- one layer
 @op("jitk::transfer_hicache_one_layer", mutates_args=("k_cache_dst", "v_cache_dst"),
     reference=one_layer_reference, tolerance=_EXACT, cases=lambda: one_layer_cases(False),
@@ -115,16 +142,13 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
     dst, indices_dst, src = tensors[0], tensors[caches], tensors[caches + 1]
     element_dim = resolved_element_dim(dst, element_dim)
     element_size = checked_element_size(element_dim * dst.element_size(),
-                                 f"element_dim {element_dim} of {dst.dtype}")
+                                        f"element_dim {element_dim} of {dst.dtype}")
     hint, pages = checked_pages(page_size, index_granularity)
     launch_named = unroll is not None or block_quota is not None
     unroll, quota = checked_unroll(unroll), optional_int(block_quota, "block_quota", 1)
-    gpu = methods.gpu_of(dst, src)
-    chosen = methods.choose(method, indices_dst, lambda: element_size * (
-        methods.run_length(tensors[caches], tensors[2 * caches + 1], hint)
-        if methods.packed(dst, element_dim) and methods.packed(src, element_dim) else 1), gpu)
-    if chosen == KERNEL_ON_COPIED_INDICES:
-        tensors, chosen = methods.on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
+    tensors, chosen = _chosen(
+        method, tensors, caches, methods.gpu_of(dst, src), element_size, hint,
+        lambda: methods.packed(dst, element_dim) and methods.packed(src, element_dim))
     if chosen == "kernel" and not launch_named:  # the tuned launch, or today's default
         launch = LAUNCH_SPACES[caches].lookup(
             tuning.launch_bucket(dst, src, indices_dst, element_size, pages))
@@ -132,16 +156,8 @@ def _one_layer(caches: int, tensors: tuple, element_dim: object, unroll: object,
             return launch(*tensors, element_dim=element_dim, page_size=page_size,
                           index_granularity=index_granularity)
         unroll, quota = launch.unroll, optional_int(launch.block_quota, "block_quota", 1)
-    if api_log.noting:
-        api_log.note(method=chosen, **_instantiation(chosen, element_size, unroll, quota))
-    if chosen == "kernel":
-        entries = modules.kernel_module(element_size, unroll)
-        entry = entries.one_layer if caches == 2 else entries.one_layer_mla
-        entry(*tensors, element_dim, pages, quota)
-    else:
-        entries = modules.copy_entries()
-        entry = entries.one_layer if caches == 2 else entries.one_layer_mla
-        entry(*tensors, element_dim, pages, _stream(dst, src))
+    _run("one_layer" if caches == 2 else "one_layer_mla", chosen, tensors, (element_dim, pages),
+         element_size, unroll, quota, lambda: _stream(dst, src))
 
 
 # ---------------------------------------------------------------------------- all layers
@@ -232,27 +248,15 @@ def _all_layer(caches: int, tensors: tuple, src_stride: tuple, dst_stride: tuple
         size = checked_element_size(checked_int(element_size, "element_size", 1), "element_size")
     hint, pages = checked_pages(page_size, index_granularity)
     layout = (*strides, size, pages, hint, *(optional_int(value, name, 1)
-                                       for name, value in (src_page_stride, dst_page_stride)),
+                                             for name, value in (src_page_stride, dst_page_stride)),
               optional_int(num_tokens_src, "num_tokens_src", 0),
               optional_int(num_tokens_dst, "num_tokens_dst", 0))
     unroll, quota = checked_unroll(unroll), optional_int(block_quota, "block_quota", 1)
-    gpu = methods.gpu_of(tensors[0])  # the pointer tables': the kernel reads them there
-    chosen = methods.choose(
-        method, tensors[caches],
-        lambda: size * (methods.run_length(tensors[caches], tensors[2 * caches + 1], hint)
-                        if strides[0] == size == strides[1] else 1), gpu)
-    if chosen == KERNEL_ON_COPIED_INDICES:
-        tensors, chosen = methods.on_gpu(tensors, (caches, 2 * caches + 1), gpu), "kernel"
-    if api_log.noting:
-        api_log.note(method=chosen, **_instantiation(chosen, size, unroll, quota))
-    if chosen == "kernel":
-        entries = modules.kernel_module(size, unroll)
-        entry = entries.all_layer if caches == 2 else entries.all_layer_mla
-        entry(*tensors, *layout, quota)
-    else:
-        entries = modules.copy_entries()
-        entry = entries.all_layer if caches == 2 else entries.all_layer_mla
-        entry(*tensors, *layout, current_stream(_tables_gpu(tensors, caches))[1])
+    # The pointer tables' GPU: the kernel reads them there.
+    tensors, chosen = _chosen(method, tensors, caches, methods.gpu_of(tensors[0]), size, hint,
+                              lambda: strides[0] == size == strides[1])
+    _run("all_layer" if caches == 2 else "all_layer_mla", chosen, tensors, layout, size, unroll,
+         quota, lambda: current_stream(_tables_gpu(tensors, caches))[1])
 
 
 

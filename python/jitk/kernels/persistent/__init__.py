@@ -52,17 +52,16 @@ benchmark do. `start()` itself loads the worker's kernel first. """
 from __future__ import annotations
 
 import functools
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build.jit import load_jit
+from jitk.kernels.persistent.items import Batch, OpTable
 from jitk.kernels.persistent.ops import (
     ARG_WORDS,
     CHAIN_OPS,
@@ -71,8 +70,6 @@ from jitk.kernels.persistent.ops import (
     IntArg,
     Op,
     TensorArg,
-    float_word,
-    int_word,
 )
 from jitk.runtime.streams import cuda_device
 
@@ -122,18 +119,6 @@ def _module(name: str, files: tuple[str, ...], table: str):
     return load_jit("persistent", name, cuda_files=list(files), cuda_wrappers=wrappers)
 
 
-@dataclass
-class Batch:
-    """Items checked and packed once (Worker.prepare), to push any number of times."""
-    words: torch.Tensor  # int64 [n * ITEM_WORDS]; dependencies relative to the batch
-    tensors: list[torch.Tensor]  # kept alive while the items may run
-    count: int
-    address: int = field(init=False)  # of words: what publish() takes, fetched once
-
-    def __post_init__(self) -> None:
-        self.address = self.words.data_ptr()
-
-
 class Worker:
     """A worker over one op table; see the module docstring."""
 
@@ -146,10 +131,7 @@ class Worker:
             raise ArgumentTypeError("ops must be a non-empty sequence of jitk.persistent.Op")
         self.device = cuda_device(device, "Worker(device=...)")
         self.capacity = capacity
-        self._ops = {op.name: (index, op) for index, op in enumerate(ops)}
-        self._arg_names = {op.name: frozenset(a.name for a in op.args) for op in ops}
-        if len(self._ops) != len(ops):
-            raise ArgumentError(f"op names repeat: {[op.name for op in ops]}")
+        self._table = OpTable(ops)
         table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
         self._kernels = _module(name, tuple(map(str, cuda_files)), table)
         layout = tuple(self._kernels.layout(i) for i in range(len(LAYOUT)))
@@ -171,72 +153,7 @@ class Worker:
     def prepare(self, items: Iterable[tuple[str, dict]], *, chain: bool = False) -> Batch:
         """Checks and packs (op, {argument: value}) pairs; with chain=True each item waits for
         the one before it."""
-        words, tensors = [], []
-        for i, item in enumerate(items):
-            if not (isinstance(item, tuple | list) and len(item) == 2
-                    and isinstance(item[1], dict)):
-                raise ArgumentTypeError(f"item {i}: expected (op_name, {{argument: value}}), got "
-                                        f"{item!r:.80}")
-            words += self._pack(item[0], item[1], i - 1 if chain and i > 0 else -1, tensors)
-        if not words:
-            raise ArgumentError("no items to push")
-        count = len(words) // ITEM_WORDS
-        if count > self.capacity:
-            raise ArgumentError(f"{count} items do not fit the ring of {self.capacity}")
-        packed = torch.frombuffer(bytearray(struct.pack(f"<{len(words)}q", *words)),
-                                  dtype=torch.int64)
-        return Batch(packed, tensors, count)
-
-    def _pack(self, op_name: str, args: dict, after: int, tensors: list) -> list[int]:
-        try:
-            index, op = self._ops[op_name]
-        except (KeyError, TypeError):
-            raise ArgumentError(f"unknown op {op_name!r}; this worker has "
-                                f"{', '.join(self._ops)}") from None
-        if unknown := args.keys() - self._arg_names[op_name]:
-            raise ArgumentTypeError(f"{op_name}: unexpected argument(s) {sorted(unknown)}; it "
-                                    f"takes {[a.name for a in op.args]}")
-        sizes: dict[str, int] = {}
-        words = [0, index, after]
-        for arg in op.args:  # tensors first bind the shared sizes that ints may default to
-            if isinstance(arg, TensorArg):
-                tensors.append(self._check_tensor(op_name, arg, args.get(arg.name), sizes))
-        for arg in op.args:
-            value = args.get(arg.name)
-            if isinstance(arg, TensorArg):
-                words.append(value.data_ptr())
-            elif isinstance(arg, IntArg):
-                words.append(int_word(op_name, arg.name, value, sizes.get(arg.name)))
-            else:
-                words.append(float_word(op_name, arg.name, value))
-        return words + [0] * (ITEM_WORDS - len(words))
-
-    def _check_tensor(self, op: str, arg: TensorArg, value: object,
-                      sizes: dict[str, int]) -> torch.Tensor:
-        # Messages are built only on failure: this runs for every tensor of every push.
-        if not isinstance(value, torch.Tensor):
-            raise ArgumentTypeError(f"{op}: '{arg.name}' must be a tensor, got "
-                                    f"{type(value).__name__}")
-        if value.dtype != arg.dtype:
-            raise ArgumentTypeError(f"{op}: '{arg.name}' must be {arg.dtype}, got {value.dtype}")
-        shape = value.shape
-        if len(shape) != len(arg.shape):
-            raise ArgumentError(f"{op}: '{arg.name}' must have {len(arg.shape)} dimension(s) "
-                                f"{arg.shape}, got shape {tuple(shape)}")
-        for dim, (rule, size) in enumerate(zip(arg.shape, shape)):
-            expected = sizes.setdefault(rule, size) if isinstance(rule, str) else rule
-            if expected is not None and size != expected:
-                what = f"'{rule}' = {expected} (bound by an earlier tensor)" \
-                    if isinstance(rule, str) else expected
-                raise ArgumentError(f"{op}: '{arg.name}' dimension {dim}: expected {what}, got "
-                                    f"{size}")
-        if not value.is_contiguous():
-            raise ArgumentError(f"{op}: '{arg.name}' must be contiguous, got strides "
-                                f"{value.stride()}")
-        if value.device != self.device:
-            raise ArgumentError(f"{op}: '{arg.name}' must be on the worker's device "
-                                f"{self.device}, got {value.device}")
-        return value
+        return self._table.prepare(items, chain, self.capacity, self.device)
 
     # ------------------------------------------------------------------ running
     def start(self, blocks: int = 8, *, dependency_timeout: float = 1.0,
@@ -327,9 +244,7 @@ class Worker:
         """Checks and enqueues one item; returns its ticket."""
         self._require_running("push")
         tensors: list[torch.Tensor] = []
-        words = self._pack(op, args, -1, tensors)
-        batch = Batch(torch.frombuffer(bytearray(struct.pack("<16q", *words)),
-                                       dtype=torch.int64), tensors, 1)
+        batch = Batch.of(self._table.pack(op, args, -1, tensors, self.device), tensors)
         return self._publish(batch, after, timeout)[0]
 
     def push_many(self, items: Batch | Iterable[tuple[str, dict]], *, after: int | None = None,
