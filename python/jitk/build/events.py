@@ -3,7 +3,7 @@ disk cache, fetched from the remote cache, built, or none of these), with the pr
 counts and seconds per kind. `jitk.jit_stats()` returns them; at JITK_LOGLEVEL>=1 each event
 is also one line on stderr:
 
-    jitk: jit build rmsnorm_4096_bf16_t key 1f0c2a9e5b7d3c41 2.103 s
+    jitk: jit build rmsnorm_4096_bf16_t key 1f0c2a9e5b7d3c41 <seconds, 3 decimals> s
 
 The kinds are disjoint: "disk" (a usable entry in the cache, this process's or another's),
 "remote" (fetched from the registry, verified and published), "build" (compiled here) and
