@@ -7,8 +7,9 @@ is also one line on stderr:
 
 The kinds are disjoint: "disk" (a usable entry in the cache, this process's or another's),
 "remote" (fetched from the registry, verified and published), "build" (compiled here) and
-"miss" (no entry and no module: JIT compilation disabled, or the build failed). A cache miss
-is any of the last three."""
+"miss" (no entry and no module: JIT compilation disabled, or no build: it failed, or the wait
+for another process's build ran out). A cache miss is any of the last three. `python -m jitk
+cache pull` fills the cache without loading, so its fetches are not events."""
 
 from __future__ import annotations
 
