@@ -309,19 +309,17 @@ def _load_cached(spec: BuildSpec, build_key: str | None
 
 
 def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
-                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
-    """The module of `spec`, the architectures it holds code for and whether this call built
-    it; counted and shown as one event (jitk/build/events.py), a failure after the lookup as
-    a "miss"."""
+                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...]]:
+    """The module of `spec` and the architectures it holds code for, as one event
+    (jitk/build/events.py): a failure after the lookup is a "miss"."""
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
-    started = time.perf_counter()
-    source = "miss"
+    started, source = time.perf_counter(), "miss"
     try:
         module, archs, source = _find_or_make(spec, template_args, call, build_key, disabled)
     finally:
         events.record(spec.name, build_key or spec.key, source, started)
-    return module, archs, source == "build"
+    return module, archs
 
 
 def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
@@ -446,8 +444,7 @@ def load_jit(
             "build_directory": str(build_dir) if build_dir else None,
             "min_arch": min_arch}
     call = {key: value for key, value in call.items() if value}
-    module, held, _ = _build_and_load(spec, name_parts[1:], call,
-                                      None if build_dir else build_key)
+    module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
     if held:
         toolchain.check_runs_on_current_gpu(name, held)
     return module
