@@ -232,11 +232,17 @@ def test_precompile_builds_each_config_with_progress(probe_cache):
     progress = sorted((line for line in lines if line.startswith("[")),
                       key=lambda line: line.split("] ", 1)[-1])
     assert len(progress) == 2
-    assert re.fullmatch(r"\[\d/2\] precompile_probe header cpp \(sm_90\): \d+\.\d s", progress[0])
-    assert re.fullmatch(r"\[\d/2\] precompile_probe launch add_one \(sm_90\): \d+\.\d s",
-                        progress[1])
+    assert re.fullmatch(r"\[\d/2\] precompile_probe header cpp \(sm_90\): \d+\.\d s; \d left",
+                        progress[0])
+    assert re.fullmatch(r"\[\d/2\] precompile_probe launch add_one \(sm_90\): \d+\.\d s; "
+                        r"\d left", progress[1])
+    # As they were printed: each line says how many are left after it.
+    assert [re.search(r"\[(\d)/2\].*; (\d) left$", line).groups()
+            for line in lines if line.startswith("[")] == [("1", "1"), ("2", "0")]
     assert any(re.match(r"precompile_probe: \d+\.\d s over 2 configuration\(s\) \(2 built, "
                         r"0 cached\)", line) for line in lines)
+    assert re.fullmatch(r"2 configuration\(s\) in \d+\.\d s wall time with 2 job\(s\); "
+                        r"cache: .*", lines[-1])
 
 
 def test_after_precompile_a_new_process_only_loads(probe_cache):

@@ -1,7 +1,9 @@
 """load_jit, make_cpp_args and the disk cache: hits, rebuilds on header edits and only then,
 one build for concurrent processes, failed builds not cached, corrupt entries rebuilt."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,11 +47,11 @@ LOAD_SNIPPET = textwrap.dedent("""\
 """)
 
 
-def run_loader(kernel: Path, cache: Path, x: int = 5,
-               extra_env=None) -> subprocess.CompletedProcess:
+def run_loader(kernel: Path, cache: Path, x: int = 5, extra_env=None,
+               snippet: str = LOAD_SNIPPET) -> subprocess.CompletedProcess:
     """load_jit in a fresh process, with build logging on."""
     env = {**os.environ, "JITK_CACHE_DIR": str(cache), "JITK_VERBOSE": "1", **(extra_env or {})}
-    return subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(kernel), str(x)],
+    return subprocess.run([sys.executable, "-c", snippet, str(kernel), str(x)],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -349,3 +351,62 @@ def test_verbose_log_names_module_arch_and_seconds(tmp_path):
     result = run_loader(kernel, tmp_path / "cache")
     assert builds_in(result) == 1
     assert "jitk: built scaled for host only in" in result.stderr and " s (" in result.stderr
+
+
+# ------------------------------------------------------------------------------ events
+EVENTS_SNIPPET = textwrap.dedent("""\
+    import json, sys
+    import jitk
+    for _ in range(2):
+        module = jitk.load_jit("scaled", cuda_files=[sys.argv[1]],
+                               cuda_wrappers=[("scaled", "scaled")])
+    print(json.dumps(jitk.jit_stats()))
+""")
+
+
+def event_stats(kernel: Path, cache: Path, **settings: str) -> dict:
+    result = run_loader(kernel, cache, snippet=EVENTS_SNIPPET,
+                        extra_env={"JITK_CUDA_ARCH": "9.0", "CUDA_VISIBLE_DEVICES": "",
+                                   "JITK_VERBOSE": "", **settings})
+    assert result.returncode == 0, result.stderr
+    return {**json.loads(result.stdout.splitlines()[-1]), "stderr": result.stderr}
+
+
+def test_each_load_is_one_event_counted_by_kind_and_shown_at_loglevel_1(tmp_path):
+    kernel = write_kernel(tmp_path / "repo")
+    first = event_stats(kernel, tmp_path / "cache", JITK_LOGLEVEL="1")
+    [entry] = list_entries(tmp_path / "cache")
+    key = entry.path.name.split("_")[1]  # the folder's: scaled_<key>_sm90
+    assert [(e["module"], e["key"], e["source"]) for e in first["events"]] == [
+        ("scaled", key, "build"), ("scaled", key, "disk")]
+    assert {kind: first[kind]["count"] for kind in ("build", "disk", "remote", "miss")} == {
+        "build": 1, "disk": 1, "remote": 0, "miss": 0}
+    for kind, event in zip(("build", "disk"), first["events"], strict=True):
+        assert first[kind]["seconds"] == event["seconds"] > 0
+    lines = [line for line in first["stderr"].splitlines() if line.startswith("jitk: jit ")]
+    assert [re.sub(r"\d+\.\d{3} s$", "<t> s", line) for line in lines] == [
+        f"jitk: jit build scaled key {key} <t> s", f"jitk: jit disk scaled key {key} <t> s"]
+
+    second = event_stats(kernel, tmp_path / "cache")  # a new process: the disk cache only
+    assert [e["source"] for e in second["events"]] == ["disk", "disk"]
+    assert second["build"] == {"count": 0, "seconds": 0.0} and second["disk"]["count"] == 2
+    assert "jitk: jit" not in second["stderr"]  # JITK_LOGLEVEL=0
+
+
+def test_a_load_that_gets_no_module_is_a_miss_and_reset_starts_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = write_kernel(tmp_path / "repo")
+    jitk.jit_stats(reset=True)
+    builds = jitk.build.jit.build_count()
+    with jitk.disable_jit(), pytest.raises(jitk.JitCacheMissError):
+        jitk.load_jit("scaled", cpp_files=[kernel], cpp_wrappers=[("scaled", "scaled")])
+    assert jitk.load_jit("scaled", cpp_files=[kernel],
+                         cpp_wrappers=[("scaled", "scaled")]).scaled(2) == 6
+    stats = jitk.jit_stats(reset=True)
+    assert [e["source"] for e in stats["events"]] == ["miss", "build"]
+    assert stats["miss"]["count"] == 1 and stats["build"]["count"] == 1
+    after = jitk.jit_stats()
+    assert after["events"] == [] and after["build"] == {"count": 0, "seconds": 0.0}
+    assert jitk.build.jit.build_count() == builds + 1  # counts from the process's start
+    expect_error(lambda: jitk.jit_stats(reset="yes"),
+                 "jit_stats(reset=...): expected a bool, got str", kind=jitk.ArgumentTypeError)

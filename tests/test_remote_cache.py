@@ -46,6 +46,11 @@ finally:
     print("load seconds", time.monotonic() - started, file=sys.stderr)
 print(json.dumps({"builds": build_count(), "sum": module.add_one(41)}))
 """
+# ADD_ONE, then this process's load_jit events counted by kind (jitk/build/events.py).
+ADD_ONE_EVENTS = ADD_ONE + """
+from jitk.build.events import jit_stats
+print(json.dumps({kind: found["count"] for kind, found in jit_stats().items() if kind != "events"}))
+"""
 SHIPPED = """
 from jitk.kernels import green, wait_value
 for family in (green, wait_value):
@@ -383,14 +388,18 @@ def test_a_build_is_pushed_as_it_is_made_under_remote_cache_push(registry, keys,
     settings = {"JITK_REMOTE_CACHE": f"{registry[0]}/as-built",
                 "JITK_REMOTE_CACHE_KEY": str(keys / "fleet" / "jitk-remote.key"),
                 "JITK_REMOTE_CACHE_TRUST": str(keys / "fleet" / "jitk-remote.pub")}
-    built = _host(tmp_path / "a", ADD_ONE, str(header), timeout=300,
+    built = _host(tmp_path / "a", ADD_ONE_EVENTS, str(header), timeout=300,
                   JITK_REMOTE_CACHE_PUSH="1", **settings)
     assert built.returncode == 0, built.stderr
-    assert json.loads(built.stdout.splitlines()[-1]) == {"builds": 1, "sum": 42}
-    loaded = _host(tmp_path / "b", ADD_ONE, str(header), timeout=120, JITK_DISABLE_JIT="1",
-                   **settings)
+    assert [json.loads(line) for line in built.stdout.splitlines()[-2:]] == [
+        {"builds": 1, "sum": 42}, {"disk": 0, "remote": 0, "build": 1, "miss": 0}]
+    loaded = _host(tmp_path / "b", ADD_ONE_EVENTS, str(header), timeout=120,
+                   JITK_DISABLE_JIT="1", JITK_LOGLEVEL="1", **settings)
     assert loaded.returncode == 0, loaded.stderr
-    assert json.loads(loaded.stdout.splitlines()[-1]) == {"builds": 0, "sum": 42}
+    assert [json.loads(line) for line in loaded.stdout.splitlines()[-2:]] == [
+        {"builds": 0, "sum": 42}, {"disk": 0, "remote": 1, "build": 0, "miss": 0}]
+    assert re.search(r"^jitk: jit remote addone key [0-9a-f]{16} \d+\.\d{3} s$", loaded.stderr,
+                     re.M)
     assert _entries(tmp_path / "b") == _entries(tmp_path / "a")
 
 

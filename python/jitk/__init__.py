@@ -31,7 +31,7 @@ from jitk.base.errors import JitkError as JitkError
 # The toolkit's own names (module under jitk); each family's entry points come from the
 # registry.
 _CORE = {
-    "load_jit": "build.jit", "disable_jit": "build.jit",
+    "load_jit": "build.jit", "disable_jit": "build.jit", "jit_stats": "build.events",
     "JitCompileError": "build.jit", "JitCacheMissError": "build.jit",
     "JitLockError": "build.lock", "JitCacheTrustError": "build.trust",
     "make_cpp_args": "build.cpp_args", "CppArgs": "build.cpp_args",

@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, names, remote, toolchain, trust
+from jitk.build import cache, events, loader, names, remote, toolchain, trust
 from jitk.build.builder import BuildSpec, JitCompileError, build_and_publish
 from jitk.build.lock import build_lock, lock_timeout
 
@@ -55,7 +56,6 @@ _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _state_lock = threading.Lock()
 _disabled_depth = 0  # how many disable_jit() blocks are open, in any thread
-_builds = 0  # modules this process has built
 
 
 class JitCacheMissError(JitkError, RuntimeError):
@@ -84,7 +84,7 @@ def jit_disabled() -> bool:
 
 def build_count() -> int:
     """How many modules this process has built (rather than found in the cache)."""
-    return _builds
+    return events.count("build")
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -309,17 +309,29 @@ def _load_cached(spec: BuildSpec, build_key: str | None
 
 
 def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
-                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...], bool]:
-    """The module of `spec`, the architectures it holds code for and whether this call built
-    it. A complete, intact entry (or, given `build_key`, one for more architectures) is
-    loaded without a lock or a write; anything else is fetched from the remote cache, where
-    one is set (jitk/build/remote.py), or built, under the entry's lock."""
-    global _builds
+                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...]]:
+    """The module of `spec` and the architectures it holds code for, as one event
+    (jitk/build/events.py): a failure after the lookup is a "miss"."""
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
+    started, source = time.perf_counter(), "miss"
+    try:
+        module, archs, source = _find_or_make(spec, template_args, call, build_key, disabled)
+    finally:
+        events.record(spec.name, build_key or spec.key, source, started)
+    return module, archs
+
+
+def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
+                  build_key: str | None, disabled: bool
+                  ) -> tuple[tvm_ffi.Module, tuple[str, ...], str]:
+    """The module, its architectures and where it came from ("disk", "remote" or "build").
+    A complete, intact entry (or, given `build_key`, one for more architectures) is loaded
+    without a lock or a write; anything else is fetched from the remote cache, where one is
+    set (jitk/build/remote.py), or built, under the entry's lock."""
     module, archs, problem = _load_cached(spec, build_key)
     if module:
-        return module, archs, False
+        return module, archs, "disk"
     shared = not spec.in_place and remote.configured() is not None
     if disabled and not shared:
         raise _miss_error(spec, template_args, call, problem)
@@ -328,11 +340,13 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
     with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
         # another process may have built (or fetched) it meanwhile
         module, archs, problem = _load_cached(spec, build_key)
-        missed = None if module or not shared else remote.fetch(spec.entry, spec.key, spec.archs)
-        if shared and not module and not missed:  # fetched, verified and published
-            module, archs, problem = _load_cached(spec, build_key)
         if module:
-            return module, archs, False
+            return module, archs, "disk"
+        missed = remote.fetch(spec.entry, spec.key, spec.archs) if shared else None
+        if shared and not missed:  # fetched, verified and published
+            module, archs, problem = _load_cached(spec, build_key)
+            if module:
+                return module, archs, "remote"
         if disabled:
             raise _miss_error(spec, template_args, call, problem, missed)
         if problem:
@@ -340,9 +354,7 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
         module = build_and_publish(spec)
         if shared:
             remote.push_built(spec.entry)
-    with _state_lock:
-        _builds += 1
-    return module, spec.archs, True
+    return module, spec.archs, "build"
 
 
 def load_jit(
@@ -432,8 +444,7 @@ def load_jit(
             "build_directory": str(build_dir) if build_dir else None,
             "min_arch": min_arch}
     call = {key: value for key, value in call.items() if value}
-    module, held, _ = _build_and_load(spec, name_parts[1:], call,
-                                      None if build_dir else build_key)
+    module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
     if held:
         toolchain.check_runs_on_current_gpu(name, held)
     return module

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
-import itertools
 import json
 import os
 import re
@@ -190,7 +189,7 @@ def print_summary(outcomes: list[precompile.Outcome], wall: float, jobs: int) ->
         print(f"{precompile.short_name(module)}: {sum(o.seconds for o in mine):.1f} s over "
               f"{len(mine)} configuration(s) ({built} built, {len(mine) - built - failed} "
               f"cached" + (f", {failed} failed)" if failed else ")"))
-    print(f"{len(outcomes)} configuration(s) in {wall:.1f} s with {jobs} job(s); "
+    print(f"{len(outcomes)} configuration(s) in {wall:.1f} s wall time with {jobs} job(s); "
           f"cache: {cache.cache_root()}")
 
 
@@ -228,16 +227,8 @@ def run_precompile(args: argparse.Namespace) -> int:
     if not tasks:  # --list printed them
         return EXIT_OK
     jobs = args.jobs or os.cpu_count() or 1
-    finished = itertools.count(1)
-
-    def report(outcome: precompile.Outcome) -> None:
-        result = (f"FAILED after {outcome.seconds:.1f} s" if outcome.error else
-                  f"{outcome.seconds:.1f} s" + ("" if outcome.built else " (cached)"))
-        print(f"[{next(finished)}/{len(tasks)}] {outcome.task.describe()}: {result}",
-              flush=True)
-
     started = time.perf_counter()
-    outcomes = precompile.run(tasks, jobs, report)
+    outcomes = precompile.run(tasks, jobs, precompile.Progress(len(tasks)))
     print_summary(outcomes, time.perf_counter() - started, min(jobs, len(tasks)))
     failed = [o for o in outcomes if o.error]
     for outcome in failed:

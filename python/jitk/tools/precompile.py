@@ -67,6 +67,21 @@ class Outcome:
     error: str | None = None
 
 
+class Progress:
+    """A `report` for run(): one line per finished task, as it finishes, with its seconds
+    and how many tasks are left."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def __call__(self, outcome: Outcome) -> None:
+        self.done += 1
+        result = (f"FAILED after {outcome.seconds:.1f} s" if outcome.error else
+                  f"{outcome.seconds:.1f} s" + ("" if outcome.built else " (cached)"))
+        print(f"[{self.done}/{self.total}] {outcome.task.describe()}: {result}; "
+              f"{self.total - self.done} left", flush=True)
+
+
 def short_name(module: str) -> str:
     return registry.family_of(module)
 
