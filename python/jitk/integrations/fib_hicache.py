@@ -230,9 +230,15 @@ void run({params}) {{
                         DLDataType{{kDLUInt, 64, 1}}, &layers, nullptr, 0}};
   }}
   const int64_t dst_slots = caches[0].size(1), src_slots = caches[{caches}].size(1);
+  // The all-layer kernel cannot tell where its tables point, so its default quota is the one
+  // for transfers across PCIe; every cache here is on the GPU: one block per SM, as the
+  // one-layer kernel takes for GPU caches.
+  int sms = 0;
+  jitk::RuntimeDeviceCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                                  caches[0].device().device_id));
   Transfer::{entry}({tables_args}, kRowBytes, kRowBytes, kRowBytes, /*page_size=*/1,
                       /*page_rows=*/1, jitk::hicache::kNotGiven, jitk::hicache::kNotGiven,
-                      src_slots, dst_slots, /*block_quota=*/jitk::hicache::kNotGiven);
+                      src_slots, dst_slots, /*block_quota=*/sms);
 }}
 """
 
