@@ -6,7 +6,10 @@
 benchmark: exports the dataset-shaped Definitions of RMSNorm and fused-add RMSNorm
 (rmsnorm_h<N>, fused_add_rmsnorm_h<N>, hidden 2048 to 8192) with jitk's Solutions
 (python -m jitk fib export), adds workloads (batch sizes below, random inputs) and a torch
-Solution of each Definition, and runs flashinfer-bench's own Benchmark on them. jitk's
+Solution of each Definition, and, with jitk's HiCache transfer Definitions (one-layer and
+all-layer, K/V and MLA) and Solutions, workloads of distinct random slots (token counts
+below, the indices in safetensors files, as random ones would repeat), then runs
+flashinfer-bench's own Benchmark on them all. jitk's
 Solutions are built by flashinfer-bench's stock tvm-ffi builder (NVCC_APPEND_FLAGS set for
 it), or by jitk's with FIB_GPU_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a
 table of correctness and speedup is printed. Then the apply() example: a function decorated
@@ -44,6 +47,7 @@ from flashinfer_bench.data import (  # noqa: E402
     Definition,
     EvaluationStatus,
     RandomInput,
+    SafetensorsInput,
     Solution,
     Trace,
     TraceSet,
@@ -53,6 +57,10 @@ from flashinfer_bench.data import (  # noqa: E402
 
 BATCH_SIZES = (1, 16, 256, 1024, 4096)
 OPS = ("rmsnorm", "fused_add_rmsnorm")
+HICACHE_TOKENS = (64, 1024, 8192)
+# Slots of each side: one layer of a large pool, or a few layers of a smaller one.
+HICACHE_AXES = {"one_layer": {"dst_slots": 65536, "src_slots": 65536},
+                "all_layer": {"num_layers": 8, "dst_slots": 16384, "src_slots": 16384}}
 ARCH = "9.0"
 
 # ------------------------------------------------------------------------------ benchmark
@@ -81,6 +89,8 @@ def torch_solution(definition: Definition) -> Solution:
 def write_workloads(root: Path) -> None:
     trace_set = TraceSet.from_path(str(root))
     for name, definition in trace_set.definitions.items():
+        if definition.op_type != "rmsnorm":
+            continue
         traces = [Trace(definition=name, workload=Workload(
             axes={"batch_size": size}, inputs={key: RandomInput() for key in definition.inputs},
             uuid=str(uuid.uuid4()))) for size in BATCH_SIZES]
@@ -90,14 +100,44 @@ def write_workloads(root: Path) -> None:
         path.write_text(solution.model_dump_json(indent=2) + "\n")
 
 
+def write_hicache_workloads(root: Path) -> None:
+    """Each token count's indices: distinct slots of each side, saved beside the workloads."""
+    import torch
+    from safetensors.torch import save_file
+
+    trace_set = TraceSet.from_path(str(root))
+    for name, definition in trace_set.definitions.items():
+        if definition.op_type != "kv_transfer":
+            continue
+        axes = HICACHE_AXES["all_layer" if "num_layers" in definition.axes else "one_layer"]
+        traces = []
+        (root / "workloads" / definition.op_type).mkdir(parents=True, exist_ok=True)
+        for tokens in HICACHE_TOKENS:
+            blob = Path("workloads") / definition.op_type / f"{name}_{tokens}.safetensors"
+            save_file({"indices_dst": torch.randperm(axes["dst_slots"])[:tokens],
+                       "indices_src": torch.randperm(axes["src_slots"])[:tokens]}, root / blob)
+            inputs = {key: SafetensorsInput(path=str(blob), tensor_key=key)
+                      if key.startswith("indices") else RandomInput()
+                      for key in definition.inputs}
+            traces.append(Trace(definition=name, workload=Workload(
+                axes={**axes, "num_tokens": tokens}, inputs=inputs, uuid=str(uuid.uuid4()))))
+        save_jsonl_file(traces, root / "workloads" / definition.op_type / f"{name}.jsonl")
+
+
+def _size(trace: Trace) -> int:
+    """A workload's rows (RMSNorm) or tokens moved (HiCache)."""
+    return trace.workload.axes.get("batch_size", trace.workload.axes.get("num_tokens", 0))
+
+
 def benchmark(out_dir: Path, hidden: list[int]) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    jitk.fib.export(out_dir, OPS, hidden=hidden)
+    jitk.fib.export(out_dir, [*OPS, *jitk.fib.FAMILIES["hicache"]], hidden=hidden)
     write_workloads(out_dir)
+    write_hicache_workloads(out_dir)
     trace_set = TraceSet.from_path(str(out_dir))
     bench = Benchmark(trace_set, BenchmarkConfig(warmup_runs=10, iterations=100, num_trials=3))
     try:
@@ -106,23 +146,24 @@ def benchmark(out_dir: Path, hidden: list[int]) -> int:
         bench.close()
     rows, failed, jitk_traces = [], 0, 0
     for name in sorted(result.traces):
-        for trace in sorted(result.traces[name], key=lambda t: (t.solution or "",
-                                                                t.workload.axes["batch_size"])):
+        for trace in sorted(result.traces[name], key=lambda t: (t.solution or "", _size(t))):
             evaluation = trace.evaluation
             passed = evaluation.status == EvaluationStatus.PASSED
             if (trace.solution or "").endswith("_jitk"):
                 jitk_traces += 1
                 failed += not passed
             performance, correctness = evaluation.performance, evaluation.correctness
-            rows.append((name, trace.solution, trace.workload.axes["batch_size"],
+            rows.append((name, trace.solution, _size(trace),
                          evaluation.status.value,
                          f"{correctness.max_absolute_error:.3g}" if correctness else "-",
                          f"{performance.latency_ms * 1000:.2f}" if performance else "-",
                          f"{performance.reference_latency_ms * 1000:.2f}" if performance else "-",
                          f"{performance.speedup_factor:.2f}x" if performance else "-"))
-    print_table(("definition", "solution", "batch", "status", "max abs err", "us",
+    print_table(("definition", "solution", "rows|tokens", "status", "max abs err", "us",
                  "reference us", "speedup"), rows)
-    expected = len(trace_set.definitions) * len(BATCH_SIZES)
+    kinds = [d.op_type for d in trace_set.definitions.values()]
+    expected = (kinds.count("rmsnorm") * len(BATCH_SIZES)
+                + kinds.count("kv_transfer") * len(HICACHE_TOKENS))
     print(f"{jitk_traces} jitk traces of {expected} expected, {failed} not passed; traces in "
           f"{out_dir / 'traces'}")
     applied = apply_example(out_dir)

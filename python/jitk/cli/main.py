@@ -267,7 +267,8 @@ def run_fib_export(args: argparse.Namespace) -> int:
 
     try:
         sizes = {"hidden": args.hidden, "dtypes": args.dtype, "eps": args.eps}
-        written = fib.export(args.out_dir, args.op or None,
+        ops = [*args.op, *(op for family in args.family or () for op in fib.FAMILIES[family])]
+        written = fib.export(args.out_dir, ops or None,
                              **{key: value for key, value in sizes.items() if value})
     except fib.FibUnavailableError as error:
         raise CommandError(str(error)) from None
@@ -598,14 +599,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write FlashInfer-Bench Definitions (OUT_DIR/definitions/<op_type>/"
                     "<name>.json): RMSNorm's in the dataset's form (rmsnorm_h<N>, "
                     "fused_add_rmsnorm_h<N>) at each hidden size, dtype and eps, with jitk's "
-                    "Solutions (OUT_DIR/solutions/...), and the one-layer KV transfers'.")
+                    "Solutions (OUT_DIR/solutions/...), and jitk's own for the HiCache "
+                    "transfers (one-layer and all-layer, K/V and MLA) at each dtype.")
     export.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     export.add_argument("op", nargs="*", metavar="OP",
                         help="op names (e.g. rmsnorm or jitk::rmsnorm); default: all")
+    export.add_argument("--family", nargs="+", choices=("norm", "hicache"),
+                        help="every op of these kernel families (added to OP)")
     export.add_argument("--hidden", type=int, nargs="+", metavar="N",
                         help="RMSNorm hidden sizes (default: common model widths)")
     export.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                        help="RMSNorm dtypes of bfloat16 (default, the dataset's), float16, "
+                        help="dtypes of bfloat16 (default, the dataset's), float16, "
                              "float32")
     export.add_argument("--eps", type=float, nargs="+", metavar="EPS",
                         help="RMSNorm eps (default: the dataset's)")

@@ -3,12 +3,14 @@ Solutions, and jitk as the builder of CUDA Solutions.
 
     jitk.fib.install_builder()                    # flashinfer-bench builds cuda Solutions with jitk
     definition = jitk.fib.definition(info, x, w, out, 1e-6, axes=..., const=...)
-    python -m jitk fib export OUT_DIR [OP ...] [--hidden N ...] [--dtype D ...] [--eps E ...]
+    python -m jitk fib export OUT_DIR [OP ...] [--family norm|hicache ...] [--hidden N ...]
+                              [--dtype D ...] [--eps E ...]
     python -m jitk fib workloads LOGS OUT_DIR     # JITK_LOGLEVEL>=3 logs -> Workloads
     solution = jitk.fib.solution(definition)      # jitk's kernel for a dataset Definition
 
 RMSNorm's Definitions and Solutions take FlashInfer-Bench's dataset form (fib_norm); the
-ops it lacks get jitk's own, made by `definition()`:
+HiCache transfers, which its dataset lacks, jitk's own (fib_hicache). Any other op with a
+reference gets a Definition made by `definition()`:
 
 A Definition is made from one example call of an op that has a reference: each tensor
 parameter's dimensions become axes, named by `axes` (else '<parameter>_<dimension>'),
@@ -22,7 +24,6 @@ self-contained: the source of the reference and of the module's functions it cal
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import textwrap
@@ -33,14 +34,16 @@ from pathlib import Path
 import torch
 
 from jitk.base.errors import ArgumentError
-from jitk.integrations import fib_norm
+from jitk.integrations import fib_hicache, fib_norm
 from jitk.integrations.fib_base import FibUnavailableError, require_fib, write_model
-from jitk.integrations.fib_norm import solution
 from jitk.integrations.fib_workloads import workloads
 from jitk.runtime.op import OpInfo, find_op
 
-__all__ = ["FibUnavailableError", "definition", "export", "install_builder", "solution",
-           "workloads"]
+__all__ = ["FAMILIES", "FibUnavailableError", "definition", "export", "install_builder",
+           "solution", "workloads"]
+
+# The ops export() writes, by kernel family (`python -m jitk fib export --family`).
+FAMILIES = {"norm": fib_norm.OPS, "hicache": tuple(fib_hicache.OPS)}
 
 
 def _op(op: OpInfo | str) -> OpInfo:
@@ -53,6 +56,15 @@ def _op(op: OpInfo | str) -> OpInfo:
     for module in registry.kernel_modules():
         importlib.import_module(module)
     return find_op(op)
+
+
+def solution(definition: object, name: str | None = None) -> object:
+    """jitk's Solution of a Definition export() writes (RMSNorm's in the dataset's form, or
+    a HiCache transfer's), checked against the kernel before anything is built: arity and
+    argument names, dtypes, const axes and the reference's constants."""
+    if fib_hicache.is_hicache(definition):
+        return fib_hicache.solution(definition, name)
+    return fib_norm.solution(definition, name)
 
 
 def install_builder() -> object:
@@ -204,96 +216,33 @@ def _bound_dim(axis: str, inputs: list[str], shapes: dict[str, list[str]]) -> st
     raise ValueError(f"axis '{axis}' of an output appears in no input; make it const")
 
 
-# ------------------------------------------------------------------ jitk's own kernels
-@dataclasses.dataclass(frozen=True)
-class _Shipped:
-    """How a shipped op without a FlashInfer-Bench form of its own reads as a Definition."""
-
-    op_type: str
-    axes: dict[str, tuple[str, ...]]
-    const: tuple[str, ...]
-    write_only: tuple[str, ...]
-    examples: Callable[[], list[tuple]]  # example calls' arguments
-    suffix: Callable[[tuple], str]  # the Definition's name after jitk_<op>_, per example
-
-
-def _dtype_suffix(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _hicache_examples(caches: int) -> Callable[[], list[tuple]]:
-    """One-layer transfers of 8 KV heads of 128 (K and V) or of MLA's 576-wide latent row,
-    bfloat16, from a 64-slot cache into a 32-slot one; the index count is var."""
-    def examples() -> list[tuple]:
-        row = (8, 128) if caches == 2 else (576,)
-        dst = [torch.empty(32, *row, dtype=torch.bfloat16) for _ in range(caches)]
-        src = [torch.empty(64, *row, dtype=torch.bfloat16) for _ in range(caches)]
-        indices = torch.empty(16, dtype=torch.int64)
-        return [(*dst, indices, *src, indices.clone())]
-
-    return examples
-
-
-def _hicache_axes(caches: int) -> dict[str, tuple[str, ...]]:
-    row = ("heads", "head_dim") if caches == 2 else ("latent_dim",)
-    names = ("k_cache", "v_cache") if caches == 2 else ("cache",)
-    return {**{f"{n}_dst": ("dst_slots", *row) for n in names},
-            **{f"{n}_src": ("src_slots", *row) for n in names},
-            "indices_dst": ("num_tokens",), "indices_src": ("num_tokens",)}
-
-
-_SHIPPED = {
-    # The one-layer KV transfers' Definitions copy rows by index lists: dst[indices_dst[i]] =
-    # src[indices_src[i]]. Their kernel needs pinned host caches and CUDA streams, which a
-    # Solution's workload does not give it, so they export no Solution. The all-layer
-    # transfers take tables of raw pointers (one a layer), which a Definition's tensors of
-    # named axes cannot state, and the stream wait/write ops compute nothing a reference
-    # could compare (they order streams through a flag): no Definition describes them.
-    "jitk::transfer_hicache_one_layer": _Shipped(
-        op_type="kv_transfer", axes=_hicache_axes(2), const=("heads", "head_dim"),
-        write_only=(), examples=_hicache_examples(2),
-        suffix=lambda e: f"{e[0].shape[1]}x{e[0].shape[2]}_{_dtype_suffix(e[0])}"),
-    "jitk::transfer_hicache_one_layer_mla": _Shipped(
-        op_type="kv_transfer", axes=_hicache_axes(1), const=("latent_dim",),
-        write_only=(), examples=_hicache_examples(1),
-        suffix=lambda e: f"{e[0].shape[1]}_{_dtype_suffix(e[0])}"),
-}
-
-
-def _shipped_definition(info: OpInfo, example: tuple) -> object:
-    shipped = _SHIPPED[info.name]
-    return definition(info, *example, axes=shipped.axes, const=shipped.const,
-                      write_only=shipped.write_only, op_type=shipped.op_type,
-                      name=f"jitk_{info.label}_{shipped.suffix(example)}")
-
-
 def export(out_dir: Path | str, ops: Iterable[str] | None = None,
            hidden: Iterable[int] = fib_norm.DEFAULT_HIDDEN, dtypes: Iterable[str] = ("bfloat16",),
            eps: Iterable[float] = (fib_norm.DATASET_EPS,)) -> list[Path]:
-    """Writes a TraceSet folder: OUT_DIR/definitions/<op_type>/<name>.json and, for jitk's
-    RMSNorm kernels, OUT_DIR/solutions/<op_type>/<name>_jitk.json, for the named ops (label or
+    """Writes a TraceSet folder: OUT_DIR/definitions/<op_type>/<name>.json and jitk's
+    Solutions, OUT_DIR/solutions/<op_type>/<name>_jitk.json, for the named ops (label or
     name; default all of them): RMSNorm's at every hidden size x dtype x eps (fib_norm), the
-    one-layer KV transfers at their example shapes. Returns the paths. An unknown op raises
-    KeyError; a user op (whose example shapes jitk does not know: call definition() for it),
-    ArgumentError."""
+    HiCache transfers' at their default rows x dtype (fib_hicache). Returns the paths. An
+    unknown op raises KeyError; a user op (whose example shapes jitk does not know: call
+    definition() for it), ArgumentError."""
     require_fib()
     out_dir, written = Path(out_dir), []
-    chosen = [_op(name) for name in ops or [*fib_norm.OPS, *_SHIPPED]]
+    chosen = [_op(name) for name in ops or [*fib_norm.OPS, *fib_hicache.OPS]]
     for info in chosen:
-        if info.label not in fib_norm.OPS and info.name not in _SHIPPED:
+        if info.label not in fib_norm.OPS and info.label not in fib_hicache.OPS:
             raise ArgumentError(f"{info.name}: export covers {', '.join(fib_norm.OPS)}, "
-                                f"{', '.join(_SHIPPED)}; for another op with a reference, "
-                                "call jitk.fib.definition(op, *example_args, ...)")
+                                f"{', '.join(fib_hicache.OPS)}; for another op with a "
+                                "reference, call jitk.fib.definition(op, *example_args, ...)")
     sizes = fib_norm.sizes(hidden, dtypes, eps)
+    made = []
     for info in chosen:
         if info.label in fib_norm.OPS:
-            for op, size, dtype, e in sizes:
-                if op == info.label:
-                    made = fib_norm.definition(op, size, dtype, e)
-                    written += [write_model(out_dir, "definitions", made),
-                                write_model(out_dir, "solutions", solution(made))]
-            continue
-        for example in _SHIPPED[info.name].examples():
-            made = _shipped_definition(info, example)
-            written.append(write_model(out_dir, "definitions", made))
+            made += [fib_norm.definition(op, size, dtype, e)
+                     for op, size, dtype, e in sizes if op == info.label]
+        else:
+            made += [fib_hicache.definition(fib_hicache.OPS[info.label], dtype=dtype)
+                     for dtype in dict.fromkeys(dtype for _, _, dtype, _ in sizes)]
+    for definition_ in made:
+        written += [write_model(out_dir, "definitions", definition_),
+                    write_model(out_dir, "solutions", solution(definition_))]
     return written

@@ -4,14 +4,38 @@ line where it is missing."""
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
 from jitk.base.errors import JitkError
+from jitk.build.jit import INCLUDE_DIR
 
-__all__ = ["AUTHOR", "FibUnavailableError", "require_fib", "write_model"]
+__all__ = ["AUTHOR", "COPY_INTO", "FibUnavailableError", "require_fib", "shipped_files",
+           "write_model"]
 
 AUTHOR = "jitk"
+
+# C++ for a Solution's main.cu: copies a whole tensor into another on the current stream, as
+# a destination-passing Solution does where jitk's kernel works in place.
+COPY_INTO = """
+size_t bytes_of(const jitk::TensorView& t) {
+  return static_cast<size_t>(t.numel()) * (t.dtype().bits / 8);
+}
+
+// Whole contiguous tensors of one shape and dtype, as FlashInfer-Bench passes them.
+void copy_into(const jitk::TensorView& out, const jitk::TensorView& in) {
+  jitk::RuntimeCheck(out.numel() == in.numel() && out.dtype() == in.dtype() &&
+                         out.stride(-1) == 1 && in.stride(-1) == 1 &&
+                         out.stride(0) * out.size(0) == out.numel() &&
+                         in.stride(0) * in.size(0) == in.numel(),
+                     "jitk Solution: the tensors must be contiguous and of one shape and dtype");
+  jitk::RuntimeDeviceCheck(cudaMemcpyAsync(
+      static_cast<char*>(out.data_ptr()) + out.byte_offset(),
+      static_cast<const char*>(in.data_ptr()) + in.byte_offset(), bytes_of(in),
+      cudaMemcpyDeviceToDevice, jitk::current_stream(in.device())));
+}
+"""
 
 
 class FibUnavailableError(JitkError, ImportError):
@@ -42,3 +66,17 @@ def _op_type_of(out_dir: Path, definition: str) -> str:
     for path in (out_dir / "definitions").glob(f"*/{definition}.json"):
         return path.parent.name
     raise FileNotFoundError(f"write the Definition {definition} before its Solutions")
+
+
+def shipped_files(files: dict[str, str]) -> list[dict[str, str]]:
+    """A Solution's sources: `files` (path -> text) and every jitk header they include,
+    transitively, under jitk/, which the Solution's folder on the include path resolves."""
+    headers: dict[str, str] = {}
+    pending = list(files.values())
+    while pending:
+        for name in re.findall(r"#include <(jitk/[\w./]+)>", pending.pop()):
+            if name not in headers:
+                headers[name] = (INCLUDE_DIR / name).read_text()
+                pending.append(headers[name])
+    return [{"path": path, "content": text}
+            for path, text in [*files.items(), *sorted(headers.items())]]

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 import torch
 
 from jitk.base.errors import ArgumentError, ArgumentTypeError
-from jitk.build.jit import DEFAULT_CUDA_CFLAGS, INCLUDE_DIR, KERNEL_DIR
-from jitk.integrations.fib_base import AUTHOR, require_fib
+from jitk.build.jit import DEFAULT_CUDA_CFLAGS, KERNEL_DIR
+from jitk.integrations.fib_base import AUTHOR, COPY_INTO, require_fib, shipped_files
 from jitk.kernels import norm
 
 __all__ = ["DATASET_DTYPE", "DATASET_EPS", "NVCC_APPEND_FLAGS", "definition", "definition_name",
@@ -139,14 +139,6 @@ def _signature(definition: object) -> tuple[str, int, torch.dtype, float]:
     return op, hidden, dtype, eps
 
 
-def _headers(text: str, seen: dict[str, str]) -> None:
-    """The jitk headers `text` includes, transitively, as path -> content."""
-    for name in re.findall(r"#include <(jitk/[\w./]+)>", text):
-        if name not in seen:
-            seen[name] = (INCLUDE_DIR / name).read_text()
-            _headers(seen[name], seen)
-
-
 def _entry(op: str, hidden: int, dtype: torch.dtype, eps: float) -> str:
     """main.cu: `run` dispatching on the row count to each bucket's instantiation."""
     steps: list[tuple[int, str]] = []
@@ -185,24 +177,7 @@ def _entry(op: str, hidden: int, dtype: torch.dtype, eps: float) -> str:
   jitk::RuntimeDeviceCheck(cudaFreeAsync(scratch, stream));
 """
         params = "hidden_states_, tvm::ffi::TensorView residual_, tvm::ffi::TensorView weight_"
-    helpers = "" if op == "rmsnorm" else f"""
-size_t bytes_of(const jitk::TensorView& t) {{
-  return static_cast<size_t>(t.numel()) * (t.dtype().bits / 8);
-}}
-
-// Whole contiguous tensors of one shape and dtype, as FlashInfer-Bench passes them.
-void copy_into(const jitk::TensorView& out, const jitk::TensorView& in) {{
-  jitk::RuntimeCheck(out.numel() == in.numel() && out.dtype() == in.dtype() &&
-                         out.stride(-1) == 1 && in.stride(-1) == 1 &&
-                         out.stride(0) * out.size(0) == out.numel() &&
-                         in.stride(0) * in.size(0) == in.numel(),
-                     "{op}: the tensors must be contiguous and of one shape and dtype");
-  jitk::RuntimeDeviceCheck(cudaMemcpyAsync(
-      static_cast<char*>(out.data_ptr()) + out.byte_offset(),
-      static_cast<const char*>(in.data_ptr()) + in.byte_offset(), bytes_of(in),
-      cudaMemcpyDeviceToDevice, jitk::current_stream(in.device())));
-}}
-
+    helpers = "" if op == "rmsnorm" else COPY_INTO + f"""
 void run_rows(int64_t rows, const jitk::TensorView& output, const jitk::TensorView& sum,
               const jitk::TensorView& weight) {{
 {branches}}}
@@ -242,14 +217,11 @@ def solution(definition: object, name: str | None = None) -> object:
     op, hidden, dtype, eps = _signature(definition)
     main = _entry(op, hidden, dtype, eps)
     kernel = (KERNEL_DIR / "norm" / "rmsnorm.cuh").read_text()
-    headers: dict[str, str] = {}
-    _headers(main + kernel, headers)
-    files = {"main.cu": main, "rmsnorm.cuh": kernel, **dict(sorted(headers.items()))}
     return fib.data.Solution(
         name=name or f"{definition.name}_jitk", definition=definition.name, author=AUTHOR,
         spec=fib.data.BuildSpec(language="cuda", binding="tvm-ffi", target_hardware=["cuda"],
                                 entry_point="main.cu::run", destination_passing_style=True),
-        sources=[fib.data.SourceFile(path=path, content=text) for path, text in files.items()],
+        sources=shipped_files({"main.cu": main, "rmsnorm.cuh": kernel}),
         description=f"jitk's {op} kernel, self-contained; FlashInfer-Bench's tvm-ffi builder "
                     f"builds it with NVCC_APPEND_FLAGS='{NVCC_APPEND_FLAGS}' set")
 
