@@ -46,6 +46,7 @@ def logging_at(monkeypatch):
     """set(level, **settings) applies JITK_* settings to every op; undone afterwards."""
     def set_level(level, **more):
         monkeypatch.setenv(api_log.LEVEL_ENV, str(level))
+        api_log._CALL_COUNTS.clear()  # process-wide: each test counts its calls from 1
         for name, value in more.items():
             monkeypatch.setenv(name, str(value))
         api_log.reload()
@@ -63,6 +64,7 @@ def lines_of(text):
 @pytest.mark.parametrize("level", [1, 3, 5, 10])
 def test_each_level_logs_every_shipped_op_on_fake_cuda_tensors(level, capsys, tmp_path):
     config = api_log.Settings(level=level, dump_dir=tmp_path)
+    api_log._CALL_COUNTS.clear()
     with FakeTensorMode():
         cases = calls(fake_cuda_tensor)
     for name, _, args, kwargs in cases:
@@ -176,14 +178,14 @@ def test_logdest_path_with_pid(logging_at, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("JITK_LOGLEVEL", "2", "JITK_LOGLEVEL must be one of 0, 1, 3, 5, 10, got '2'"),
-    ("JITK_LOGLEVEL", "verbose", "JITK_LOGLEVEL must be one of"),
-    ("JITK_DUMP_MAX_GB", "-1", "JITK_DUMP_MAX_GB must be a number >= 0, got '-1'"),
-    ("JITK_DUMP_MAX_COUNT", "2.5", "JITK_DUMP_MAX_COUNT must be an integer >= 0, got '2.5'"),
-    ("JITK_DUMP_INCLUDE", "jitk::*,", "JITK_DUMP_INCLUDE is a comma-separated list"),
+    ("JITK_LOGLEVEL", "2", "JITK_LOGLEVEL='2': expected one of 0, 1, 3, 5, 10"),
+    ("JITK_LOGLEVEL", "verbose", "JITK_LOGLEVEL='verbose': expected one of"),
+    ("JITK_DUMP_MAX_GB", "-1", "JITK_DUMP_MAX_GB='-1': expected a number of GiB >= 0"),
+    ("JITK_DUMP_MAX_COUNT", "2.5", "JITK_DUMP_MAX_COUNT='2.5': expected a whole number >= 0"),
+    ("JITK_DUMP_INCLUDE", "jitk::*,", "JITK_DUMP_INCLUDE='jitk::*,': expected a comma-separated"),
 ])
 def test_bad_settings_name_their_variable(monkeypatch, name, value, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(jitk.SettingError, match=re.escape(message)):
         api_log.settings_from({"JITK_LOGLEVEL": "10", name: value})
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -300,8 +302,20 @@ def test_reference_mode_dumps_name_the_defining_module_and_replay(logging_at, tm
     assert main(["replay", str(dump)]) == 0
 
 
+def test_two_wrappers_of_one_op_share_its_call_numbers(logging_at, tmp_path, capsys):
+    # A reload wraps every op anew; the op's count goes on, so no two dumps share a number.
+    logging_at(10, JITK_DUMP_DIR=tmp_path)
+    doubled(torch.ones(2), torch.empty(2))
+    api_log.reload()
+    doubled(torch.ones(2), torch.empty(2))
+    headers = [li for li in lines_of(capsys.readouterr().out) if "] logtest::" in li]
+    assert [h.split("] ")[1] for h in headers] == ["logtest::doubled call 1",
+                                                   "logtest::doubled call 2"]
+    assert [p.name.rsplit("_call", 1)[1] for p in dumps_in(tmp_path)] == ["000001", "000002"]
+
+
 def test_dumps_never_reuse_a_folder(logging_at, tmp_path):
-    # A reload restarts the op's call numbers: its call 1 takes a new folder, not call 1's.
+    # Call numbers restart here (the fixture resets them): call 1 takes a new folder.
     logging_at(10, JITK_DUMP_DIR=tmp_path)
     with pytest.raises(RuntimeError):
         doubled(torch.ones(3), torch.empty(4))

@@ -37,12 +37,14 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from jitk.base import settings as declared
+from jitk.base.errors import SettingError
 from jitk.runtime.op import add_call_wrapper, refresh_all
 
 __all__ = ["note", "noting", "reload"]
@@ -57,9 +59,9 @@ DUMP_EXCLUDE_ENV = "JITK_DUMP_EXCLUDE"
 
 LEVELS = (0, 1, 3, 5, 10)
 ARGUMENTS, STATISTICS, DUMPS = 3, 5, 10
-DEFAULT_DUMP_DIR = "jitk_dumps"
-DEFAULT_DUMP_MAX_GB = 20.0
-DEFAULT_DUMP_MAX_COUNT = 1000
+DEFAULT_DUMP_DIR = declared.SETTINGS[DUMP_DIR_ENV].default
+DEFAULT_DUMP_MAX_GB = declared.SETTINGS[DUMP_MAX_GB_ENV].default
+DEFAULT_DUMP_MAX_COUNT = declared.SETTINGS[DUMP_MAX_COUNT_ENV].default
 
 # A dump's files (python -m jitk replay reads them).
 CALL_FILE, INPUTS_FILE, OUTPUTS_FILE = "call.json", "inputs.safetensors", "outputs.safetensors"
@@ -80,51 +82,23 @@ class Settings:
     exclude: tuple[str, ...] = ()
 
 
-def _number(environ: dict, name: str, default: float, kind: type) -> float:
-    text = environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < math.inf:
-        expected = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name} must be {expected} >= 0, got {text!r}")
-    return value
+def settings_from(environ: Mapping[str, str]) -> Settings:
+    """The logging settings of an environment, each parsed by its rule in jitk.base.settings;
+    a bad value raises SettingError (a ValueError) naming its variable."""
+    def get(name: str) -> object:
+        return declared.get(name, environ)
 
-
-def _patterns(environ: dict, name: str) -> tuple[str, ...]:
-    patterns = tuple(p.strip() for p in environ.get(name, "").split(","))
-    if any(not p for p in patterns) and patterns != ("",):
-        raise ValueError(f"{name} is a comma-separated list of op-name patterns (e.g. "
-                         f"'jitk::rmsnorm,mylib::*'), got an empty item in "
-                         f"{environ[name]!r}")
-    return tuple(p for p in patterns if p)
-
-
-def settings_from(environ: dict) -> Settings:
-    """The logging settings of an environment; a bad value raises ValueError naming it."""
-    text = environ.get(LEVEL_ENV, "").strip() or "0"
-    if text not in {str(level) for level in LEVELS}:
-        raise ValueError(f"{LEVEL_ENV} must be one of {', '.join(map(str, LEVELS))}, "
-                         f"got {environ[LEVEL_ENV]!r}")
-    level = int(text)
+    level = int(get(LEVEL_ENV))
     if level >= DUMPS:
         try:
             import safetensors  # noqa: F401
         except ImportError:
-            raise ValueError(f"{LEVEL_ENV}={level} dumps tensors as safetensors, which is not "
-                             "installed: pip install safetensors (or jitk[fib])") from None
-    dest = environ.get(DEST_ENV, "").strip() or "stdout"
+            raise SettingError(f"{LEVEL_ENV}={level} dumps tensors as safetensors, which is "
+                               "not installed: pip install safetensors (or jitk[fib])") from None
     return Settings(
-        level=level, dest=dest,
-        dump_dir=Path(environ.get(DUMP_DIR_ENV, "").strip() or DEFAULT_DUMP_DIR),
-        dump_max_bytes=int(_number(environ, DUMP_MAX_GB_ENV, DEFAULT_DUMP_MAX_GB, float)
-                           * 2**30),
-        dump_max_count=int(_number(environ, DUMP_MAX_COUNT_ENV, DEFAULT_DUMP_MAX_COUNT, int)),
-        include=_patterns(environ, DUMP_INCLUDE_ENV),
-        exclude=_patterns(environ, DUMP_EXCLUDE_ENV))
+        level=level, dest=get(DEST_ENV), dump_dir=Path(get(DUMP_DIR_ENV)),
+        dump_max_bytes=int(get(DUMP_MAX_GB_ENV) * 2**30), dump_max_count=get(DUMP_MAX_COUNT_ENV),
+        include=get(DUMP_INCLUDE_ENV), exclude=get(DUMP_EXCLUDE_ENV))
 
 
 @functools.cache
@@ -307,6 +281,7 @@ def _scalar_record(value: object) -> object:
 
 # ----------------------------------------------------------------------------- the wrapper
 _capture_notice = threading.Event()
+_CALL_COUNTS: dict[str, itertools.count] = {}  # op name -> its calls in this process
 
 
 def _capturing() -> bool:
@@ -320,7 +295,10 @@ class _LoggedCall:
                  mutated: tuple[str, ...], config: Settings, dumps: _Dumps,
                  module: str | None = None) -> None:
         self.name, self.fn, self.signature, self.mutated = name, fn, signature, mutated
-        self.config, self.dumps, self.calls = config, dumps, itertools.count(1)
+        # The op's count outlives this wrapper (a reload or reference mode makes another): a
+        # call number, and so a dump folder's name, is never given twice in a process.
+        self.config, self.dumps = config, dumps
+        self.calls = _CALL_COUNTS.setdefault(name, itertools.count(1))
         self.output = _output(config.dest)
         self.module = module or getattr(fn, "__module__", None)
         functools.update_wrapper(self, fn)
@@ -472,7 +450,8 @@ def call_wrapper(info, fn: Callable) -> Callable | None:
 
 def reload() -> None:
     """Read the JITK_LOGLEVEL, JITK_LOGDEST and JITK_DUMP_* settings again and apply them
-    to every op; a bad value raises ValueError naming its variable, and changes nothing."""
+    to every op; a bad value raises SettingError (a ValueError) naming its variable, and
+    changes nothing."""
     global noting
     settings_from(os.environ)  # fails before anything changes
     settings.cache_clear()
