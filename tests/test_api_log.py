@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import jitk
 import jitk.kernels.norm
 from jitk.cli.main import main
 from jitk.runtime import op as custom_op
-from jitk.tools import api_log
+from jitk.tools import api_log, call_dumps
 
 body_calls = []  # (op, stdout so far) for each run of a test op's body
 
@@ -203,7 +204,7 @@ def test_a_dump_replays_against_its_outputs_and_the_reference(logging_at, tmp_pa
     doubled(x, torch.empty(3, 5), 0.5)
     off_by_one(x, torch.empty(3, 5))
     good, bad = dumps_in(tmp_path)
-    call = json.loads((good / api_log.CALL_FILE).read_text())
+    call = json.loads((good / call_dumps.CALL_FILE).read_text())
     assert call["op"] == "logtest::doubled" and call["outputs"] == ["out"]
     assert call["tensors"]["x"]["strides"] == [1, 3]
     assert call["arguments"]["scale"] == {"value": 0.5}
@@ -223,7 +224,7 @@ def test_a_call_that_raises_is_dumped_with_its_error(logging_at, tmp_path, capsy
     with pytest.raises(RuntimeError):
         doubled(torch.ones(3), torch.empty(4))
     (dump,) = dumps_in(tmp_path)
-    call = json.loads((dump / api_log.CALL_FILE).read_text())
+    call = json.loads((dump / call_dumps.CALL_FILE).read_text())
     assert call["raised"].startswith("RuntimeError: ") and call["outputs"] == []
     logging_at(0)
     assert main(["replay", str(dump)]) == 1
@@ -287,7 +288,7 @@ def test_levels_above_3_log_as_3_inside_graph_capture(logging_at, capsys):
 
 def test_replay_refuses_what_is_not_a_dump(tmp_path, capsys):
     assert exit_code(["replay", str(tmp_path / "missing")]) == 2
-    (tmp_path / api_log.CALL_FILE).write_text("{")
+    (tmp_path / call_dumps.CALL_FILE).write_text("{")
     assert exit_code(["replay", str(tmp_path)]) == 2
     assert "is not valid JSON" in capsys.readouterr().err
 
@@ -297,7 +298,7 @@ def test_reference_mode_dumps_name_the_defining_module_and_replay(logging_at, tm
     with pytest.warns(UserWarning, match="reference mode"), jitk.reference_mode("doubled"):
         doubled(torch.ones(4), torch.empty(4))
     (dump,) = dumps_in(tmp_path)
-    assert json.loads((dump / api_log.CALL_FILE).read_text())["module"] == __name__
+    assert json.loads((dump / call_dumps.CALL_FILE).read_text())["module"] == __name__
     logging_at(0)
     assert main(["replay", str(dump)]) == 0
 
@@ -323,7 +324,7 @@ def test_dumps_never_reuse_a_folder(logging_at, tmp_path):
     logging_at(10, JITK_DUMP_DIR=tmp_path)
     doubled(torch.ones(4), torch.empty(4))
     assert len(dumps_in(tmp_path)) == 2
-    assert "raised" in json.loads((first / api_log.CALL_FILE).read_text())
+    assert "raised" in json.loads((first / call_dumps.CALL_FILE).read_text())
 
 
 def test_a_dump_that_cannot_be_written_warns_once_and_the_call_runs(logging_at, tmp_path,
@@ -331,7 +332,7 @@ def test_a_dump_that_cannot_be_written_warns_once_and_the_call_runs(logging_at, 
     blocker = tmp_path / "file"
     blocker.write_text("")
     logging_at(10, JITK_DUMP_DIR=blocker / "dumps")  # under a file: mkdir fails
-    monkeypatch.setattr(api_log, "_dump_failure_warned", __import__("threading").Event())
+    monkeypatch.setattr(call_dumps, "failure_warned", threading.Event())
     out = torch.empty(4)
     with pytest.warns(RuntimeWarning, match=r"cannot write the level-10 dump .*dumps") as w:
         doubled(torch.ones(4), out)
