@@ -6,7 +6,8 @@
 
 registers `torch.ops.mylib.axpy` (its schema from the annotations, `y` declared written) and
 returns a function of the same signature. That function first checks each argument's type
-against its annotation (a TypeError names the parameter and what it got). Called eagerly on
+against its annotation (a TypeError names the parameter and what it got; a meta tensor, with
+no data for a kernel, an ArgumentError naming it). Called eagerly on
 plain tensors, it then calls `axpy` directly: no dispatcher, a fraction of a microsecond over
 a direct call. While anything traces or transforms the call it calls the operator instead:
 torch.compile, torch.export, make_fx, a FakeTensorMode or any other torch dispatch or
@@ -56,7 +57,13 @@ from typing import NamedTuple
 import torch
 
 from jitk.base import settings
-from jitk.base.errors import ArgumentTypeError, JitkError, SettingError, UnknownOpError
+from jitk.base.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    JitkError,
+    SettingError,
+    UnknownOpError,
+)
 
 __all__ = ["OpInfo", "Tolerance", "add_call_wrapper", "find_op", "op", "op_info", "reference_mode",
            "registered_ops", "remove_call_wrapper"]
@@ -103,8 +110,10 @@ def _scalar(expected: str, accepted: tuple[type, ...], fast: str,
 _SCALARS: dict[object, _Kind] = {
     torch.Tensor: _Kind("a torch.Tensor", _instance_of((torch.Tensor,)),
                         lambda value: type(value) in _PLAIN_TENSORS,
-                        # two `is` tests cost less than one set lookup
-                        "(_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"),
+                        # two `is` tests cost less than one set lookup; meta tensors go
+                        # through _Call, which refuses them
+                        "((_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"
+                        " and not {v}.is_meta)"),
     # bool is an int to Python but never to a kernel: True where a size goes is a bug.
     int: _scalar("an int", (int, torch.SymInt), "_jitk_type({v}) is _jitk_int", (bool,)),
     float: _scalar("a float", (float, int, torch.SymFloat, torch.SymInt),
@@ -187,6 +196,11 @@ class _Call:
                     isinstance(t, torch.Tensor) and t.requires_grad
                     for value in values for t in _tensors(value)))):
             return self.operator(*args, **kwargs)
+        for name, value in zip(self.kinds, values):
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in _tensors(value)):
+                raise ArgumentError(f"{self.label}(): '{name}' is on device meta, expected cuda: "
+                                    "a kernel needs the tensor's data (traced shapes come from "
+                                    "FakeTensorMode or torch.compile)")
         result = self.slot["_jitk_fn"](*args, **kwargs)
         if self.written:
             _bump_versions([t for i in self.written for t in _tensors(values[i])])
