@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import jitk
 import jitk.kernels.norm
 from jitk.cli.main import main
 from jitk.runtime import op as custom_op
-from jitk.tools import api_log
+from jitk.tools import api_log, call_dumps
 
 body_calls = []  # (op, stdout so far) for each run of a test op's body
 
@@ -46,6 +47,7 @@ def logging_at(monkeypatch):
     """set(level, **settings) applies JITK_* settings to every op; undone afterwards."""
     def set_level(level, **more):
         monkeypatch.setenv(api_log.LEVEL_ENV, str(level))
+        api_log._CALL_COUNTS.clear()  # process-wide: each test counts its calls from 1
         for name, value in more.items():
             monkeypatch.setenv(name, str(value))
         api_log.reload()
@@ -63,6 +65,7 @@ def lines_of(text):
 @pytest.mark.parametrize("level", [1, 3, 5, 10])
 def test_each_level_logs_every_shipped_op_on_fake_cuda_tensors(level, capsys, tmp_path):
     config = api_log.Settings(level=level, dump_dir=tmp_path)
+    api_log._CALL_COUNTS.clear()
     with FakeTensorMode():
         cases = calls(fake_cuda_tensor)
     for name, _, args, kwargs in cases:
@@ -176,14 +179,14 @@ def test_logdest_path_with_pid(logging_at, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("JITK_LOGLEVEL", "2", "JITK_LOGLEVEL must be one of 0, 1, 3, 5, 10, got '2'"),
-    ("JITK_LOGLEVEL", "verbose", "JITK_LOGLEVEL must be one of"),
-    ("JITK_DUMP_MAX_GB", "-1", "JITK_DUMP_MAX_GB must be a number >= 0, got '-1'"),
-    ("JITK_DUMP_MAX_COUNT", "2.5", "JITK_DUMP_MAX_COUNT must be an integer >= 0, got '2.5'"),
-    ("JITK_DUMP_INCLUDE", "jitk::*,", "JITK_DUMP_INCLUDE is a comma-separated list"),
+    ("JITK_LOGLEVEL", "2", "JITK_LOGLEVEL='2': expected one of 0, 1, 3, 5, 10"),
+    ("JITK_LOGLEVEL", "verbose", "JITK_LOGLEVEL='verbose': expected one of"),
+    ("JITK_DUMP_MAX_GB", "-1", "JITK_DUMP_MAX_GB='-1': expected a number of GiB >= 0"),
+    ("JITK_DUMP_MAX_COUNT", "2.5", "JITK_DUMP_MAX_COUNT='2.5': expected a whole number >= 0"),
+    ("JITK_DUMP_INCLUDE", "jitk::*,", "JITK_DUMP_INCLUDE='jitk::*,': expected a comma-separated"),
 ])
 def test_bad_settings_name_their_variable(monkeypatch, name, value, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(jitk.SettingError, match=re.escape(message)):
         api_log.settings_from({"JITK_LOGLEVEL": "10", name: value})
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -201,7 +204,7 @@ def test_a_dump_replays_against_its_outputs_and_the_reference(logging_at, tmp_pa
     doubled(x, torch.empty(3, 5), 0.5)
     off_by_one(x, torch.empty(3, 5))
     good, bad = dumps_in(tmp_path)
-    call = json.loads((good / api_log.CALL_FILE).read_text())
+    call = json.loads((good / call_dumps.CALL_FILE).read_text())
     assert call["op"] == "logtest::doubled" and call["outputs"] == ["out"]
     assert call["tensors"]["x"]["strides"] == [1, 3]
     assert call["arguments"]["scale"] == {"value": 0.5}
@@ -221,7 +224,7 @@ def test_a_call_that_raises_is_dumped_with_its_error(logging_at, tmp_path, capsy
     with pytest.raises(RuntimeError):
         doubled(torch.ones(3), torch.empty(4))
     (dump,) = dumps_in(tmp_path)
-    call = json.loads((dump / api_log.CALL_FILE).read_text())
+    call = json.loads((dump / call_dumps.CALL_FILE).read_text())
     assert call["raised"].startswith("RuntimeError: ") and call["outputs"] == []
     logging_at(0)
     assert main(["replay", str(dump)]) == 1
@@ -285,7 +288,7 @@ def test_levels_above_3_log_as_3_inside_graph_capture(logging_at, capsys):
 
 def test_replay_refuses_what_is_not_a_dump(tmp_path, capsys):
     assert exit_code(["replay", str(tmp_path / "missing")]) == 2
-    (tmp_path / api_log.CALL_FILE).write_text("{")
+    (tmp_path / call_dumps.CALL_FILE).write_text("{")
     assert exit_code(["replay", str(tmp_path)]) == 2
     assert "is not valid JSON" in capsys.readouterr().err
 
@@ -295,13 +298,25 @@ def test_reference_mode_dumps_name_the_defining_module_and_replay(logging_at, tm
     with pytest.warns(UserWarning, match="reference mode"), jitk.reference_mode("doubled"):
         doubled(torch.ones(4), torch.empty(4))
     (dump,) = dumps_in(tmp_path)
-    assert json.loads((dump / api_log.CALL_FILE).read_text())["module"] == __name__
+    assert json.loads((dump / call_dumps.CALL_FILE).read_text())["module"] == __name__
     logging_at(0)
     assert main(["replay", str(dump)]) == 0
 
 
+def test_two_wrappers_of_one_op_share_its_call_numbers(logging_at, tmp_path, capsys):
+    # A reload wraps every op anew; the op's count goes on, so no two dumps share a number.
+    logging_at(10, JITK_DUMP_DIR=tmp_path)
+    doubled(torch.ones(2), torch.empty(2))
+    api_log.reload()
+    doubled(torch.ones(2), torch.empty(2))
+    headers = [li for li in lines_of(capsys.readouterr().out) if "] logtest::" in li]
+    assert [h.split("] ")[1] for h in headers] == ["logtest::doubled call 1",
+                                                   "logtest::doubled call 2"]
+    assert [p.name.rsplit("_call", 1)[1] for p in dumps_in(tmp_path)] == ["000001", "000002"]
+
+
 def test_dumps_never_reuse_a_folder(logging_at, tmp_path):
-    # A reload restarts the op's call numbers: its call 1 takes a new folder, not call 1's.
+    # Call numbers restart here (the fixture resets them): call 1 takes a new folder.
     logging_at(10, JITK_DUMP_DIR=tmp_path)
     with pytest.raises(RuntimeError):
         doubled(torch.ones(3), torch.empty(4))
@@ -309,7 +324,7 @@ def test_dumps_never_reuse_a_folder(logging_at, tmp_path):
     logging_at(10, JITK_DUMP_DIR=tmp_path)
     doubled(torch.ones(4), torch.empty(4))
     assert len(dumps_in(tmp_path)) == 2
-    assert "raised" in json.loads((first / api_log.CALL_FILE).read_text())
+    assert "raised" in json.loads((first / call_dumps.CALL_FILE).read_text())
 
 
 def test_a_dump_that_cannot_be_written_warns_once_and_the_call_runs(logging_at, tmp_path,
@@ -317,7 +332,7 @@ def test_a_dump_that_cannot_be_written_warns_once_and_the_call_runs(logging_at, 
     blocker = tmp_path / "file"
     blocker.write_text("")
     logging_at(10, JITK_DUMP_DIR=blocker / "dumps")  # under a file: mkdir fails
-    monkeypatch.setattr(api_log, "_dump_failure_warned", __import__("threading").Event())
+    monkeypatch.setattr(call_dumps, "failure_warned", threading.Event())
     out = torch.empty(4)
     with pytest.warns(RuntimeWarning, match=r"cannot write the level-10 dump .*dumps") as w:
         doubled(torch.ones(4), out)

@@ -247,7 +247,9 @@ def test_logging_page_lists_every_level_and_setting_with_its_default():
     assert f"(default `{api_log.DEFAULT_DUMP_DIR}`)" in text
     assert f"(default {api_log.DEFAULT_DUMP_MAX_GB:g})" in text
     assert f"(default {api_log.DEFAULT_DUMP_MAX_COUNT})" in text
-    for name in (api_log.CALL_FILE, api_log.INPUTS_FILE, api_log.OUTPUTS_FILE):
+    from jitk.tools import call_dumps
+
+    for name in (call_dumps.CALL_FILE, call_dumps.INPUTS_FILE, call_dumps.OUTPUTS_FILE):
         assert f"`{name}`" in text
 
 

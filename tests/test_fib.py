@@ -178,6 +178,14 @@ def test_export_without_flashinfer_bench_fails_with_the_install_line(monkeypatch
     assert "pip install 'jitk[fib]'" in capsys.readouterr().err
 
 
+def test_export_into_a_folder_it_cannot_make_says_so_in_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["fib", "export", str(blocker / "out"), "rmsnorm", "--hidden", "128"]) == 1
+    error = capsys.readouterr().err
+    assert f"cannot write {blocker / 'out'}" in error and "Traceback" not in error, error
+
+
 # ---------------------------------------------------------------------------- the builder
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):

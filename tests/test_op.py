@@ -223,6 +223,19 @@ def test_tensor_subclasses_go_through_the_dispatcher():
     torch.testing.assert_close(scaled(weight, 3.0), torch.full((6,), 3.0))
 
 
+def test_meta_tensors_are_refused_naming_the_tensor_before_the_body_runs():
+    handed.clear()
+    x, meta = torch.empty(6), torch.empty(6, device="meta")
+    for call, name in ((lambda: axpy(1.0, x, meta), "y"), (lambda: scaled(meta), "x"),
+                       (lambda: scaled(x, offset=meta), "offset"), (lambda: touch(meta), "x")):
+        with pytest.raises(jitk.ArgumentError, match=rf"\(\): '{name}' is on device meta, "
+                                                     "expected cuda"):
+            call()
+    assert not handed, "the body ran"
+    with FakeTensorMode():  # fakes still take the operator and its fake implementation
+        assert scaled(torch.empty(6, device="cuda")).shape == (6,)
+
+
 def test_eager_results_and_defaults():
     x, y = inputs()
     expected = y + 0.5 * x

@@ -274,6 +274,8 @@ def run_fib_export(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     except (KeyError, ValueError, TypeError) as error:
         raise UsageError(error.args[0]) from None
+    except OSError as error:
+        raise CommandError(f"cannot write {error.filename}: {error.strerror}") from None
     for path in written:
         print(path)
     return EXIT_OK

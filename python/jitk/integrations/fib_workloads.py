@@ -28,6 +28,7 @@ import torch
 from jitk.base.errors import ArgumentError
 from jitk.integrations import fib_norm
 from jitk.integrations.fib_base import require_fib, write_model
+from jitk.tools.call_dumps import INPUTS_FILE
 
 __all__ = ["parse_log", "workloads"]
 
@@ -39,7 +40,6 @@ _DUMPED = re.compile(r"^  dumping to (.+)$")
 _OPS = {"jitk::rmsnorm": ("rmsnorm", {"hidden_states": "input", "weight": "weight"}),
         "jitk::fused_add_rmsnorm": ("fused_add_rmsnorm", {
             "hidden_states": "input", "residual": "residual", "weight": "weight"})}
-_INPUTS_FILE = "inputs.safetensors"  # api_log's dump of a call's inputs
 
 
 def _value(text: str) -> object:
@@ -110,7 +110,7 @@ def workloads(logs: Iterable[Path | str], out_dir: Path | str) -> dict[str, int]
             definition = fib_norm.definition_name(name, hidden, dtype, eps)
             sizes[definition] = (name, hidden, dtype, eps)
             names = _OPS[op][1]
-            key = (definition, rows, str(dump) if dump and (dump / _INPUTS_FILE).is_file()
+            key = (definition, rows, str(dump) if dump and (dump / INPUTS_FILE).is_file()
                    else None)
             if key in seen:
                 continue
@@ -122,7 +122,7 @@ def workloads(logs: Iterable[Path | str], out_dir: Path | str) -> dict[str, int]
                 blob = Path("blob", "workloads", "rmsnorm", definition,
                             f"{workload_id}.safetensors")
                 (out_dir / blob).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(dump / _INPUTS_FILE, out_dir / blob)
+                shutil.copyfile(dump / INPUTS_FILE, out_dir / blob)
                 inputs = {kept: fib.data.SafetensorsInput(path=str(blob), tensor_key=logged)
                           for kept, logged in names.items()}
             workload = fib.data.Workload(axes={"batch_size": rows}, inputs=inputs,

@@ -54,8 +54,10 @@ def _scalar(expected: str, accepted: tuple[type, ...], fast: str,
 _SCALARS: dict[object, Kind] = {
     torch.Tensor: Kind("a torch.Tensor", _instance_of((torch.Tensor,)),
                        lambda value: type(value) in _PLAIN_TENSORS,
-                        # two `is` tests cost less than one set lookup
-                       "(_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"),
+                       # two `is` tests cost less than one set lookup; meta tensors go
+                       # through CheckedCall, which refuses them
+                       "((_jitk_type({v}) is _jitk_tensor or _jitk_type({v}) is _jitk_parameter)"
+                       " and not {v}.is_meta)"),
     # bool is an int to Python but never to a kernel: True where a size goes is a bug.
     int: _scalar("an int", (int, torch.SymInt), "_jitk_type({v}) is _jitk_int", (bool,)),
     float: _scalar("a float", (float, int, torch.SymFloat, torch.SymInt),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from jitk.base.errors import ArgumentError
 from jitk.runtime.argkinds import FAST_NAMES, SEQUENCES, Kind, bump_versions, describe, tensors
 
 __all__ = ["CheckedCall", "eager_function"]
@@ -41,6 +42,11 @@ class CheckedCall:
                     isinstance(t, torch.Tensor) and t.requires_grad
                     for value in values for t in tensors(value)))):
             return self.operator(*args, **kwargs)
+        for name, value in zip(self.kinds, values):
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors(value)):
+                raise ArgumentError(f"{self.label}(): '{name}' is on device meta, expected cuda: "
+                                    "a kernel needs the tensor's data (traced shapes come from "
+                                    "FakeTensorMode or torch.compile)")
         result = self.slot["_jitk_fn"](*args, **kwargs)
         if self.written:
             bump_versions([t for i in self.written for t in tensors(values[i])])

@@ -6,7 +6,8 @@
 
 registers `torch.ops.mylib.axpy` (its schema from the annotations, `y` declared written) and
 returns a function of the same signature. That function first checks each argument's type
-against its annotation (a TypeError names the parameter and what it got). Called eagerly on
+against its annotation (a TypeError names the parameter and what it got; a meta tensor, with
+no data for a kernel, an ArgumentError naming it). Called eagerly on
 plain tensors, it then calls `axpy` directly: no dispatcher, a fraction of a microsecond over
 a direct call. While anything traces or transforms the call it calls the operator instead:
 torch.compile, torch.export, make_fx, a FakeTensorMode or any other torch dispatch or

@@ -7,7 +7,8 @@ times it was called; 3 every argument (a tensor's shape, dtype, strides, device 
 pointer; scalars as they are) and what the op body notes about the kernel it chose; 5 adds
 each tensor's min, max, mean and NaN and Inf counts, before the call for the inputs and after
 it for what the call wrote (this synchronizes with the device); 10 adds a dump of the call's
-tensors to JITK_DUMP_DIR, which `python -m jitk replay DUMP` runs again.
+tensors to JITK_DUMP_DIR, which `python -m jitk replay DUMP` runs again (the dumps and their
+limits: jitk.tools.call_dumps).
 
 A call's lines are written and flushed before the op runs, so the last lines of a crashed
 process name the call that crashed it. Levels above 3 fall back to 3 inside CUDA graph
@@ -26,44 +27,44 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import fnmatch
 import functools
 import inspect
 import itertools
-import json
-import math
 import os
 import sys
 import threading
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from jitk.base import settings as declared
+from jitk.base.errors import SettingError
 from jitk.runtime.op import add_call_wrapper, refresh_all
+from jitk.tools.call_dumps import (
+    DUMP_DIR_ENV,
+    DUMP_EXCLUDE_ENV,
+    DUMP_INCLUDE_ENV,
+    DUMP_MAX_COUNT_ENV,
+    DUMP_MAX_GB_ENV,
+    Dumps,
+    dtype_name,
+    finish,
+    has_data,
+)
 
 __all__ = ["note", "noting", "reload"]
 
 LEVEL_ENV = "JITK_LOGLEVEL"
 DEST_ENV = "JITK_LOGDEST"
-DUMP_DIR_ENV = "JITK_DUMP_DIR"
-DUMP_MAX_GB_ENV = "JITK_DUMP_MAX_GB"
-DUMP_MAX_COUNT_ENV = "JITK_DUMP_MAX_COUNT"
-DUMP_INCLUDE_ENV = "JITK_DUMP_INCLUDE"
-DUMP_EXCLUDE_ENV = "JITK_DUMP_EXCLUDE"
 
 LEVELS = (0, 1, 3, 5, 10)
 ARGUMENTS, STATISTICS, DUMPS = 3, 5, 10
-DEFAULT_DUMP_DIR = "jitk_dumps"
-DEFAULT_DUMP_MAX_GB = 20.0
-DEFAULT_DUMP_MAX_COUNT = 1000
-
-# A dump's files (python -m jitk replay reads them).
-CALL_FILE, INPUTS_FILE, OUTPUTS_FILE = "call.json", "inputs.safetensors", "outputs.safetensors"
-DUMP_FORMAT = 1
+DEFAULT_DUMP_DIR = declared.SETTINGS[DUMP_DIR_ENV].default
+DEFAULT_DUMP_MAX_GB = declared.SETTINGS[DUMP_MAX_GB_ENV].default
+DEFAULT_DUMP_MAX_COUNT = declared.SETTINGS[DUMP_MAX_COUNT_ENV].default
 
 # True while logging at level 3 or more is on: the time for an op body to note().
 noting = False
@@ -80,51 +81,23 @@ class Settings:
     exclude: tuple[str, ...] = ()
 
 
-def _number(environ: dict, name: str, default: float, kind: type) -> float:
-    text = environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < math.inf:
-        expected = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name} must be {expected} >= 0, got {text!r}")
-    return value
+def settings_from(environ: Mapping[str, str]) -> Settings:
+    """The logging settings of an environment, each parsed by its rule in jitk.base.settings;
+    a bad value raises SettingError (a ValueError) naming its variable."""
+    def get(name: str) -> object:
+        return declared.get(name, environ)
 
-
-def _patterns(environ: dict, name: str) -> tuple[str, ...]:
-    patterns = tuple(p.strip() for p in environ.get(name, "").split(","))
-    if any(not p for p in patterns) and patterns != ("",):
-        raise ValueError(f"{name} is a comma-separated list of op-name patterns (e.g. "
-                         f"'jitk::rmsnorm,mylib::*'), got an empty item in "
-                         f"{environ[name]!r}")
-    return tuple(p for p in patterns if p)
-
-
-def settings_from(environ: dict) -> Settings:
-    """The logging settings of an environment; a bad value raises ValueError naming it."""
-    text = environ.get(LEVEL_ENV, "").strip() or "0"
-    if text not in {str(level) for level in LEVELS}:
-        raise ValueError(f"{LEVEL_ENV} must be one of {', '.join(map(str, LEVELS))}, "
-                         f"got {environ[LEVEL_ENV]!r}")
-    level = int(text)
+    level = int(get(LEVEL_ENV))
     if level >= DUMPS:
         try:
             import safetensors  # noqa: F401
         except ImportError:
-            raise ValueError(f"{LEVEL_ENV}={level} dumps tensors as safetensors, which is not "
-                             "installed: pip install safetensors (or jitk[fib])") from None
-    dest = environ.get(DEST_ENV, "").strip() or "stdout"
+            raise SettingError(f"{LEVEL_ENV}={level} dumps tensors as safetensors, which is "
+                               "not installed: pip install safetensors (or jitk[fib])") from None
     return Settings(
-        level=level, dest=dest,
-        dump_dir=Path(environ.get(DUMP_DIR_ENV, "").strip() or DEFAULT_DUMP_DIR),
-        dump_max_bytes=int(_number(environ, DUMP_MAX_GB_ENV, DEFAULT_DUMP_MAX_GB, float)
-                           * 2**30),
-        dump_max_count=int(_number(environ, DUMP_MAX_COUNT_ENV, DEFAULT_DUMP_MAX_COUNT, int)),
-        include=_patterns(environ, DUMP_INCLUDE_ENV),
-        exclude=_patterns(environ, DUMP_EXCLUDE_ENV))
+        level=level, dest=get(DEST_ENV), dump_dir=Path(get(DUMP_DIR_ENV)),
+        dump_max_bytes=int(get(DUMP_MAX_GB_ENV) * 2**30), dump_max_count=get(DUMP_MAX_COUNT_ENV),
+        include=get(DUMP_INCLUDE_ENV), exclude=get(DUMP_EXCLUDE_ENV))
 
 
 @functools.cache
@@ -169,15 +142,11 @@ def _output(dest: str) -> _Output:
 
 
 # ----------------------------------------------------------------------- the formatting
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def describe_tensor(tensor: torch.Tensor) -> str:
     """'Tensor(shape=(4, 128), dtype=bfloat16, strides=(128, 1), device=cuda:0,
     data_ptr=0x7f00...)'; tensors without storage (fake, meta) say so instead of an address."""
-    address = f"0x{tensor.data_ptr():x}" if _has_data(tensor) else "none (no storage)"
-    return (f"Tensor(shape={tuple(tensor.shape)}, dtype={_dtype_name(tensor.dtype)}, "
+    address = f"0x{tensor.data_ptr():x}" if has_data(tensor) else "none (no storage)"
+    return (f"Tensor(shape={tuple(tensor.shape)}, dtype={dtype_name(tensor.dtype)}, "
             f"strides={tuple(tensor.stride())}, device={tensor.device}, data_ptr={address})")
 
 
@@ -188,13 +157,13 @@ def describe_value(value: object) -> str:
         items = ", ".join(describe_value(v) for v in value)
         return f"[{items}]"
     if isinstance(value, torch.dtype):
-        return _dtype_name(value)
+        return dtype_name(value)
     return f"{type(value).__name__} {value!r}"
 
 
 def statistics(tensor: torch.Tensor) -> str:
     """min, max, mean and the NaN and Inf counts, computed in float64 (synchronizes)."""
-    if not _has_data(tensor):
+    if not has_data(tensor):
         return "no data (a fake or meta tensor)"
     if tensor.numel() == 0:
         return "empty"
@@ -206,11 +175,6 @@ def statistics(tensor: torch.Tensor) -> str:
         return f"no finite values, nan={nan}, inf={inf}"
     return (f"min={finite.min().item():.6g}, max={finite.max().item():.6g}, "
             f"mean={finite.mean().item():.6g}, nan={nan}, inf={inf}")
-
-
-def _has_data(tensor: torch.Tensor) -> bool:
-    """Whether the tensor has memory to read: plain tensors, not fake, functional or meta."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta"
 
 
 def tensors_of(arguments: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -248,65 +212,9 @@ def note(**fields: object) -> None:
     output.write(["  note: " + ", ".join(f"{key}={value}" for key, value in fields.items())])
 
 
-# ----------------------------------------------------------------------------- dumps
-class _Dumps:
-    """The budget of level 10's dumps, shared by every op of the process."""
-
-    def __init__(self, config: Settings) -> None:
-        self.config, self.count, self.bytes = config, 0, 0
-        self.lock, self.refused = threading.Lock(), False
-
-    def wanted(self, name: str) -> bool:
-        matches = lambda patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-        if self.config.include and not matches(self.config.include):
-            return False
-        return not matches(self.config.exclude)
-
-    def reserve(self, size: int) -> str | None:
-        """None if a dump of `size` bytes fits the limits (and counts it), else why not."""
-        with self.lock:
-            if self.count >= self.config.dump_max_count:
-                why = f"{DUMP_MAX_COUNT_ENV}={self.config.dump_max_count} dumps written"
-            elif self.bytes + size > self.config.dump_max_bytes:
-                why = (f"{DUMP_MAX_GB_ENV}={self.config.dump_max_bytes / 2**30:g} would be "
-                       "exceeded")
-            else:
-                self.count += 1
-                self.bytes += size
-                return None
-            first, self.refused = not self.refused, True
-            return why if first else ""
-
-
-def _contiguous_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-
-
-def _argument_record(value: object) -> dict:
-    """How call.json records an argument: a tensor (its data in the safetensors files, under
-    its name), a list of tensors (name.0, name.1, ...), or a JSON value."""
-    if isinstance(value, torch.Tensor):
-        return {"tensor": True}
-    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
-        return {"tensors": len(value)}
-    return {"value": _scalar_record(value)}
-
-
-def _scalar_record(value: object) -> object:
-    """A non-tensor argument as JSON: dtypes and devices as tagged strings."""
-    if isinstance(value, torch.dtype):
-        return {"dtype": _dtype_name(value)}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    if isinstance(value, list | tuple):
-        return [_scalar_record(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"float": repr(value)}
-    return value
-
-
 # ----------------------------------------------------------------------------- the wrapper
 _capture_notice = threading.Event()
+_CALL_COUNTS: dict[str, itertools.count] = {}  # op name -> its calls in this process
 
 
 def _capturing() -> bool:
@@ -317,10 +225,13 @@ class _LoggedCall:
     """An op's body with its calls logged at `config.level`."""
 
     def __init__(self, name: str, fn: Callable, signature: inspect.Signature,
-                 mutated: tuple[str, ...], config: Settings, dumps: _Dumps,
+                 mutated: tuple[str, ...], config: Settings, dumps: Dumps,
                  module: str | None = None) -> None:
         self.name, self.fn, self.signature, self.mutated = name, fn, signature, mutated
-        self.config, self.dumps, self.calls = config, dumps, itertools.count(1)
+        # The op's count outlives this wrapper (a reload or reference mode makes another): a
+        # call number, and so a dump folder's name, is never given twice in a process.
+        self.config, self.dumps = config, dumps
+        self.calls = _CALL_COUNTS.setdefault(name, itertools.count(1))
         self.output = _output(config.dest)
         self.module = module or getattr(fn, "__module__", None)
         functools.update_wrapper(self, fn)
@@ -353,13 +264,14 @@ class _LoggedCall:
                 lines += [f"    {key} stats: {statistics(t)}" for key, t in tensors.items()
                           if key == name or key.startswith(name + ".")]
         self.output.write(lines)
-        dump = self._dump_inputs(number, values, tensors) if level >= DUMPS else None
+        dump = self.dumps.start(self.name, self.module, number, self.mutated, values, tensors,
+                                self.output.write) if level >= DUMPS else None
         outer, _current.output = getattr(_current, "output", None), self.output
         try:
             result = self.fn(*args, **kwargs)
         except BaseException as error:
             if dump is not None:
-                self._finish_dump(dump, {}, error)
+                finish(dump, {}, error)
             raise
         finally:
             _current.output = outer  # an op called from another's body
@@ -369,86 +281,10 @@ class _LoggedCall:
             self.output.write([f"  after {self.name} call {number}: {key} stats: "
                                f"{statistics(t)}" for key, t in written.items()])
             if dump is not None:
-                self._finish_dump(dump, written)
+                finish(dump, written)
         return result
 
-    def _dump_inputs(self, number: int, values: dict, tensors: dict[str, torch.Tensor]
-                     ) -> tuple[Path, dict] | None:
-        """Writes the call and its inputs, before the launch (a crash leaves them), if this
-        call is dumped; _finish_dump adds the outputs."""
-        if not self.dumps.wanted(self.name) or not all(map(_has_data, tensors.values())):
-            return None
-        size = 2 * sum(t.numel() * t.element_size() for t in tensors.values())
-        refused = self.dumps.reserve(size)
-        if refused is not None:
-            if refused:
-                self.output.write([f"  (no more dumps: {refused}; said once)"])
-            return None
-        call = {
-            "format": DUMP_FORMAT, "op": self.name, "module": self.module, "call": number,
-            "pid": os.getpid(), "mutated": list(self.mutated),
-            "arguments": {name: _argument_record(value) for name, value in values.items()},
-            "tensors": {key: {"shape": list(t.shape), "strides": list(t.stride()),
-                              "dtype": _dtype_name(t.dtype), "device": str(t.device)}
-                        for key, t in tensors.items()},
-            "outputs": None,  # None until the call returns
-        }
-        safe = self.name.replace("::", ".")
-        folder = self.config.dump_dir / f"{safe}_pid{os.getpid()}_call{number:06d}"
-        try:
-            from safetensors.torch import save_file
-
-            folder = _new_folder(folder)
-            save_file(_contiguous_copies(tensors), str(folder / INPUTS_FILE))
-            (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
-        except Exception as error:  # a dump is a diagnostic: the call goes on without it
-            _dump_failed(folder, error)
-            return None
-        self.output.write([f"  dumping to {folder}"])
-        return folder, call
-
-    def _finish_dump(self, dump: tuple[Path, dict], written: dict[str, torch.Tensor],
-                     error: BaseException | None = None) -> None:
-        from safetensors.torch import save_file
-
-        folder, call = dump
-        call["outputs"] = sorted(written)
-        if error is not None:
-            call["raised"] = f"{type(error).__name__}: {error}"
-        try:
-            save_file(_contiguous_copies(written), str(folder / OUTPUTS_FILE))
-            (folder / CALL_FILE).write_text(json.dumps(call, indent=2) + "\n")
-        except Exception as failure:
-            _dump_failed(folder, failure)
-
-
-_FOLDER_TRIES = 1000
-_dump_failure_warned = threading.Event()
-
-
-def _new_folder(wanted: Path) -> Path:
-    """A folder made now for this dump: `wanted`, or `wanted`_2, _3, ... where that exists
-    (an earlier process's dump is never written over)."""
-    wanted.parent.mkdir(parents=True, exist_ok=True)
-    for suffix in range(1, _FOLDER_TRIES + 1):
-        folder = wanted if suffix == 1 else wanted.with_name(f"{wanted.name}_{suffix}")
-        try:
-            folder.mkdir()
-            return folder
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{wanted} and {_FOLDER_TRIES - 1} numbered variants exist")
-
-
-def _dump_failed(folder: Path, error: BaseException) -> None:
-    if not _dump_failure_warned.is_set():
-        _dump_failure_warned.set()
-        warnings.warn(f"jitk: cannot write the level-10 dump {folder} ({type(error).__name__}: "
-                      f"{error}); calls go on undumped (said once)", RuntimeWarning,
-                      stacklevel=4)
-
-
-_DUMPS: dict[Settings, _Dumps] = {}
+_DUMPS: dict[Settings, Dumps] = {}
 
 
 def wrap(name: str, fn: Callable, signature: inspect.Signature, mutated: tuple[str, ...],
@@ -458,7 +294,7 @@ def wrap(name: str, fn: Callable, signature: inspect.Signature, mutated: tuple[s
     config = config or settings()
     if config.level == 0:
         return None
-    dumps = _DUMPS.setdefault(config, _Dumps(config))
+    dumps = _DUMPS.setdefault(config, Dumps(config))
     return _LoggedCall(name, fn, signature, mutated, config, dumps, module)
 
 
@@ -472,7 +308,8 @@ def call_wrapper(info, fn: Callable) -> Callable | None:
 
 def reload() -> None:
     """Read the JITK_LOGLEVEL, JITK_LOGDEST and JITK_DUMP_* settings again and apply them
-    to every op; a bad value raises ValueError naming its variable, and changes nothing."""
+    to every op; a bad value raises SettingError (a ValueError) naming its variable, and
+    changes nothing."""
     global noting
     settings_from(os.environ)  # fails before anything changes
     settings.cache_clear()

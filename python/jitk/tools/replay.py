@@ -19,7 +19,7 @@ import torch
 
 from jitk.base.errors import JitkError
 from jitk.runtime.op import OpInfo, find_op
-from jitk.tools import api_log
+from jitk.tools import api_log, call_dumps
 
 __all__ = ["Comparison", "DumpError", "load_call", "replay"]
 
@@ -43,19 +43,19 @@ class Comparison:
 
 def load_call(folder: Path) -> dict:
     """The dump's call.json, checked."""
-    path = Path(folder) / api_log.CALL_FILE
+    path = Path(folder) / call_dumps.CALL_FILE
     if not Path(folder).is_dir():
         raise DumpError(f"{folder} is not a folder (a dump is a folder written at "
-                        f"{api_log.LEVEL_ENV}=10, with {api_log.CALL_FILE} in it)")
+                        f"{api_log.LEVEL_ENV}=10, with {call_dumps.CALL_FILE} in it)")
     try:
         call = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DumpError(f"{folder} has no {api_log.CALL_FILE}: not a jitk dump") from None
+        raise DumpError(f"{folder} has no {call_dumps.CALL_FILE}: not a jitk dump") from None
     except json.JSONDecodeError as error:
         raise DumpError(f"{path} is not valid JSON: {error}") from None
-    if call.get("format") != api_log.DUMP_FORMAT:
+    if call.get("format") != call_dumps.DUMP_FORMAT:
         raise DumpError(f"{path} has format {call.get('format')!r}; this jitk reads format "
-                        f"{api_log.DUMP_FORMAT}")
+                        f"{call_dumps.DUMP_FORMAT}")
     return call
 
 
@@ -81,7 +81,7 @@ def _find(call: dict) -> OpInfo:
 
 
 def _value(record: object) -> object:
-    """A JSON value of call.json back as the argument it was (api_log._scalar_record)."""
+    """A JSON value of call.json back as the argument it was (call_dumps records it)."""
     if isinstance(record, list):
         return [_value(item) for item in record]
     if isinstance(record, dict):
@@ -156,12 +156,12 @@ def replay(folder: Path | str, device: str | None = None) -> tuple[dict, list[Co
     folder = Path(folder)
     call = load_call(folder)
     info = _find(call)
-    inputs = _load_tensors(folder / api_log.INPUTS_FILE)
+    inputs = _load_tensors(folder / call_dumps.INPUTS_FILE)
     outputs = None if call.get("outputs") is None else \
-        _load_tensors(folder / api_log.OUTPUTS_FILE)
+        _load_tensors(folder / call_dumps.OUTPUTS_FILE)
     missing = [key for key in call["tensors"] if key not in inputs]
     if missing:
-        raise DumpError(f"{folder / api_log.INPUTS_FILE} lacks tensor(s) {', '.join(missing)}")
+        raise DumpError(f"{folder / call_dumps.INPUTS_FILE} lacks tensor(s) {', '.join(missing)}")
     runs = [_compare("op", info, lambda arguments: info.eager(**arguments), call, inputs,
                      outputs, device)]
     if info.reference is not None:
