@@ -148,7 +148,7 @@ def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list
     """Every product of the values of the knobs in `vary` around `around` (changes to the
     default; None: the tuned choice), each built (in parallel) before it is returned."""
     from jitk import autotune
-    from jitk.cli.main import default_precompile_archs
+    from jitk.cli.common import default_precompile_archs
 
     if not vary:
         return []
