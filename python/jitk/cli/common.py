@@ -40,9 +40,9 @@ def add_jobs(parser: argparse.ArgumentParser) -> None:
                         help="builds at a time (default: the number of CPUs)")
 
 
-def add_dtypes(parser: argparse.ArgumentParser, help: str, default: list[str] | None = None
-               ) -> None:
-    parser.add_argument("--dtype", nargs="+", default=default, metavar="DTYPE", help=help)
+def add_dtypes(parser: argparse.ArgumentParser, text: str,
+               default: list[str] | None = None) -> None:
+    parser.add_argument("--dtype", nargs="+", default=default, metavar="DTYPE", help=text)
 
 
 def default_precompile_archs() -> list[str]:

@@ -11,8 +11,11 @@
   tune          time the ops' launch choices on this GPU, record the fastest
   env           what jitk runs with (versions, compilers, GPUs, cache, settings); --json
 
-Exit codes: 0 success, 1 failure, 2 bad usage."""
+Each command's arguments and handler are in its own module (jitk/cli/<command>.py; the
+no-command default, demo and env in basics.py); this one assembles the parser and reports
+errors.
 
+Exit codes: 0 success, 1 failure, 2 bad usage."""
 
 from __future__ import annotations
 
