@@ -16,7 +16,7 @@ without PDL. Out of place and in place, SGLang's own kernel source also runs bui
 jitk.load_jit and called through jitk's export ("sglang via jitk"): a control that jitk's
 build and launch path costs nothing, so that a gap to SGLang lies in jitk's kernel code
 (H100, 1024x7168 and 1024x5120 fp16, single calls and graph replay: 0.99-1.01 of SGLang's
-own module). With --vary KNOB..., also every product of those knobs' values (norm._KNOBS)
+own module). With --vary KNOB..., also every product of those knobs' values (norm.tuning.KNOBS)
 around the tuned choice (or --around's changes to the default), built first in parallel:
 where the tuning space falls short of SGLang, which knobs would close the gap (--modes and
 --rounds narrow and lengthen the timing). Needs SGLang's kernels: PYTHONPATH=.peers/sgl523."""
@@ -34,6 +34,7 @@ import torch
 
 from jitk import load_jit
 from jitk.kernels import norm
+from jitk.kernels.norm import rules, tuning
 from jitk.tools.timing import gemm_neighbour
 
 METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread",
@@ -60,9 +61,9 @@ def main() -> None:
     placement.add_argument("--in-place", action="store_true")
     placement.add_argument("--fused", action="store_true", help="fused_add_rmsnorm (in place)")
     parser.add_argument("--time", action="store_true")
-    parser.add_argument("--vary", nargs="+", default=[], choices=norm._KNOBS, metavar="KNOB",
+    parser.add_argument("--vary", nargs="+", default=[], choices=tuning.KNOBS, metavar="KNOB",
                         help="with --time: also every product of these knobs' values "
-                        f"(of {', '.join(norm._KNOBS)})")
+                        f"(of {', '.join(tuning.KNOBS)})")
     parser.add_argument("--around", type=json.loads, default=None, metavar="JSON",
                         help="the knob changes to the default that --vary varies (default: "
                         "the tuned choice)")
@@ -148,15 +149,15 @@ def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list
     """Every product of the values of the knobs in `vary` around `around` (changes to the
     default; None: the tuned choice), each built (in parallel) before it is returned."""
     from jitk import autotune
-    from jitk.cli.main import default_precompile_archs
+    from jitk.cli.common import default_precompile_archs
 
     if not vary:
         return []
     base = space.config(bucket) if around is None else {**norm._default_knobs(bucket), **around}
     every = [{**base, **dict(zip(vary, values))}
-             for values in itertools.product(*(norm._KNOBS[name] for name in vary))]
+             for values in itertools.product(*(tuning.KNOBS[name] for name in vary))]
     default = norm._default_knobs(bucket)
-    knobs = [k for k in every if k == default or norm._applies(k, *bucket[:2])]
+    knobs = [k for k in every if k == default or rules.applies(k, *bucket[:2])]
     if len(knobs) < len(every):  # rmsnorm.cuh's tuning_applies: they would run the default
         print(f"left out {len(every) - len(knobs)} products that would run the default's "
               "kernel at this width")

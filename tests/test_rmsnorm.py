@@ -17,6 +17,7 @@ import tvm_ffi
 
 import jitk
 from jitk.kernels import norm
+from jitk.kernels.norm import tuning
 
 HAS_GPU = torch.cuda.is_available()
 LOCATION = re.compile(r"rmsnorm\.cuh:\d+")
@@ -302,8 +303,8 @@ def test_the_largest_hidden_size_builds():
 # loop, 48-72 bytes under the 8-block register cap (64 a thread; 88-106 uncapped); and the
 # short path with four sums and fill_sm, 8 bytes, which a larger plan would cost a block an
 # SM at 12288, where it wins (rmsnorm.cuh, fill_sm_blocks).
-KNOWN_SPILLS = (4096, {**norm._SHORT_PATH, **norm._LATE}), (
-    4096, {**norm._SHORT_PATH, **norm._FOUR_SUMS, **norm._FILL_SM, **norm._ONE_TURN})
+KNOWN_SPILLS = (4096, {**tuning._SHORT_PATH, **tuning._LATE}), (
+    4096, {**tuning._SHORT_PATH, **tuning._FOUR_SUMS, **tuning._FILL_SM, **tuning._ONE_TURN})
 
 
 def _spill_check_source() -> str:
@@ -316,12 +317,12 @@ def _spill_check_source() -> str:
     for hidden in sorted({hidden for _, hidden in norm._RMSNORM_SPACE.shapes}):
         for dtype, name in ((torch.bfloat16, "jitk::bf16_t"), (torch.float16, "jitk::fp16_t")):
             default = norm._default_knobs((hidden, dtype))
-            for i, knobs in enumerate((default, *norm._candidates(hidden, dtype))):
+            for i, knobs in enumerate((default, *tuning.candidates(hidden, dtype))):
                 if any((hidden, knobs) == (width, {**default, **changes})
                        for width, changes in KNOWN_SPILLS):
                     continue
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
-                lines.append(f"using {tune} = Tuning<{make_cpp_args(*norm._knob_values(knobs))}>;")
+                lines.append(f"using {tune} = Tuning<{make_cpp_args(*tuning.knob_values(knobs))}>;")
                 if knobs["two_vectors"]:  # its own kernel, in place of the candidate's
                     kernels += [f"(void*)&rmsnorm_two_vectors_kernel<{hidden}, {name}, {fused}, "
                                 f"{tune}::kLateTrigger>" for fused in ("false", "true")]
@@ -514,8 +515,8 @@ def test_fused_add(dtype, hidden, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("changes", [*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG,
-                                     *norm._TRIED_AT_SHORT_LIMIT], ids=str)
+@pytest.mark.parametrize("changes", [*tuning.TRIED, *tuning.TRIED_SHORT, *tuning.TRIED_LONG,
+                                     *tuning.TRIED_AT_SHORT_LIMIT], ids=str)
 @pytest.mark.parametrize("hidden", [5120, 12288])
 @pytest.mark.parametrize("layout", ["contiguous", "misaligned", "heads"])
 def test_tried_knobs_match_reference(changes, hidden, layout):
@@ -792,23 +793,23 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space, unstabl
     default = norm._default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
-    at_limit = len(norm._TRIED_AT_SHORT_LIMIT)
-    assert len(short_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_SHORT) + at_limit
-    assert len(long_candidates) == 1 + len(norm._TRIED) + len(norm._TRIED_LONG)
+    at_limit = len(tuning.TRIED_AT_SHORT_LIMIT)
+    assert len(short_candidates) == 1 + len(tuning.TRIED) + len(tuning.TRIED_SHORT) + at_limit
+    assert len(long_candidates) == 1 + len(tuning.TRIED) + len(tuning.TRIED_LONG)
     assert (len(short_candidates), len(long_candidates)) == (13, 11)
     # Block 0's weight prefetch is left out only at 256 rows, where cold weights did not miss
     # it; below, they did.
     below = space.candidates((4096, torch.bfloat16, 128))
     assert len(below) == 12 and all(c["prefetch_weight"] for c in (*below, *long_candidates))
     assert [c for c in short_candidates if not c["prefetch_weight"]] == [
-        {**default, **changes} for changes in norm._TRIED_AT_SHORT_LIMIT]
-    shared = [{**default, **changes} for changes in norm._TRIED]
+        {**default, **changes} for changes in tuning.TRIED_AT_SHORT_LIMIT]
+    shared = [{**default, **changes} for changes in tuning.TRIED]
     assert all(c in short_candidates and c in long_candidates for c in shared)
     # Several partial sums, without the loop, only: in short launches with fewer threads too;
     # in long ones with the loop, and with registers capped to fill an SM.
     assert not any(c["row_registers"] == 8 and c["sum_chains"] == 4 for c in long_candidates)
     assert not any(c["fill_sm"] and c["row_registers"] == 16 for c in short_candidates)
-    assert {**default, **norm._SHORT_PATH, "fill_sm": True} in long_candidates
+    assert {**default, **tuning._SHORT_PATH, "fill_sm": True} in long_candidates
     # Beside a GEMM, each choice also without PDL; after itself, PDL always.
     for bucket, alone in ((short, short_candidates), (long, long_candidates)):
         beside = space.candidates(bucket, beside=True)
@@ -825,10 +826,10 @@ def test_two_vectors_is_tried_past_256_rows_where_it_fits(unstable):
                                 (128, torch.bfloat16, False), (3000, torch.float16, False),
                                 (16384, torch.float32, False), (32768, torch.bfloat16, False)):
         two_vectors = {**norm._default_knobs((hidden, dtype)), "two_vectors": True}
-        assert two_vectors not in norm._candidates(hidden, dtype)
-        assert (two_vectors in norm._candidates(hidden, dtype, True, True)) == fits, hidden
+        assert two_vectors not in tuning.candidates(hidden, dtype)
+        assert (two_vectors in tuning.candidates(hidden, dtype, True, True)) == fits, hidden
         for rows, tried in ((256, False), (1024, fits), (4096, fits)):
-            assert norm._tried((hidden, dtype, rows), two_vectors) == tried, (hidden, rows)
+            assert tuning.tried((hidden, dtype, rows), two_vectors) == tried, (hidden, rows)
 
 
 def test_tune_builds_two_modules_per_width_and_dtype():
@@ -853,8 +854,8 @@ def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The module of the tuner's choices with PDL at a width (for sm_90 here): an entry pair
     per choice, each with the kernel's own checks; those without PDL, another."""
     kernels_ = norm._candidate_kernels(128, torch.bfloat16)
-    assert len(kernels_) == len(norm._candidates(128, torch.bfloat16)) == 9
-    assert len(norm._candidates(128, torch.bfloat16, pdl=False)) == 10  # the default's too
+    assert len(kernels_) == len(tuning.candidates(128, torch.bfloat16)) == 9
+    assert len(tuning.candidates(128, torch.bfloat16, pdl=False)) == 10  # the default's too
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
     for pair in kernels_:
         assert "device" in failure(pair.rmsnorm, x, w, torch.empty_like(x), 1e-6)
@@ -864,9 +865,9 @@ def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
 def test_a_choice_outside_the_candidates_gets_a_module_of_its_own():
     bucket = (5120, torch.bfloat16, 16)
     knobs = {**norm._default_knobs(bucket), "row_registers": 8, "register_cap": False}
-    assert knobs not in norm._candidates(5120, torch.bfloat16)
+    assert knobs not in tuning.candidates(5120, torch.bfloat16)
     assert norm._module_key(bucket, knobs) == ("jitk.kernels.norm", 5120, torch.bfloat16,
-                                               *norm._knob_values(knobs))
+                                               *tuning.knob_values(knobs))
 
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])

@@ -13,13 +13,14 @@ import torch
 import jitk
 from jitk.build.builder import JitCompileError
 from jitk.kernels import norm
-from jitk.kernels.norm import rules
+from jitk.kernels.norm import rules, tuning
 
 CUH = Path(norm.__file__).with_name("rmsnorm.cuh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Every width up to 16384 (odd ones included), then the large sizes a model may use.
 WIDTHS = (*range(1, 16385), 16386, 24576, 32768, 65536 + 8, 2**20, norm._MAX_HIDDEN)
-EVERY_CHANGE = (*norm._TRIED, *norm._TRIED_SHORT, *norm._TRIED_LONG, *norm._TRIED_AT_SHORT_LIMIT)
+EVERY_CHANGE = (*tuning.TRIED, *tuning.TRIED_SHORT, *tuning.TRIED_LONG,
+                *tuning.TRIED_AT_SHORT_LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,10 @@ def test_knobs_are_tunings_template_parameters_in_order(cpp):
     parameters = re.search(r"template <([^>]*)>\s*struct Tuning \{", source).group(1)
     declared = re.findall(r"(int|bool) k(\w+)_", parameters)
     names = [re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower() for _, name in declared]
-    assert names == list(norm._KNOBS)
-    for (kind, _), values in zip(declared, norm._KNOBS.values()):
+    assert names == list(tuning.KNOBS)
+    for (kind, _), values in zip(declared, tuning.KNOBS.values()):
         assert all(type(v) is (bool if kind == "bool" else int) for v in values), (kind, values)
-    assert cpp.knob_count() == len(norm._KNOBS) == 13
+    assert cpp.knob_count() == len(tuning.KNOBS) == 13
 
 
 def test_default_knobs_are_default_tuning_at_every_width(cpp):
@@ -45,8 +46,8 @@ def test_default_knobs_are_default_tuning_at_every_width(cpp):
         for hidden in WIDTHS:
             knobs = norm._default_knobs((hidden, dtype, 1))
             expected = tuple(cpp.default_knob(hidden, dtype.itemsize, i)
-                             for i in range(len(norm._KNOBS)))
-            assert norm._knob_values(knobs) == expected, (hidden, dtype)
+                             for i in range(len(tuning.KNOBS)))
+            assert tuning.knob_values(knobs) == expected, (hidden, dtype)
 
 
 def test_applies_is_tuning_applies_at_every_width(cpp):
@@ -54,10 +55,10 @@ def test_applies_is_tuning_applies_at_every_width(cpp):
     for dtype in DTYPES:
         for hidden in WIDTHS:
             default = norm._default_knobs((hidden, dtype))
-            for vec_bytes in norm._KNOBS["max_vec_bytes"] + (4, 8):
+            for vec_bytes in tuning.KNOBS["max_vec_bytes"] + (4, 8):
                 for two_vectors in (False, True):
                     knobs = {**default, "max_vec_bytes": vec_bytes, "two_vectors": two_vectors}
-                    assert norm._applies(knobs, hidden, dtype) == cpp.tuning_applies(
+                    assert rules.applies(knobs, hidden, dtype) == cpp.tuning_applies(
                         hidden, dtype.itemsize, vec_bytes, two_vectors), (hidden, dtype, knobs)
 
 
@@ -69,16 +70,16 @@ def test_the_tuner_lists_exactly_the_choices_the_cpp_runs_as_asked(cpp):
     for dtype in DTYPES:
         for hidden in WIDTHS:
             default = norm._default_knobs((hidden, dtype))
-            candidates = norm._candidates.__wrapped__(hidden, dtype, True, True)
-            tried = norm._tried_values.__wrapped__(hidden, dtype, 1024, True)
+            candidates = tuning.candidates.__wrapped__(hidden, dtype, True, True)
+            tried = tuning.tried_values.__wrapped__(hidden, dtype, 1024, True)
             for changes in EVERY_CHANGE:
                 knobs = {**default, **changes}
                 runs = cpp.tuning_applies(hidden, dtype.itemsize, knobs["max_vec_bytes"],
                                           knobs["two_vectors"])
                 assert (knobs in candidates) == runs, (hidden, dtype, changes)
-                if changes in (*norm._TRIED, *norm._TRIED_LONG):  # those tried at 1024 rows
-                    assert (norm._knob_values(knobs) in tried) == runs, (hidden, dtype, changes)
-            for knobs in norm._candidates.__wrapped__(hidden, dtype):
+                if changes in (*tuning.TRIED, *tuning.TRIED_LONG):  # those tried at 1024 rows
+                    assert (tuning.knob_values(knobs) in tried) == runs, (hidden, dtype, changes)
+            for knobs in tuning.candidates.__wrapped__(hidden, dtype):
                 assert rules.keeps_order(knobs, hidden, dtype), (hidden, dtype, knobs)
                 assert cpp.tuning_applies(hidden, dtype.itemsize, knobs["max_vec_bytes"],
                                           knobs["two_vectors"]), (hidden, dtype, knobs)
@@ -108,7 +109,7 @@ def test_the_kernel_refuses_to_build_a_tuning_it_would_not_run():
     """rmsnorm.cuh's own check, for a caller that skips Python's: no silent default."""
     knobs = {**norm._default_knobs((3000, torch.float16)), "two_vectors": True}
     with pytest.raises(JitCompileError, match="would run the defaults' kernel"):
-        norm._load("rmsnorm_refused", 3000, torch.float16, norm._knob_values(knobs))
+        norm._load("rmsnorm_refused", 3000, torch.float16, tuning.knob_values(knobs))
 
 
 def test_threads_per_row_is_the_cpp_rule_at_every_width(cpp):
@@ -117,7 +118,7 @@ def test_threads_per_row_is_the_cpp_rule_at_every_width(cpp):
     for dtype in DTYPES:
         for hidden in WIDTHS:
             for vec_bytes in (4, 8, 16):
-                for registers in (*norm._KNOBS["row_registers"], 1, 2, 12):
+                for registers in (*tuning.KNOBS["row_registers"], 1, 2, 12):
                     knobs = {"max_vec_bytes": vec_bytes, "row_registers": registers}
                     assert rules.threads_per_row(hidden, dtype, knobs) == cpp.threads_per_row(
                         hidden, dtype.itemsize, vec_bytes, registers), (hidden, dtype, knobs)
@@ -148,6 +149,6 @@ def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
     assert rules.keeps_order({**wide, "row_registers": 8}, 32768, torch.bfloat16)
     faster = {**default, "row_registers": 8, "late_trigger": True, "fill_sm": True,
               "one_turn": True}  # in _TRIED, another order at 4096
-    assert not norm._tried(bucket, faster)
+    assert not tuning.tried(bucket, faster)
     monkeypatch.setenv("JITK_RMSNORM_FAST_UNSTABLE", "1")
-    assert norm._tried(bucket, faster)
+    assert tuning.tried(bucket, faster)

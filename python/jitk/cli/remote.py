@@ -18,8 +18,8 @@ from pathlib import Path
 from jitk.base import __version__
 from jitk.build import cache, remote, signing, toolchain
 from jitk.build.lock import JitLockError, build_lock
+from jitk.cli.common import EXIT_FAILURE, EXIT_OK
 
-EXIT_OK, EXIT_FAILURE = 0, 1
 _FOLDER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # an entry folder a registry may name
 
 

@@ -30,14 +30,12 @@ from typing import NamedTuple
 
 import torch
 
-from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
-from jitk.kernels.norm.rules import applies as _applies
+from jitk.kernels.norm import tuning
 from jitk.kernels.norm.rules import check_applies as _check_applies
 from jitk.kernels.norm.rules import default_knobs as _default_knobs
-from jitk.kernels.norm.rules import keeps_order as _keeps_order
 from jitk.runtime.op import Tolerance, op
 from jitk.tools import api_log
 from jitk.tools.autotune import TuningSpace
@@ -65,8 +63,8 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
 
 
 def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
-    """One module of both entry points at each tuning (knob values in _KNOBS's order), or
-    at rmsnorm.cuh's DefaultTuning when none is given."""
+    """One module of both entry points at each tuning (knob values in tuning.KNOBS's
+    order), or at rmsnorm.cuh's DefaultTuning when none is given."""
     _check_kernel_args(hidden, dtype)
     args = make_cpp_args(hidden, dtype)
     norms = [_norm_type(hidden, dtype, t) for t in tunings] or [_norm_type(hidden, dtype)]
@@ -84,8 +82,8 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
 
 
 def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> str:
-    """The C++ instantiation at a tuning (knob values in _KNOBS's order), else the default's;
-    its dtype is written unqualified (bf16_t), as load_jit's sources declare it."""
+    """The C++ instantiation at a tuning (knob values in tuning.KNOBS's order), else the
+    default's; its dtype is written unqualified (bf16_t), as load_jit's sources declare it."""
     args = make_cpp_args(hidden, dtype)
     if tuning is None:
         return f"jitk::norm::RMSNorm<{args}>"
@@ -99,132 +97,6 @@ def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     return _load("rmsnorm", hidden, dtype)[0]
 
 
-# ---------------------------------------------------------------------------- tuning
-# jitk::norm::Tuning's knobs, in its template order (a test reads that order from rmsnorm.cuh),
-# and the values a tuning file may name.
-# Left out of the search: the vector width (16 bytes, SGLang's too, is the widest an H100
-# loads). Block 0's weight prefetch pays in short launches where each layer's weight is cold,
-# as in a model, and a tuning loop over one weight never shows it, so it is tried off only at
-# 256 rows (_TRIED_AT_SHORT_LIMIT). PDL is tried off only beside a GEMM (_BESIDE_KNOBS): after
-# itself it always pays, after a GEMM it can cost short launches. The runs behind each choice
-# here: docs/developer_guide/verifying_and_tuning.md, "Measured: RMSNorm on an H100".
-_KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (True, False),
-          "max_vec_bytes": (16,), "register_cap": (True, False),
-          "broadcast_sum": (False, True), "pin_offsets": (False, True),
-          "row_first": (False, True), "sum_chains": (1, 4), "late_trigger": (False, True),
-          "fill_sm": (False, True), "one_turn": (False, True), "two_vectors": (False, True)}
-
-# What the tuner tries, as changes to the defaults (the full product is 3072 modules a width).
-# The threads a row (row_registers); SGLang's strategy (a row per block of hidden/16 threads,
-# two 16-byte vectors each; the next kernel let launch only at the end); the short critical
-# path (offsets before the wait, the row before the weight, the block sum read from shared
-# memory), with four partial sums or the late launch; one_turn (no row loop: it pays in short
-# launches and loses at 1024 rows, where ptxas then issues the weight's loads after the sum of
-# squares); and fill_sm, registers capped so that an SM holds as many blocks as a thread's
-# registers allow (SGLang's 768-thread blocks at 12288: two an SM, not one; jitk's 384: three,
-# not two). Up to _SHORT_LAUNCH_ROWS rows a launch is latency; past it, a wave or more of
-# blocks, where the short path with the loop, fill_sm's occupancy and the late launch (no
-# early-launched block of the next kernel holds an SM's room while this one has blocks to
-# place) pay. Each combination below was added because a sweep of the knobs' products found it
-# level with SGLang or ahead at a shape where the earlier choices trailed; two_vectors is a
-# kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), tried past 256 rows at
-# the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is 10 to
-# 14 of a width's 19 choices (with _TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
-# (6 to 8 with the default at 4096 bf16). A width's choices share a module
-# (_candidate_kernels), so that tuning the benchmark's shapes stays short.
-_SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
-_FOUR_SUMS = {"sum_chains": 4}
-_LATE = {"late_trigger": True}
-_SGLANG_LIKE = {"row_registers": 8, **_LATE}
-_ONE_TURN = {"one_turn": True}
-_FILL_SM = {"fill_sm": True}
-_TRIED = ({"row_registers": 4, **_ONE_TURN}, {**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN},
-          {**_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN}, {**_SHORT_PATH, **_LATE, **_ONE_TURN})
-_TRIED_SHORT = ({**_SGLANG_LIKE, **_ONE_TURN}, {"row_registers": 8, **_SHORT_PATH, **_ONE_TURN},
-                {"row_registers": 8, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
-                {**_SGLANG_LIKE, **_SHORT_PATH, **_FOUR_SUMS, **_ONE_TURN},
-                {**_SGLANG_LIKE, **_SHORT_PATH, **_ONE_TURN},
-                {"row_registers": 4, "row_first": True, **_LATE, **_ONE_TURN},
-                {"row_registers": 8, **_SHORT_PATH, **_FILL_SM, **_ONE_TURN})
-_TWO_VECTORS = {"two_vectors": True}
-_TRIED_LONG = (_SHORT_PATH, {**_SHORT_PATH, **_LATE}, {**_SHORT_PATH, **_FILL_SM},
-               {**_SHORT_PATH, **_FOUR_SUMS, **_FILL_SM, **_ONE_TURN},
-               {"row_registers": 8, **_FILL_SM}, _TWO_VECTORS)
-_SHORT_LAUNCH_ROWS = 256
-# At 256 rows, the largest short launch bucket, block 0's weight prefetch can cost single
-# calls more than it saves (the best products of the prefetch and the short path's knobs there
-# left it out), so one choice there leaves it out. Past 256 rows it won only within the
-# benchmark's noise and lengthened tuning, so it is not tried there.
-_TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets": True,
-                          "prefetch_weight": False},)
-
-
-# Batch invariance: a row's bits must not depend on the row count, and each bucket of rows
-# may get its own choice, so every choice the tuner times adds a row in the default's order
-# (rules.keeps_order: the same access width, threads a row and partial sums a thread, not
-# TwoVectors' kernel). A tried change that would add in another order is timed with those
-# knobs at the default's values and its launch changes kept, but fill_sm, whose register plan
-# was chosen for the threads it was tried with (left on, it spilled under ptxas at 8192 with
-# the default's 16 registers, sm_90). JITK_RMSNORM_FAST_UNSTABLE=1
-# times the changes as written, giving up invariance (docs/developer_guide/
-# verifying_and_tuning.md, "Batch invariance"); it is read when a bucket's candidates are
-# first worked out.
-FAST_UNSTABLE_ENV = "JITK_RMSNORM_FAST_UNSTABLE"
-_PUT_BACK = ("row_registers", "max_vec_bytes", "sum_chains", "two_vectors", "fill_sm")
-
-
-def _unstable_allowed() -> bool:
-    return settings.flag(FAST_UNSTABLE_ENV)
-
-
-def _as_tried(changes: dict, hidden: int, dtype: torch.dtype, unstable: bool) -> dict | None:
-    """A tried change's knobs as the tuner times them at a width (see above); None where the
-    choice would run the default's kernel in its place (rules.applies)."""
-    default = _default_knobs((hidden, dtype))
-    knobs = {**default, **changes}
-    if not unstable and not _keeps_order(knobs, hidden, dtype):
-        knobs = {**knobs, **{name: default[name] for name in _PUT_BACK}}
-    return knobs if knobs == default or _applies(knobs, hidden, dtype) else None
-
-
-def _tried(bucket: tuple, knobs: dict) -> bool:
-    """Whether the tuner times `knobs` at `bucket` (the default always)."""
-    return _knob_values(knobs) in _tried_values(*bucket[:3], _unstable_allowed())
-
-
-@functools.cache
-def _tried_values(hidden: int, dtype: torch.dtype, rows: int,
-                  unstable: bool = False) -> frozenset[tuple]:
-    """The knob values of every choice the tuner times at a bucket: a set, since the tuning
-    space asks about each of its knobs' 3072 combinations."""
-    tried = ({}, *_TRIED, *(_TRIED_SHORT if rows <= _SHORT_LAUNCH_ROWS else _TRIED_LONG),
-             *(_TRIED_AT_SHORT_LIMIT if rows == _SHORT_LAUNCH_ROWS else ()))
-    choices = (_as_tried(changes, hidden, dtype, unstable) for changes in tried)
-    return frozenset(_knob_values(knobs) for knobs in choices if knobs is not None)
-
-
-def _knob_values(knobs: dict) -> tuple:
-    """jitk::norm::Tuning's template arguments."""
-    return tuple(knobs[name] for name in _KNOBS)
-
-
-_BESIDE_KNOBS = ("pdl",)
-
-
-@functools.cache
-def _candidates(hidden: int, dtype: torch.dtype, pdl: bool = True,
-                unstable: bool = False) -> tuple[dict, ...]:
-    """Every choice the tuner may time at a width and dtype with PDL (or, the default too,
-    without) but the default, in one order (a candidates module's); not to be modified."""
-    default = _default_knobs((hidden, dtype))
-    choices = [default]
-    for changes in (*_TRIED, *_TRIED_SHORT, *_TRIED_LONG, *_TRIED_AT_SHORT_LIMIT):
-        knobs = _as_tried(changes, hidden, dtype, unstable)
-        if knobs is not None and knobs not in choices:
-            choices.append(knobs)
-    return tuple(knobs for knobs in ({**c, "pdl": pdl} for c in choices) if knobs != default)
-
-
 def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable[[], _Kernels]]]:
     """The default's knobs, then every other choice the tuner may pick at some row count of
     a width and dtype, each with a function that builds (or loads) its entry points
@@ -232,7 +104,7 @@ def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable
     `python -m jitk check --invariance` holds to the default's bits."""
     _check_kernel_args(hidden, dtype)
     choices = (_default_knobs((hidden, dtype)),
-               *_candidates(hidden, dtype, True, _unstable_allowed()))
+               *tuning.candidates(hidden, dtype, True, tuning.unstable_allowed()))
     return [(knobs, functools.partial(_kernels_with, (hidden, dtype), knobs)) for knobs in choices]
 
 
@@ -245,7 +117,8 @@ def _candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
                        unstable: bool = False) -> list[_Kernels]:
     name = "rmsnorm_candidates" + ("_unstable" if unstable else "") + ("" if pdl else "_no_pdl")
     return _load(name, hidden, dtype,
-                 *(_knob_values(knobs) for knobs in _candidates(hidden, dtype, pdl, unstable)))
+                 *(tuning.knob_values(knobs)
+                   for knobs in tuning.candidates(hidden, dtype, pdl, unstable)))
 
 
 @functools.cache
@@ -255,7 +128,7 @@ def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
 
 def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
     """The place of `knobs` in its candidates module (with PDL or without), if it has one."""
-    candidates = _candidates(*bucket[:2], knobs["pdl"], _unstable_allowed())
+    candidates = tuning.candidates(*bucket[:2], knobs["pdl"], tuning.unstable_allowed())
     return candidates.index(knobs) if knobs in candidates else None
 
 
@@ -266,8 +139,8 @@ def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
         return _kernels(hidden, dtype)
     index = _candidate_index(bucket, knobs)
     if index is not None:
-        return _candidate_kernels(hidden, dtype, knobs["pdl"], _unstable_allowed())[index]
-    return _tuned_kernels(hidden, dtype, _knob_values(knobs))
+        return _candidate_kernels(hidden, dtype, knobs["pdl"], tuning.unstable_allowed())[index]
+    return _tuned_kernels(hidden, dtype, tuning.knob_values(knobs))
 
 
 def _module_key(bucket: tuple, knobs: dict) -> tuple:
@@ -279,8 +152,8 @@ def _module_key(bucket: tuple, knobs: dict) -> tuple:
         return ("jitk.kernels.norm", hidden, dtype, "default")
     if _candidate_index(bucket, knobs) is not None:
         return ("jitk.kernels.norm", hidden, dtype, "candidates" if knobs["pdl"] else
-                "candidates without PDL", _unstable_allowed())
-    return ("jitk.kernels.norm", hidden, dtype, *_knob_values(knobs))
+                "candidates without PDL", tuning.unstable_allowed())
+    return ("jitk.kernels.norm", hidden, dtype, *tuning.knob_values(knobs))
 
 
 def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
@@ -430,10 +303,10 @@ def _space(entry: str) -> TuningSpace:
         return gemm_neighbour(input.numel() // max(input.shape[-1], 1), input.dtype,
                               input.device)
 
-    return TuningSpace(_KNOBS, bucket, _default_knobs,
+    return TuningSpace(tuning.KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       allowed=_tried, module_key=_module_key, neighbour=neighbour,
-                       beside_knobs=_BESIDE_KNOBS, tables=TABLES,
+                       allowed=tuning.tried, module_key=_module_key, neighbour=neighbour,
+                       beside_knobs=tuning.BESIDE_KNOBS, tables=TABLES,
                        outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))
@@ -504,7 +377,7 @@ def instantiation(function: str, hidden: int, dtype: torch.dtype, rows: int) -> 
     knobs = (_RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE).config(bucket)
     if knobs == _default_knobs(bucket):
         return _norm_type(hidden, dtype)
-    return _norm_type(hidden, dtype, _knob_values(knobs))
+    return _norm_type(hidden, dtype, tuning.knob_values(knobs))
 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
