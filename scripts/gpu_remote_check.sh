@@ -109,8 +109,10 @@ echo "host A: $built entries built and pushed ($(grep -m1 'configuration(s) in' 
   "$out/remote_precompile.log")); tests: $(tail -n 1 "$out/remote_tests_a.log")"
 echo "host B: $(tail -n 1 "$out/remote_pull.log")"
 echo "host B: tests with JITK_DISABLE_JIT=1: $(tail -n 1 "$out/remote_tests_b.log")"
+# Entries host A built for other architectures only (a test's) are not pulled: counts may
+# differ between the hosts, never on host B across its tests.
 echo "host B: entries $pulled after the pull, $after after the tests; $misses cache miss(es)"
-if (( pulled != built || after != pulled || misses != 0 )); then
+if (( pulled == 0 || after != pulled || misses != 0 )); then
   echo "FAILED: host B did not run on exactly the pushed entries"
   status=1
 fi
