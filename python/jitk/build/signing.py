@@ -5,8 +5,11 @@ the SHA-256 of its raw public bytes."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import importlib
 import os
+import re
 from pathlib import Path
 
 from jitk.base import settings
@@ -22,26 +25,37 @@ class RemoteCacheError(JitkError, RuntimeError):
     another key or architecture."""
 
 
-def _crypto():
+# A PEM public key of an ed25519 pair is this DER prefix (RFC 8410's SubjectPublicKeyInfo)
+# and the 32 raw bytes: read by hand, a puller imports only cryptography's ed25519 part,
+# not its serialization package (most of a cold pull's import time).
+_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+_PEM_PUBLIC = re.compile(rb"-----BEGIN PUBLIC KEY-----([A-Za-z0-9+/=\s]+)-----END PUBLIC KEY-----")
+
+
+def _imported(name: str):
     try:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
+        return importlib.import_module(f"cryptography.hazmat.primitives.{name}")
     except ImportError:
         raise RemoteCacheError("the remote cache signs and verifies with the `cryptography` "
                                "package: pip install 'jitk[remote]'") from None
-    return serialization, ed25519
+
+
+def _ed25519():
+    return _imported("asymmetric.ed25519")
+
+
+def _serialization():  # keygen and the pusher's private key only
+    return _imported("serialization")
 
 
 def fingerprint(public_key) -> str:
-    serialization, _ = _crypto()
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
+    return "ed25519:" + hashlib.sha256(public_key.public_bytes_raw()).hexdigest()[:16]
 
 
 def keygen(folder: Path) -> tuple[Path, Path, str]:
     """A new key pair in `folder`: jitk-remote.key (private, 0600) and jitk-remote.pub.
     Existing files are never replaced."""
-    serialization, ed25519 = _crypto()
+    serialization, ed25519 = _serialization(), _ed25519()
     private, public = folder / "jitk-remote.key", folder / "jitk-remote.pub"
     for path in (private, public):
         if path.exists():
@@ -59,28 +73,39 @@ def keygen(folder: Path) -> tuple[Path, Path, str]:
     return private, public, fingerprint(key.public_key())
 
 
-def _read_key(path: str, private: bool, setting: str):
-    serialization, ed25519 = _crypto()
+def _read_private_key(path: str):
+    serialization, ed25519 = _serialization(), _ed25519()
     try:
-        data = Path(path).expanduser().read_bytes()
-        key = (serialization.load_pem_private_key(data, None) if private
-               else serialization.load_pem_public_key(data))
+        key = serialization.load_pem_private_key(Path(path).expanduser().read_bytes(), None)
     except (OSError, ValueError, TypeError) as error:
-        raise RemoteCacheError(f"{setting}: {path} is not a readable PEM "
-                               f"{'private' if private else 'public'} key ({error})") from None
-    wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
-    if not isinstance(key, wanted):
-        raise RemoteCacheError(f"{setting}: {path} holds a {type(key).__name__}, not an "
+        raise RemoteCacheError(f"{KEY_ENV}: {path} is not a readable PEM private key "
+                               f"({error})") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise RemoteCacheError(f"{KEY_ENV}: {path} holds a {type(key).__name__}, not an "
                                "ed25519 key (python -m jitk cache keygen DIR makes one)")
     return key
 
 
+def _read_public_key(path: str):
+    ed25519 = _ed25519()
+    try:
+        found = _PEM_PUBLIC.search(Path(path).expanduser().read_bytes())
+        der = base64.b64decode(b"".join(found[1].split()), validate=True) if found else b""
+    except (OSError, ValueError) as error:
+        raise RemoteCacheError(f"{TRUST_ENV}: {path} is not a readable PEM public key "
+                               f"({error})") from None
+    if len(der) != len(_SPKI_PREFIX) + 32 or not der.startswith(_SPKI_PREFIX):
+        raise RemoteCacheError(f"{TRUST_ENV}: {path} holds no ed25519 public key (python -m "
+                               "jitk cache keygen DIR makes one)")
+    return ed25519.Ed25519PublicKey.from_public_bytes(der[len(_SPKI_PREFIX):])
+
+
 def signing_key():
     path = settings.get(KEY_ENV)
-    return _read_key(path, True, KEY_ENV) if path else None
+    return _read_private_key(path) if path else None
 
 
 def trusted_keys() -> dict[str, object]:
     """Fingerprint -> public key, for every file JITK_REMOTE_CACHE_TRUST names."""
-    keys = (_read_key(path, False, TRUST_ENV) for path in settings.get(TRUST_ENV))
+    keys = (_read_public_key(path) for path in settings.get(TRUST_ENV))
     return {fingerprint(key): key for key in keys}
