@@ -27,7 +27,6 @@ from jitk.base.errors import JitkError
 # The kernel modules shipped with jitk, as they declare themselves.
 from jitk.build import toolchain
 from jitk.runtime import registry
-from jitk.tools.tuning_store import TUNED_FOR_ENV, table_gpu
 
 KERNEL_MODULES = tuple(registry.kernel_modules())
 # More modules with precompile_configs(), e.g. a project's own kernels: "pkg.a,pkg.b".
@@ -203,6 +202,8 @@ def workers_see_no_gpu() -> Iterator[None]:
     makes torch and the CUDA runtime disagree on how many there are. The GPU this process
     sees is named to them (JITK_TUNED_FOR), so that they list the configurations its shipped
     tuning tables add, as this process did."""
+    from jitk.tools.tuning_store import TUNED_FOR_ENV, table_gpu  # torch: only when building
+
     saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", TUNED_FOR_ENV)}
     gpu = table_gpu()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
