@@ -37,3 +37,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_shipped_table(monkeypatch):
+    """This process as one no shipped tuning table is for (on a GPU that has one, the table
+    would choose where a test checks the defaults)."""
+    from jitk.kernels import norm
+    from jitk.tools import tuning_store
+
+    monkeypatch.setattr(tuning_store, "table_gpu", lambda: None)
+    tuning_store.reread()
+    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        space.forget()
+    yield
+    tuning_store.reread()
+    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        space.forget()

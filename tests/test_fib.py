@@ -94,7 +94,7 @@ def test_a_solution_carries_the_instantiation_jitk_picks_for_each_row_bucket(mon
     assert "  jitk::norm::RMSNorm<4096, bf16_t>::run(hidden_states" in main_cu  # the rest
 
 
-def test_instantiation_is_the_default_without_a_tuning_file():
+def test_instantiation_is_the_default_without_a_tuning_file(no_shipped_table):
     from jitk.kernels import norm
 
     assert norm.instantiation("fused_add_rmsnorm", 4096, torch.bfloat16, 77) == \

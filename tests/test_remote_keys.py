@@ -28,7 +28,8 @@ print(json.dumps({"fingerprints": sorted(keys),
 
 def test_a_puller_imports_only_the_ed25519_part_of_cryptography(tmp_path):
     _, public, fingerprint = signing.keygen(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR), "JITK_REMOTE_CACHE_TRUST": str(public)}
+    path = os.pathsep.join(filter(None, (str(PYTHON_DIR), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path, "JITK_REMOTE_CACHE_TRUST": str(public)}
     read = subprocess.run([sys.executable, "-c", READ_TRUSTED], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert read.returncode == 0, read.stderr

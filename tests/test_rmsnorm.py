@@ -387,7 +387,8 @@ def test_precompile_configs_name_cached_loaders(tmp_path, monkeypatch):
     assert configs[0][1]() is kernels()  # the module the tests above built
 
 
-def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypatch):
+def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypatch,
+                                                               no_shipped_table):
     from jitk import autotune
 
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
