@@ -326,6 +326,14 @@ def test_a_dumped_call_becomes_a_workload_of_its_own_tensors(tmp_path):
     assert stored["input"].shape == (3, 4096)
 
 
+def test_apply_config_refuses_an_unknown_dtype_and_a_bad_step_count():
+    with pytest.raises(jitk.ArgumentError, match="'dtype' must be one of bfloat16, float16"):
+        jitk.fib.apply_config("int8")
+    with pytest.raises(jitk.ArgumentError, match="'ulps' must be an int >= 1, got 0"):
+        jitk.fib.apply_config("float16", 0)
+    assert jitk.fib.apply_config("float16", 1).max_rtol == 2.0**-10
+
+
 def test_workloads_refuse_a_missing_log(tmp_path):
     with pytest.raises(jitk.ArgumentError, match="log '/no/such.log' is not a file"):
         jitk.fib.workloads(["/no/such.log"], tmp_path)
@@ -335,7 +343,9 @@ def test_workloads_refuse_a_missing_log(tmp_path):
 def _passed_trace(definition: str, solution: str, rows: int) -> object:
     evaluation = fib_data.Evaluation(
         status="PASSED", environment=fib_data.Environment(hardware="test"),
-        timestamp="2026-01-01T00:00:00", correctness=fib_data.Correctness(),
+        # what a bf16 output one rounding step off the reference reports
+        timestamp="2026-01-01T00:00:00", correctness=fib_data.Correctness(
+            max_absolute_error=0.0625, max_relative_error=2.0**-7),
         performance=fib_data.Performance(latency_ms=1.0, reference_latency_ms=2.0,
                                          speedup_factor=2.0))
     return fib_data.Trace(definition=definition, solution=solution, evaluation=evaluation,
@@ -359,9 +369,13 @@ def test_apply_routes_to_jitks_solution_and_falls_back_where_none_qualifies(tmp_
     traces.parent.mkdir(parents=True)
     traces.write_text(_passed_trace("fused_add_rmsnorm_h4096", "fused_add_rmsnorm_h4096_jitk",
                                     4).model_dump_json() + "\n")
-    config = ApplyConfigRegistry(default=ApplyConfig(aot_ratio=0.0))  # nothing built ahead
-    table = ApplyTable.load_or_build(fib_data.TraceSet.from_path(str(tmp_path / "set")), config)
+    trace_set = fib_data.TraceSet.from_path(str(tmp_path / "set"))
     at = lambda rows: ApplyKey(axes=(("batch_size", rows),))
+    stock = ApplyConfigRegistry(default=ApplyConfig(aot_ratio=0.0))
+    assert ApplyTable.load_or_build(trace_set, stock).match_solution(  # its tolerances admit
+        "fused_add_rmsnorm_h4096", at(4)) is None  # no 16-bit output
+    config = ApplyConfigRegistry(default=jitk.fib.apply_config("bfloat16", aot_ratio=0.0))
+    table = ApplyTable.load_or_build(trace_set, config)  # nothing built ahead (aot_ratio)
     assert table.match_solution("fused_add_rmsnorm_h4096", at(4)) == \
         "fused_add_rmsnorm_h4096_jitk"
     assert table.match_solution("fused_add_rmsnorm_h4096", at(7)) is None

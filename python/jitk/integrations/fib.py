@@ -39,8 +39,8 @@ from jitk.integrations.fib_base import FibUnavailableError, require_fib, write_m
 from jitk.integrations.fib_workloads import workloads
 from jitk.runtime.op import OpInfo, find_op
 
-__all__ = ["FAMILIES", "FibUnavailableError", "definition", "export", "install_builder",
-           "solution", "workloads"]
+__all__ = ["FAMILIES", "FibUnavailableError", "apply_config", "definition", "export",
+           "install_builder", "solution", "workloads"]
 
 # The ops export() writes, by kernel family (`python -m jitk fib export --family`).
 FAMILIES = {"norm": fib_norm.OPS, "hicache": tuple(fib_hicache.OPS)}
@@ -65,6 +65,27 @@ def solution(definition: object, name: str | None = None) -> object:
     if fib_hicache.is_hicache(definition):
         return fib_hicache.solution(definition, name)
     return fib_norm.solution(definition, name)
+
+
+# Relative size of one step (unit in the last place) at the bottom of a binade.
+_ULP = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
+
+
+def apply_config(dtype: str = "bfloat16", ulps: int = 2, **options: object) -> object:
+    """A flashinfer_bench ApplyConfig that admits a Solution whose output differs from the
+    Definition's reference by rounding alone: `ulps` steps of `dtype` relative, whatever the
+    absolute size. Its default (max_atol 1e-2 and max_rtol 1e-5, both required) admits no
+    trace of a 16-bit output, so apply() would always fall back. `options` go to ApplyConfig
+    as they are (on_miss_policy, aot_ratio, ...)."""
+    if dtype not in _ULP:
+        raise ArgumentError(f"apply_config(): 'dtype' must be one of {', '.join(_ULP)}, got "
+                            f"{dtype!r}")
+    if not isinstance(ulps, int) or isinstance(ulps, bool) or ulps < 1:
+        raise ArgumentError(f"apply_config(): 'ulps' must be an int >= 1, got {ulps!r}")
+    require_fib()
+    from flashinfer_bench.apply import ApplyConfig
+
+    return ApplyConfig(max_atol=float("inf"), max_rtol=ulps * _ULP[dtype], **options)
 
 
 def install_builder() -> object:
