@@ -12,7 +12,8 @@ A Solution is destination-passing (`run(<inputs>, output)`) and self-contained: 
 rmsnorm.cuh and the jitk headers they include, under jitk/ in the Solution, so that the
 Solution folder, which both FlashInfer-Bench's tvm-ffi builder and jitk's put on the include
 path, resolves `<jitk/...>`. Its entry picks, by row count, the instantiation jitk.rmsnorm
-(or jitk.fused_add_rmsnorm) runs for that row bucket (jitk.kernels.norm.instantiation).
+runs for that row bucket (jitk.kernels.norm.instantiation); the fused form adds into the
+output first and normalises it in place, as jitk's fused kernel normalises the stored sum.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from collections.abc import Iterable
 import torch
 
 from jitk.base.errors import ArgumentError, ArgumentTypeError
+from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import DEFAULT_CUDA_CFLAGS, KERNEL_DIR
-from jitk.integrations.fib_base import AUTHOR, COPY_INTO, require_fib, shipped_files
+from jitk.integrations.fib_base import AUTHOR, require_fib, shipped_files
 from jitk.kernels import norm
 
 __all__ = ["DATASET_DTYPE", "DATASET_EPS", "NVCC_APPEND_FLAGS", "definition", "definition_name",
@@ -139,54 +141,81 @@ def _signature(definition: object) -> tuple[str, int, torch.dtype, float]:
     return op, hidden, dtype, eps
 
 
+# C++ for the fused Solution's main.cu: the sum of two whole contiguous tensors of one shape
+# and dtype, each element added in float and rounded to the dtype, as jitk's fused kernel
+# stores it in the residual.
+_ADD_INTO = """
+template <typename T>
+__global__ void add_kernel(T* out, const T* x, const T* r, int64_t n) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += step) {
+    out[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(r[i]));
+  }
+}
+
+template <typename T>
+T* data_of(const jitk::TensorView& t) {
+  return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
+}
+
+bool whole_like(const jitk::TensorView& t, const jitk::TensorView& like) {
+  return t.numel() == like.numel() && t.dtype() == like.dtype() && t.stride(-1) == 1 &&
+         t.stride(0) * t.size(0) == t.numel();
+}
+
+template <typename T>
+void add_into(const jitk::TensorView& out, const jitk::TensorView& x,
+              const jitk::TensorView& r) {
+  jitk::RuntimeCheck(whole_like(out, out) && whole_like(x, out) && whole_like(r, out),
+                     "jitk Solution: the tensors must be contiguous and of one shape and dtype");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const int64_t blocks = (n + 255) / 256 < 8192 ? (n + 255) / 256 : 8192;
+  add_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, jitk::current_stream(out.device())>>>(
+      data_of<T>(out), data_of<T>(x), data_of<T>(r), n);
+  jitk::RuntimeDeviceCheck(cudaGetLastError());
+}
+"""
+
+
 def _entry(op: str, hidden: int, dtype: torch.dtype, eps: float) -> str:
-    """main.cu: `run` dispatching on the row count to each bucket's instantiation."""
+    """main.cu: `run` dispatching on the row count to each bucket's instantiation of
+    jitk.rmsnorm. The fused form runs it in place on the sum: jitk's fused kernel normalises
+    the sum as stored with the same code, so the bits are the same, and the Definition's
+    inputs stay as they are without scratch or copies (its kernel works in place)."""
     steps: list[tuple[int, str]] = []
     rows = 1
     while rows <= _LARGEST_BUCKET:
-        kernel = norm.instantiation(op, hidden, dtype, rows)
+        kernel = norm.instantiation("rmsnorm", hidden, dtype, rows)
         if steps and steps[-1][1] == kernel:
             steps[-1] = (rows, kernel)
         else:
             steps.append((rows, kernel))
         rows *= 2
-    call = ("::run(hidden_states, weight, output, kEps)" if op == "rmsnorm"
-            else "::run_fused_add(output, sum, weight, kEps)")
+    source = "hidden_states" if op == "rmsnorm" else "output"
+    call = f"::run({source}, weight, output, kEps)"
     branches = "".join(f"  if (rows <= {limit}) return {kernel}{call};\n"
                        for limit, kernel in steps[:-1]) + f"  {steps[-1][1]}{call};\n"
     if op == "rmsnorm":
         body = (f"  const jitk::TensorView hidden_states(hidden_states_), weight(weight_), "
                 f"output(output_);\n  const int64_t rows = hidden_states.numel() / {hidden};\n")
         params = "hidden_states_, tvm::ffi::TensorView weight_"
+        helpers = ""
     else:
+        cpp_type = make_cpp_args(dtype)
         body = f"""\
   const jitk::TensorView hidden_states(hidden_states_), residual(residual_), weight(weight_),
       output(output_);
-  // jitk's kernel works in place (residual += x; x = norm); the Definition's inputs stay
-  // as they are, so x is copied into the output and the residual into stream-ordered scratch.
-  copy_into(output, hidden_states);
-  const auto stream = jitk::current_stream(residual.device());
-  void* scratch = nullptr;
-  jitk::RuntimeDeviceCheck(cudaMallocAsync(&scratch, bytes_of(residual), stream));
-  DLTensor sum_tensor{{scratch, residual.device(), residual.ndim(), residual.dtype(),
-                      const_cast<int64_t*>(residual.shape().data()), nullptr, 0}};
-  const jitk::TensorView sum(&sum_tensor);
-  copy_into(sum, residual);
-  const int64_t rows = hidden_states.numel() / {hidden};
-  run_rows(rows, output, sum, weight);
-  jitk::RuntimeDeviceCheck(cudaFreeAsync(scratch, stream));
+  add_into<{cpp_type}>(output, hidden_states, residual);
+  const int64_t rows = output.numel() / {hidden};
 """
         params = "hidden_states_, tvm::ffi::TensorView residual_, tvm::ffi::TensorView weight_"
-    helpers = "" if op == "rmsnorm" else COPY_INTO + f"""
-void run_rows(int64_t rows, const jitk::TensorView& output, const jitk::TensorView& sum,
-              const jitk::TensorView& weight) {{
-{branches}}}
-"""
-    dispatch = "" if op != "rmsnorm" else branches
+        helpers = _ADD_INTO
     return f"""\
 // jitk's {op} as a FlashInfer-Bench Solution of {definition_name(op, hidden, dtype, eps)}
 // (written by jitk.fib): destination-passing, each row bucket's instantiation as
-// jitk.{op} picks it.
+// jitk.rmsnorm picks it.
 #include <jitk/utils.cuh>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
@@ -200,7 +229,7 @@ constexpr double kEps = {eps!r};
 {helpers}}}  // namespace
 
 void run(tvm::ffi::TensorView {params}, tvm::ffi::TensorView output_) {{
-{body}{dispatch}}}
+{body}{branches}}}
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);
 """
