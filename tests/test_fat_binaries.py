@@ -27,13 +27,16 @@ KERNEL = textwrap.dedent("""\
 
 # Runs in a fresh process: fakes a GPU of the given capability, then loads the modules.
 FAKE_GPU_LOADER = textwrap.dedent("""\
-    import importlib, sys
+    import importlib, sys, types
     import torch
     capability = tuple(int(part) for part in sys.argv[1].split("."))
     torch.cuda.is_available = lambda: True
     torch.cuda.get_device_capability = lambda device=None: capability
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_name = lambda device=None: "a faked GPU"
+    # what the tuning store keys shipped tables by: a GPU no table is for
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        name="a faked GPU", multi_processor_count=1)
     import jitk
     import jitk.build.jit, jitk.tools.precompile
     if sys.argv[2] == "shipped":
