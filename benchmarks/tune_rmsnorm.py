@@ -1,5 +1,5 @@
-"""Sweep of the RMSNorm kernel's knobs (jitk::norm::Tuning in rmsnorm.cuh) under CUDA graph
-replay, to choose the defaults: the registers a thread would rather give its part of a row
+"""Sweep of the RMSNorm kernel's knobs (jitk::norm::Tuning in rmsnorm_tiling.cuh) under CUDA
+graph replay, to choose the defaults: the registers a thread would rather give its part of a row
 (fewer spread a row over more threads), block 0 prefetching the weight into L2 before the
 wait, and the rows a thread normalises at once with one copy of the weight. Each setting's
 results (both entry points, vector and element-wise paths) are checked against torch first.
@@ -14,7 +14,8 @@ flush has evicted and an input just written (us for the two, beyond the flush an
 write). "copy" is a copy of the same bytes (the clone alone in "clone" mode). Prints us per
 call per setting, and the best per shape. TUNE_RMSNORM_BASELINE=path/to/rmsnorm.cuh adds that
 file's kernel (another revision's, with its own default knobs) as one more setting, "base";
-it includes this checkout's jitk headers, so give it copies of its own where they differ.
+it includes this checkout's jitk headers, so give it copies of its own where they differ, and
+the files of its folder it includes (rmsnorm_*.cuh) beside it.
     python benchmarks/tune_rmsnorm.py [--quick] [--json PATH]"""
 
 import itertools

@@ -5,6 +5,7 @@ BuildError. Skipped where flashinfer-bench is not installed (pip install jitk[fi
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_export_writes_a_trace_set_in_the_datasets_form(tmp_path):
         assert solution.spec.destination_passing_style and solution.spec.binding == "tvm-ffi"
         paths = [source.path for source in solution.sources]
         assert paths[:2] == ["main.cu", "rmsnorm.cuh"] and "jitk/utils.cuh" in paths
+        for source in solution.sources:  # the kernel's own files it includes ship beside it
+            for included in re.findall(r'#include "([\w./]+)"', source.content):
+                assert included in paths, (source.path, included)
         main_cu = solution.get_entry_source().content
         assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, run);" in main_cu
         assert f"RMSNorm<{name.split('_h')[1].split('_')[0]}, " in main_cu

@@ -302,7 +302,7 @@ def test_the_largest_hidden_size_builds():
 # are (on an H100 neither won a 4096 bucket): the short path with the late launch and the
 # loop, 48-72 bytes under the 8-block register cap (64 a thread; 88-106 uncapped); and the
 # short path with four sums and fill_sm, 8 bytes, which a larger plan would cost a block an
-# SM at 12288, where it wins (rmsnorm.cuh, fill_sm_blocks).
+# SM at 12288, where it wins (rmsnorm_kernels.cuh, fill_sm_blocks).
 KNOWN_SPILLS = (4096, {**tuning._SHORT_PATH, **tuning._LATE}), (
     4096, {**tuning._SHORT_PATH, **tuning._FOUR_SUMS, **tuning._FILL_SM, **tuning._ONE_TURN})
 
@@ -820,7 +820,7 @@ def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space, unstabl
 
 
 def test_two_vectors_is_tried_past_256_rows_where_it_fits(unstable):
-    """Where rmsnorm.cuh's TwoVectors fits: a row of a multiple of 1024 bytes, up to 32 KiB;
+    """Where rmsnorm_kernels.cuh's TwoVectors fits: a row of a multiple of 1024 bytes, up to 32 KiB;
     only with JITK_RMSNORM_FAST_UNSTABLE=1, since it adds a row in an order of its own."""
     for hidden, dtype, fits in ((512, torch.bfloat16, True), (7168, torch.float16, True),
                                 (8192, torch.float32, True), (16384, torch.bfloat16, True),

@@ -15,7 +15,7 @@ from jitk.build.builder import JitCompileError
 from jitk.kernels import norm
 from jitk.kernels.norm import rules, tuning
 
-CUH = Path(norm.__file__).with_name("rmsnorm.cuh")
+CUH = Path(norm.__file__).with_name("rmsnorm_tiling.cuh")  # Tuning's file
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Every width up to 16384 (odd ones included), then the large sizes a model may use.
 WIDTHS = (*range(1, 16385), 16386, 24576, 32768, 65536 + 8, 2**20, norm._MAX_HIDDEN)

@@ -68,13 +68,20 @@ def _op_type_of(out_dir: Path, definition: str) -> str:
     raise FileNotFoundError(f"write the Definition {definition} before its Solutions")
 
 
-def shipped_files(files: dict[str, str]) -> list[dict[str, str]]:
-    """A Solution's sources: `files` (path -> text) and every jitk header they include,
+def shipped_files(files: dict[str, str], kernel_dir: Path | None = None
+                  ) -> list[dict[str, str]]:
+    """A Solution's sources: `files` (path -> text), the files of `kernel_dir` they include
+    by quoted name (`#include "rmsnorm.cuh"`), beside them, and every jitk header they include,
     transitively, under jitk/, which the Solution's folder on the include path resolves."""
-    headers: dict[str, str] = {}
+    files, headers = dict(files), {}
     pending = list(files.values())
     while pending:
-        for name in re.findall(r"#include <(jitk/[\w./]+)>", pending.pop()):
+        text = pending.pop()
+        for name in re.findall(r'#include "([\w.]+)"', text) if kernel_dir else ():
+            if name not in files:
+                files[name] = (kernel_dir / name).read_text()
+                pending.append(files[name])
+        for name in re.findall(r"#include <(jitk/[\w./]+)>", text):
             if name not in headers:
                 headers[name] = (INCLUDE_DIR / name).read_text()
                 pending.append(headers[name])

@@ -9,11 +9,12 @@ same form under a longer name (`rmsnorm_h4096_float16_eps1e-06`), so that a data
 always means the dataset's op.
 
 A Solution is destination-passing (`run(<inputs>, output)`) and self-contained: main.cu,
-rmsnorm.cuh and the jitk headers they include, under jitk/ in the Solution, so that the
-Solution folder, which both FlashInfer-Bench's tvm-ffi builder and jitk's put on the include
-path, resolves `<jitk/...>`. Its entry picks, by row count, the instantiation jitk.rmsnorm
-runs for that row bucket (jitk.kernels.norm.instantiation); the fused form adds into the
-output first and normalises it in place, as jitk's fused kernel normalises the stored sum.
+rmsnorm.cuh and the files of its folder it includes, beside it, and the jitk headers they
+include, under jitk/ in the Solution, so that the Solution folder, which both
+FlashInfer-Bench's tvm-ffi builder and jitk's put on the include path, resolves `<jitk/...>`.
+Its entry picks, by row count, the instantiation jitk.rmsnorm runs for that row bucket
+(jitk.kernels.norm.instantiation); the fused form adds into the output first and normalises
+it in place, as jitk's fused kernel normalises the stored sum.
 """
 
 from __future__ import annotations
@@ -245,12 +246,11 @@ def solution(definition: object, name: str | None = None) -> object:
                                 f"flashinfer_bench Definition, got {type(definition).__name__}")
     op, hidden, dtype, eps = _signature(definition)
     main = _entry(op, hidden, dtype, eps)
-    kernel = (KERNEL_DIR / "norm" / "rmsnorm.cuh").read_text()
     return fib.data.Solution(
         name=name or f"{definition.name}_jitk", definition=definition.name, author=AUTHOR,
         spec=fib.data.BuildSpec(language="cuda", binding="tvm-ffi", target_hardware=["cuda"],
                                 entry_point="main.cu::run", destination_passing_style=True),
-        sources=shipped_files({"main.cu": main, "rmsnorm.cuh": kernel}),
+        sources=shipped_files({"main.cu": main}, KERNEL_DIR / "norm"),
         description=f"jitk's {op} kernel, self-contained; FlashInfer-Bench's tvm-ffi builder "
                     f"builds it with NVCC_APPEND_FLAGS='{NVCC_APPEND_FLAGS}' set")
 

@@ -45,7 +45,7 @@ __all__ = ["fused_add_rmsnorm", "instantiation", "precompile_configs", "rmsnorm"
            "tuning_choices"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm.cuh); a test builds the largest
+_MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm_tiling.cuh); a test builds the largest
 _FLOAT32_MAX = 3.4028234663852886e38  # eps travels to the kernel as a float32
 
 
@@ -64,7 +64,7 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
 
 def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
     """One module of both entry points at each tuning (knob values in tuning.KNOBS's
-    order), or at rmsnorm.cuh's DefaultTuning when none is given."""
+    order), or at rmsnorm_tiling.cuh's DefaultTuning when none is given."""
     _check_kernel_args(hidden, dtype)
     args = make_cpp_args(hidden, dtype)
     norms = [_norm_type(hidden, dtype, t) for t in tunings] or [_norm_type(hidden, dtype)]

@@ -11,8 +11,8 @@ import torch
 from jitk.base import settings
 from jitk.kernels.norm.rules import applies, default_knobs, keeps_order
 
-# jitk::norm::Tuning's knobs, in its template order (a test reads that order from rmsnorm.cuh),
-# and the values a tuning file may name.
+# jitk::norm::Tuning's knobs, in its template order (a test reads that order from
+# rmsnorm_tiling.cuh), and the values a tuning file may name.
 # Left out of the search: the vector width (16 bytes, SGLang's too, is the widest an H100
 # loads). Block 0's weight prefetch pays in short launches where each layer's weight is cold,
 # as in a model, and a tuning loop over one weight never shows it, so it is tried off only at
@@ -38,9 +38,9 @@ KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (
 # early-launched block of the next kernel holds an SM's room while this one has blocks to
 # place) pay. Each combination below was added because a sweep of the knobs' products found it
 # level with SGLang or ahead at a shape where the earlier choices trailed; two_vectors is a
-# kernel of SGLang's layout written for jitk (rmsnorm.cuh, TwoVectors), tried past 256 rows at
-# the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is 10 to
-# 14 of a width's 19 choices (with TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
+# kernel of SGLang's layout written for jitk (rmsnorm_kernels.cuh, TwoVectors), tried past 256
+# rows at the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is
+# 10 to 14 of a width's 19 choices (with TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
 # (6 to 8 with the default at 4096 bf16). A width's choices share a module
 # (__init__'s _candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
