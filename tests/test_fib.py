@@ -399,3 +399,34 @@ def test_apply_routes_to_jitks_solution_and_falls_back_where_none_qualifies(tmp_
         disable_apply()
     want = run_of(fib_norm.definition("fused_add_rmsnorm", 4096))(x, residual, weight)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 77, 1024])
+def test_a_norm_solution_gives_jitks_bits_and_leaves_its_inputs(op, dtype, rows, monkeypatch):
+    """Built by FlashInfer-Bench's own builder, on fresh random rows into a poisoned output:
+    the bits jitk's own op gives (the fused form through RMSNorm in place on the sum), within
+    one step of the Definition's float32 reference, and the inputs untouched."""
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)  # for its builder
+    definition = fib_norm.definition(op, 2048, dtype, 1e-5)
+    runnable = BuilderRegistry.get_instance().build(definition, jitk.fib.solution(definition))
+    x, residual = (torch.randn(rows, 2048, device="cuda").to(dtype) for _ in range(2))
+    weight = torch.randn(2048, device="cuda").to(dtype)
+    inputs = [x, residual, weight] if op == "fused_add_rmsnorm" else [x, weight]
+    kept = [t.clone() for t in inputs]
+    output = torch.full_like(x, float("nan"))
+    runnable.call_destination_passing(*inputs, output)
+    torch.cuda.synchronize()
+    if op == "rmsnorm":
+        want = jitk.rmsnorm(x, weight, torch.empty_like(x), eps=1e-5)
+    else:
+        want, summed = x.clone(), residual.clone()
+        jitk.fused_add_rmsnorm(want, summed, weight, eps=1e-5)
+    assert torch.equal(output, want)
+    assert all(map(torch.equal, inputs, kept))
+    reference = run_of(definition)(*inputs).float()
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert ((output.float() - reference).abs() <= reference.abs() * 2 * step + 1e-6).all()
+    runnable.cleanup()
