@@ -166,7 +166,9 @@ def benchmark(out_dir: Path, hidden: list[int]) -> int:
                          f"{performance.speedup_factor:.2f}x" if performance else "-"))
     print_table(("definition", "solution", "rows|tokens", "status", "max abs err", "us",
                  "reference us", "speedup"), rows)
-    print_summary(trace_set, result.traces)
+    print("geometric mean speedup over the reference, passed workloads:")
+    print_table(("family", "solution", "speedup", "passed"),
+                summary_rows(trace_set.definitions, result.traces))
     kinds = [d.op_type for d in trace_set.definitions.values()]
     expected = (kinds.count("rmsnorm") * len(BATCH_SIZES)
                 + kinds.count("kv_transfer") * len(HICACHE_TOKENS))
@@ -220,25 +222,27 @@ def family(definition: Definition) -> str:
                  if tag.startswith("jitk:")), definition.name)
 
 
-def print_summary(trace_set: TraceSet, traces: dict[str, list[Trace]]) -> None:
-    """Per Definition family and kind of Solution (the name's suffix: jitk, torch, triton),
-    the geometric mean of the passed workloads' speedups over the reference."""
+def summary_rows(definitions: dict[str, Definition],
+                 traces: dict[str, list[Trace]]) -> list[tuple[str, str, str, str]]:
+    """Per Definition family and kind of Solution (the name's suffix: jitk, torch, triton):
+    the geometric mean of the passed workloads' speedups over the reference, and how many
+    of its workloads passed."""
     speedups: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], int] = {}
-    for name, definition in trace_set.definitions.items():
+    for name, definition in definitions.items():
         for trace in traces.get(name, []):
             key = (family(definition), (trace.solution or "").removeprefix(f"{name}_"))
             counts[key] = counts.get(key, 0) + 1
             performance = trace.evaluation.performance
-            if trace.evaluation.status == EvaluationStatus.PASSED and performance:
+            if (trace.evaluation.status == EvaluationStatus.PASSED and performance
+                    and performance.speedup_factor > 0):
                 speedups.setdefault(key, []).append(performance.speedup_factor)
     rows = []
     for key in sorted(counts):
         passed = speedups.get(key, [])
         mean = math.exp(sum(map(math.log, passed)) / len(passed)) if passed else None
         rows.append((*key, f"{mean:.2f}x" if mean else "-", f"{len(passed)} of {counts[key]}"))
-    print("geometric mean speedup over the reference, passed workloads:")
-    print_table(("family", "solution", "speedup", "passed"), rows)
+    return rows
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:

@@ -105,3 +105,39 @@ def test_a_triton_solution_built_by_flashinfer_bench_computes_the_reference(op, 
     assert output.dtype == dtype and output.shape == x.shape
     assert ((output.float() - reference).abs() <= reference.abs() * 2 * step + 1e-6).all()
     assert all(map(torch.equal, inputs, kept))
+
+
+def _trace(definition, kind: str, status: str, speedup: float) -> object:
+    passed = status == "PASSED"
+    evaluation = fib_data.Evaluation(
+        status=status, environment={"hardware": "test"}, timestamp="2026-01-01T00:00:00",
+        correctness={} if status in ("PASSED", "INCORRECT_NUMERICAL") else None,
+        performance={"latency_ms": 1.0, "reference_latency_ms": speedup,
+                     "speedup_factor": speedup} if passed else None)
+    return fib_data.Trace(definition=definition.name, solution=f"{definition.name}_{kind}",
+                          workload={"axes": {"batch_size": 1}, "inputs": {}, "uuid": "u"},
+                          evaluation=evaluation)
+
+
+def test_the_summary_gives_each_familys_geometric_mean_over_its_passed_workloads(monkeypatch):
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)  # fib_gpu sets it
+    monkeypatch.delenv("FIB_GPU_BUILDER", raising=False)
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("fib_gpu", _SCRIPT.parent / "fib_gpu.py")
+    fib_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fib_gpu)
+    small, large = (fib_norm.definition("rmsnorm", hidden) for hidden in (2048, 4096))
+    fused = fib_norm.definition("fused_add_rmsnorm", 2048)
+    traces = {small.name: [_trace(small, "jitk", "PASSED", 2.0),
+                           _trace(small, "triton", "COMPILE_ERROR", 0.0),
+                           _trace(small, "torch", "PASSED", 3.0)],
+              large.name: [_trace(large, "jitk", "PASSED", 8.0),
+                           _trace(large, "torch", "INCORRECT_NUMERICAL", 0.0),
+                           _trace(large, "triton", "PASSED", 1.5)],
+              fused.name: [_trace(fused, "jitk", "PASSED", 5.0)]}
+    definitions = {d.name: d for d in (small, large, fused)}
+    assert fib_gpu.summary_rows(definitions, traces) == [
+        ("fused_add_rmsnorm", "jitk", "5.00x", "1 of 1"),
+        ("rmsnorm", "jitk", "4.00x", "2 of 2"),
+        ("rmsnorm", "torch", "3.00x", "1 of 2"),
+        ("rmsnorm", "triton", "1.50x", "1 of 2")]
