@@ -24,14 +24,14 @@ NUM_WARPS = min(max(BLOCK // 512, 1), 16)
 
 @triton.jit
 def rmsnorm_row(x_ptr, x_stride, r_ptr, r_stride, w_ptr, out_ptr, out_stride, eps,
-                HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                hidden: tl.constexpr, block: tl.constexpr, add_residual: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HIDDEN
+    cols = tl.arange(0, block)
+    mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:
+    if add_residual:
         x += tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * inv_rms * w
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -49,13 +49,13 @@ def run({params}):
                              f"{{tensor.stride(-1)}}")
     rmsnorm_row[(hidden_states.shape[0],)](
         hidden_states, hidden_states.stride(0), residual, residual.stride(0), weight,
-        output, output.stride(0), EPS, HIDDEN=HIDDEN, BLOCK=BLOCK,
-        ADD_RESIDUAL={fused}, num_warps=NUM_WARPS)
+        output, output.stride(0), EPS, hidden=HIDDEN, block=BLOCK,
+        add_residual={fused}, num_warps=NUM_WARPS)
     return output
 '''
 
 # rmsnorm's run() has no residual: the kernel is handed hidden_states' pointer, never read.
-NO_RESIDUAL = "    residual = hidden_states  # unread: ADD_RESIDUAL is False\n"
+NO_RESIDUAL = "    residual = hidden_states  # unread: add_residual is False\n"
 
 
 def triton_source(definition: object) -> str:

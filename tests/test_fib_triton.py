@@ -1,11 +1,15 @@
 """The Triton Solutions scripts/fib_gpu.py benchmarks jitk's beside (scripts/fib_triton.py):
 on CPU, each loads through flashinfer-bench's own models, its source parses, defines the entry
 point it declares with the Definition's inputs and carries the Definition's hidden size and
-eps; with Triton and a GPU, FlashInfer-Bench's TritonBuilder builds it and it computes the
-Definition's reference. Skipped where flashinfer-bench is not installed."""
+eps; where Triton is installed, FlashInfer-Bench's TritonBuilder builds it and it computes
+the Definition's reference, on a GPU or else in Triton's interpreter. Skipped where
+flashinfer-bench is not installed."""
 
 import ast
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +69,7 @@ def test_a_triton_solutions_source_defines_its_entry_point_over_the_definitions_
     assert _constants(tree).items() >= {"HIDDEN": hidden, "EPS": eps}.items()
     launch = next(node for node in ast.walk(entry) if isinstance(node, ast.Call)
                   and isinstance(node.func, ast.Subscript))
-    adds = next(k.value for k in launch.keywords if k.arg == "ADD_RESIDUAL")
+    adds = next(k.value for k in launch.keywords if k.arg == "add_residual")
     assert ast.literal_eval(adds) is (op == "fused_add_rmsnorm")
 
 
@@ -77,25 +81,22 @@ def test_a_triton_solution_refuses_a_definition_whose_reference_disagrees_on_eps
         fib_triton.triton_solution(wrong)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 77, 1024])
-def test_a_triton_solution_built_by_flashinfer_bench_computes_the_reference(op, dtype, rows):
-    """Within one rounding step of the Definition's float32 reference at a width that is not
-    a power of two (masked lanes), the inputs untouched."""
-    pytest.importorskip("triton")
+def check_against_the_reference(op: str, dtype: torch.dtype, rows: int, device: str) -> None:
+    """Built by FlashInfer-Bench's TritonBuilder: within one rounding step of the Definition's
+    float32 reference at a width that is not a power of two (masked lanes), the inputs
+    untouched."""
     from flashinfer_bench.compile.builders import TritonBuilder
 
     definition = fib_norm.definition(op, 7168, dtype, 1e-5)
     runnable = TritonBuilder().build(definition, fib_triton.triton_solution(definition))
-    x, residual = (torch.randn(rows, 7168, device="cuda").to(dtype) for _ in range(2))
-    weight = torch.randn(7168, device="cuda").to(dtype)
+    x, residual = (torch.randn(rows, 7168, device=device).to(dtype) for _ in range(2))
+    weight = torch.randn(7168, device=device).to(dtype)
     inputs = [x, residual, weight] if op == "fused_add_rmsnorm" else [x, weight]
     kept = [t.clone() for t in inputs]
     try:
         output = runnable(*inputs)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
     finally:
         runnable.cleanup()
     namespace = {}
@@ -105,6 +106,31 @@ def test_a_triton_solution_built_by_flashinfer_bench_computes_the_reference(op, 
     assert output.dtype == dtype and output.shape == x.shape
     assert ((output.float() - reference).abs() <= reference.abs() * 2 * step + 1e-6).all()
     assert all(map(torch.equal, inputs, kept))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 77, 1024])
+def test_a_triton_solution_built_by_flashinfer_bench_computes_the_reference(op, dtype, rows):
+    pytest.importorskip("triton")
+    check_against_the_reference(op, dtype, rows, "cuda")
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
+def test_a_triton_solution_computes_the_reference_in_tritons_interpreter(op, tmp_path):
+    """Without a GPU where Triton is installed: the same check on CPU tensors, in a process
+    of its own (TRITON_INTERPRET is read as Triton starts), with a time limit."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = ("import sys, torch, test_fib_triton as t; "
+            f"t.check_against_the_reference({op!r}, torch.bfloat16, 5, 'cpu')")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FIB_CACHE_PATH": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
 
 
 def _trace(definition, kind: str, status: str, speedup: float) -> object:
