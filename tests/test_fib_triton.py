@@ -20,6 +20,7 @@ if importlib.util.find_spec("flashinfer_bench") is None:  # installed but broken
                 allow_module_level=True)
 from flashinfer_bench import data as fib_data  # noqa: E402
 
+import jitk.fib  # noqa: E402
 from jitk.base.errors import ArgumentError  # noqa: E402
 from jitk.integrations import fib_norm  # noqa: E402
 
@@ -145,13 +146,32 @@ def _trace(definition, kind: str, status: str, speedup: float) -> object:
                           evaluation=evaluation)
 
 
-def test_the_summary_gives_each_familys_geometric_mean_over_its_passed_workloads(monkeypatch):
-    monkeypatch.setenv("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)  # fib_gpu sets it
+@pytest.fixture
+def fib_gpu(monkeypatch):
+    """scripts/fib_gpu.py as a module, what it sets on import undone afterwards."""
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)
     monkeypatch.delenv("FIB_GPU_BUILDER", raising=False)
     monkeypatch.syspath_prepend(str(_SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("fib_gpu", _SCRIPT.parent / "fib_gpu.py")
-    fib_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fib_gpu)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_trace_set_holds_jitks_torchs_and_tritons_solution_of_each(fib_gpu,
+                                                                                   tmp_path):
+    jitk.fib.export(tmp_path, list(fib_norm.OPS), hidden=[2048, 7168])
+    fib_gpu.write_workloads(tmp_path)
+    trace_set = fib_data.TraceSet.from_path(str(tmp_path))
+    assert len(trace_set.definitions) == 4
+    for name in trace_set.definitions:
+        languages = {s.name: s.spec.language.value for s in trace_set.solutions[name]}
+        assert languages == {f"{name}_jitk": "cuda", f"{name}_torch": "python",
+                             f"{name}_triton": "triton"}
+        assert len(trace_set.workloads[name]) == len(fib_gpu.BATCH_SIZES)
+
+
+def test_the_summary_gives_each_familys_geometric_mean_over_its_passed_workloads(fib_gpu):
     small, large = (fib_norm.definition("rmsnorm", hidden) for hidden in (2048, 4096))
     fused = fib_norm.definition("fused_add_rmsnorm", 2048)
     traces = {small.name: [_trace(small, "jitk", "PASSED", 2.0),
