@@ -5,18 +5,19 @@
 
 benchmark: exports the dataset-shaped Definitions of RMSNorm and fused-add RMSNorm
 (rmsnorm_h<N>, fused_add_rmsnorm_h<N>, hidden 2048 to 8192) with jitk's Solutions
-(python -m jitk fib export), adds workloads (batch sizes below, random inputs) and a torch
-Solution of each Definition, and, with jitk's HiCache transfer Definitions (one-layer and
-all-layer, K/V and MLA) and Solutions, workloads of distinct random slots (token counts
-below, the indices in safetensors files, as random ones would repeat), then runs
-flashinfer-bench's own Benchmark on them all. jitk's
-Solutions are built by flashinfer-bench's stock tvm-ffi builder (NVCC_APPEND_FLAGS set for
-it), or by jitk's with FIB_GPU_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a
-table of correctness and speedup is printed. Then the apply() example: a function decorated
-with flashinfer_bench.apply("fused_add_rmsnorm_h4096") runs at a benchmarked batch size
-(routed to the fastest passing Solution: the table says which) and at one no trace covers
-(its own body runs), each checked against the Definition's reference. Exits 1 unless every
-jitk trace passed and both apply() calls matched.
+(python -m jitk fib export), adds workloads (batch sizes below, random inputs) and a torch and a
+Triton Solution (scripts/fib_triton.py) of each Definition, and, with jitk's HiCache
+transfer Definitions (one-layer and all-layer, K/V and MLA) and Solutions, workloads of
+distinct random slots (token counts below, the indices in safetensors files, as random ones
+would repeat), then runs flashinfer-bench's own Benchmark on them all. jitk's Solutions are
+built by flashinfer-bench's stock tvm-ffi builder (NVCC_APPEND_FLAGS set for it), or by
+jitk's with FIB_GPU_BUILDER=jitk. The Traces are written to OUT_DIR/traces; a table of
+correctness and speedup is printed, then per Definition family the geometric mean speedup
+over the reference of jitk's, torch's and Triton's Solutions. Then the apply() example: a
+function decorated with flashinfer_bench.apply("fused_add_rmsnorm_h4096") runs at a
+benchmarked batch size (routed to the fastest passing Solution: the table says which) and
+at one no trace covers (its own body runs), each checked against the Definition's
+reference. Exits 1 unless every jitk trace passed and both apply() calls matched.
 
 build-timing: one tvm-ffi Solution (an RMSNorm written against tvm-ffi's own headers, as
 flashinfer-bench's examples are) built by flashinfer-bench's TVMFFIBuilder and by jitk's
@@ -25,6 +26,7 @@ build runs in its own process; the time is the build() call's."""
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,6 +34,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from fib_triton import triton_solution
 
 import jitk.fib
 from jitk.integrations import fib_norm
@@ -77,8 +81,9 @@ def run({inputs}):
 def torch_solution(definition: Definition) -> Solution:
     """torch.nn.functional.rms_norm as a value-returning Python Solution, for comparison."""
     fused = "residual" in definition.inputs
+    eps = fib_norm.signature(definition)[3]
     source = TORCH_SOLUTION.format(inputs=", ".join(definition.inputs),
-                                   add=" + residual" if fused else "", eps=fib_norm.DATASET_EPS)
+                                   add=" + residual" if fused else "", eps=eps)
     return Solution(
         name=f"{definition.name}_torch", definition=definition.name, author="fib_gpu.py",
         spec={"language": "python", "target_hardware": ["cuda"], "entry_point": "main.py::run",
@@ -95,9 +100,9 @@ def write_workloads(root: Path) -> None:
             axes={"batch_size": size}, inputs={key: RandomInput() for key in definition.inputs},
             uuid=str(uuid.uuid4()))) for size in BATCH_SIZES]
         save_jsonl_file(traces, root / "workloads" / definition.op_type / f"{name}.jsonl")
-        solution = torch_solution(definition)
-        path = root / "solutions" / definition.op_type / f"{solution.name}.json"
-        path.write_text(solution.model_dump_json(indent=2) + "\n")
+        for solution in (torch_solution(definition), triton_solution(definition)):
+            path = root / "solutions" / definition.op_type / f"{solution.name}.json"
+            path.write_text(solution.model_dump_json(indent=2) + "\n")
 
 
 def write_hicache_workloads(root: Path) -> None:
@@ -161,6 +166,9 @@ def benchmark(out_dir: Path, hidden: list[int]) -> int:
                          f"{performance.speedup_factor:.2f}x" if performance else "-"))
     print_table(("definition", "solution", "rows|tokens", "status", "max abs err", "us",
                  "reference us", "speedup"), rows)
+    print("geometric mean speedup over the reference, passed workloads:")
+    print_table(("family", "solution", "speedup", "passed"),
+                summary_rows(trace_set.definitions, result.traces))
     kinds = [d.op_type for d in trace_set.definitions.values()]
     expected = (kinds.count("rmsnorm") * len(BATCH_SIZES)
                 + kinds.count("kv_transfer") * len(HICACHE_TOKENS))
@@ -205,6 +213,36 @@ def apply_example(out_dir: Path) -> bool:
     finally:
         disable_apply()
     return ok
+
+
+def family(definition: Definition) -> str:
+    """The op a Definition is one size of: its `jitk:<op>` tag (rmsnorm, fused_add_rmsnorm,
+    a HiCache transfer)."""
+    return next((tag.removeprefix("jitk:") for tag in definition.tags
+                 if tag.startswith("jitk:")), definition.name)
+
+
+def summary_rows(definitions: dict[str, Definition],
+                 traces: dict[str, list[Trace]]) -> list[tuple[str, str, str, str]]:
+    """Per Definition family and kind of Solution (the name's suffix: jitk, torch, triton):
+    the geometric mean of the passed workloads' speedups over the reference, and how many
+    of its workloads passed."""
+    speedups: dict[tuple[str, str], list[float]] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for name, definition in definitions.items():
+        for trace in traces.get(name, []):
+            key = (family(definition), (trace.solution or "").removeprefix(f"{name}_"))
+            counts[key] = counts.get(key, 0) + 1
+            performance = trace.evaluation.performance
+            if (trace.evaluation.status == EvaluationStatus.PASSED and performance
+                    and performance.speedup_factor > 0):
+                speedups.setdefault(key, []).append(performance.speedup_factor)
+    rows = []
+    for key in sorted(counts):
+        passed = speedups.get(key, [])
+        mean = math.exp(sum(map(math.log, passed)) / len(passed)) if passed else None
+        rows.append((*key, f"{mean:.2f}x" if mean else "-", f"{len(passed)} of {counts[key]}"))
+    return rows
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:

@@ -31,7 +31,7 @@ from jitk.integrations.fib_base import AUTHOR, require_fib, shipped_files
 from jitk.kernels import norm
 
 __all__ = ["DATASET_DTYPE", "DATASET_EPS", "NVCC_APPEND_FLAGS", "definition", "definition_name",
-           "solution"]
+           "signature", "solution"]
 
 DATASET_DTYPE, DATASET_EPS = torch.bfloat16, 1e-5
 # What FlashInfer-Bench's tvm-ffi builder (C++17, no flags of a Solution's own) needs for
@@ -105,7 +105,7 @@ def definition(op: str, hidden: int, dtype: torch.dtype = DATASET_DTYPE,
                     f"inside, rounded to {_dtype_name(dtype)}")
 
 
-def _signature(definition: object) -> tuple[str, int, torch.dtype, float]:
+def signature(definition: object) -> tuple[str, int, torch.dtype, float]:
     """(op, hidden, dtype, eps) of a Definition of the dataset's form, checked part by part
     against what jitk's kernels take."""
     parts = _NAME.match(getattr(definition, "name", ""))
@@ -244,7 +244,7 @@ def solution(definition: object, name: str | None = None) -> object:
     if not isinstance(definition, fib.data.Definition):
         raise ArgumentTypeError(f"jitk.fib.solution: 'definition' must be a "
                                 f"flashinfer_bench Definition, got {type(definition).__name__}")
-    op, hidden, dtype, eps = _signature(definition)
+    op, hidden, dtype, eps = signature(definition)
     main = _entry(op, hidden, dtype, eps)
     return fib.data.Solution(
         name=name or f"{definition.name}_jitk", definition=definition.name, author=AUTHOR,
