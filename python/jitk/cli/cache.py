@@ -91,7 +91,6 @@ def prune_target(text: str) -> tuple[str, ...]:
     return () if text == "host" else toolchain.parse_archs(valid_arch(text))
 
 
-
 def non_negative_number(text: str) -> float:
     try:
         value = float(text)
@@ -117,7 +116,6 @@ def byte_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"expected a size such as 500M or 2G, got {text!r}")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
-
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -64,7 +64,6 @@ def run_invariance_check(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if wrong else EXIT_OK
 
 
-
 def register(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "check", help="run ops against their references",

@@ -45,7 +45,6 @@ def run_fib_workloads(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-
 def register(commands: argparse._SubParsersAction) -> None:
     fib_parser = commands.add_parser(
         "fib", help="FlashInfer-Bench: Definitions, jitk's Solutions and Workloads",

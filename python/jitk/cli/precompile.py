@@ -104,7 +104,6 @@ def recorded_call(text: str) -> str:
     return text
 
 
-
 def register(commands: argparse._SubParsersAction) -> None:
     build = commands.add_parser(
         "precompile", help="build the kernels' common configurations into the cache",

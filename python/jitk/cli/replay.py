@@ -32,7 +32,6 @@ def run_replay(args: argparse.Namespace) -> int:
     return EXIT_OK if all(run.passed for run in runs) else EXIT_FAILURE
 
 
-
 def register(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser(
         "replay", help="run a dumped call again and compare its outputs",

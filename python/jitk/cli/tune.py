@@ -101,7 +101,6 @@ def _changes(config: dict, default: dict) -> str:
     return " ".join(f"{name}={value}" for name, value in changed.items()) or "default"
 
 
-
 def register(commands: argparse._SubParsersAction) -> None:
     tune = commands.add_parser(
         "tune", help="time the ops' launch choices on this GPU and record the fastest",

@@ -11,25 +11,32 @@ from pathlib import Path
 from jitk.base.errors import JitkError
 from jitk.build.jit import INCLUDE_DIR
 
-__all__ = ["AUTHOR", "COPY_INTO", "FibUnavailableError", "require_fib", "shipped_files",
-           "write_model"]
+__all__ = ["AUTHOR", "CHECK_WHOLE", "COPY_INTO", "FibUnavailableError", "require_fib",
+           "shipped_files", "write_model"]
 
 AUTHOR = "jitk"
 
-# C++ for a Solution's main.cu: copies a whole tensor into another on the current stream, as
-# a destination-passing Solution does where jitk's kernel works in place.
-COPY_INTO = """
-size_t bytes_of(const jitk::TensorView& t) {
-  return static_cast<size_t>(t.numel()) * (t.dtype().bits / 8);
-}
-
-// Whole contiguous tensors of one shape and dtype, as FlashInfer-Bench passes them.
-void copy_into(const jitk::TensorView& out, const jitk::TensorView& in) {
+# C++ for a Solution's main.cu: the rule for the tensors FlashInfer-Bench passes (whole,
+# contiguous, of one shape and dtype), which every helper below checks first.
+CHECK_WHOLE = """
+void check_whole(const jitk::TensorView& out, const jitk::TensorView& in) {
   jitk::RuntimeCheck(out.numel() == in.numel() && out.dtype() == in.dtype() &&
                          out.stride(-1) == 1 && in.stride(-1) == 1 &&
                          out.stride(0) * out.size(0) == out.numel() &&
                          in.stride(0) * in.size(0) == in.numel(),
                      "jitk Solution: the tensors must be contiguous and of one shape and dtype");
+}
+"""
+
+# Copies a whole tensor into another on the current stream, as a destination-passing Solution
+# does where jitk's kernel works in place.
+COPY_INTO = CHECK_WHOLE + """
+size_t bytes_of(const jitk::TensorView& t) {
+  return static_cast<size_t>(t.numel()) * (t.dtype().bits / 8);
+}
+
+void copy_into(const jitk::TensorView& out, const jitk::TensorView& in) {
+  check_whole(out, in);
   jitk::RuntimeDeviceCheck(cudaMemcpyAsync(
       static_cast<char*>(out.data_ptr()) + out.byte_offset(),
       static_cast<const char*>(in.data_ptr()) + in.byte_offset(), bytes_of(in),

@@ -27,7 +27,7 @@ import torch
 from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import DEFAULT_CUDA_CFLAGS, KERNEL_DIR
-from jitk.integrations.fib_base import AUTHOR, require_fib, shipped_files
+from jitk.integrations.fib_base import AUTHOR, CHECK_WHOLE, require_fib, shipped_files
 from jitk.kernels import norm
 
 __all__ = ["DATASET_DTYPE", "DATASET_EPS", "NVCC_APPEND_FLAGS", "definition", "definition_name",
@@ -145,7 +145,7 @@ def signature(definition: object) -> tuple[str, int, torch.dtype, float]:
 # C++ for the fused Solution's main.cu: the sum of two whole contiguous tensors of one shape
 # and dtype, each element added in float and rounded to the dtype, as jitk's fused kernel
 # stores it in the residual.
-_ADD_INTO = """
+_ADD_INTO = CHECK_WHOLE + """
 template <typename T>
 __global__ void add_kernel(T* out, const T* x, const T* r, int64_t n) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -160,16 +160,11 @@ T* data_of(const jitk::TensorView& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
-bool whole_like(const jitk::TensorView& t, const jitk::TensorView& like) {
-  return t.numel() == like.numel() && t.dtype() == like.dtype() && t.stride(-1) == 1 &&
-         t.stride(0) * t.size(0) == t.numel();
-}
-
 template <typename T>
 void add_into(const jitk::TensorView& out, const jitk::TensorView& x,
               const jitk::TensorView& r) {
-  jitk::RuntimeCheck(whole_like(out, out) && whole_like(x, out) && whole_like(r, out),
-                     "jitk Solution: the tensors must be contiguous and of one shape and dtype");
+  check_whole(out, x);
+  check_whole(out, r);
   const int64_t n = out.numel();
   if (n == 0) return;
   const int64_t blocks = (n + 255) / 256 < 8192 ? (n + 255) / 256 : 8192;
