@@ -173,7 +173,7 @@ def main():
         "invariant vs unstable RMSNorm choices (us a call, graph replay of 10-call chains)",
         results, ["op", "dtype", "rows", "hidden", "invariant us", "unstable us", "ratio",
                   "invariant spread", "unstable spread", "noise", "within noise", "verdict",
-                  "choices", "unstable choice"])
+                  "choices", "invariant choice", "unstable choice"])
     print_summary(results)
     common.write_json(args.json, {"device": device, "event step us": step_us,
                                   "limit": LIMIT, "rows": results})
