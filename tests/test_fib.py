@@ -405,15 +405,18 @@ def test_apply_routes_to_jitks_solution_and_falls_back_where_none_qualifies(tmp_
 @pytest.mark.parametrize("op", ["rmsnorm", "fused_add_rmsnorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 77, 1024])
-def test_a_norm_solution_gives_jitks_bits_and_leaves_its_inputs(op, dtype, rows, monkeypatch):
+@pytest.mark.parametrize("hidden", [2048, 1001])
+def test_a_norm_solution_gives_jitks_bits_and_leaves_its_inputs(op, dtype, rows, hidden,
+                                                                monkeypatch):
     """Built by FlashInfer-Bench's own builder, on fresh random rows into a poisoned output:
     the bits jitk's own op gives (the fused form through RMSNorm in place on the sum), within
-    one step of the Definition's float32 reference, and the inputs untouched."""
+    one step of the Definition's float32 reference, and the inputs untouched. An odd width
+    takes the fused form's element-wise add, 2048 its 16-byte one."""
     monkeypatch.setenv("NVCC_APPEND_FLAGS", fib_norm.NVCC_APPEND_FLAGS)  # for its builder
-    definition = fib_norm.definition(op, 2048, dtype, 1e-5)
+    definition = fib_norm.definition(op, hidden, dtype, 1e-5)
     runnable = BuilderRegistry.get_instance().build(definition, jitk.fib.solution(definition))
-    x, residual = (torch.randn(rows, 2048, device="cuda").to(dtype) for _ in range(2))
-    weight = torch.randn(2048, device="cuda").to(dtype)
+    x, residual = (torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, device="cuda").to(dtype)
     inputs = [x, residual, weight] if op == "fused_add_rmsnorm" else [x, weight]
     kept = [t.clone() for t in inputs]
     output = torch.full_like(x, float("nan"))
