@@ -26,7 +26,7 @@ registry_pid=""
 stop_registry() {
   if [[ -n "$registry_pid" ]]; then  # jitk.tools.local_registry stops the registry on SIGTERM
     kill "$registry_pid" 2>/dev/null
-    for _ in $(seq 100); do kill -0 "$registry_pid" 2>/dev/null || break; sleep 0.2; done
+    for _ in $(seq 150); do kill -0 "$registry_pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$registry_pid" 2>/dev/null
     registry_pid=""
   fi

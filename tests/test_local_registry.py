@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,11 +96,17 @@ def test_a_binary_that_exits_at_once_is_an_error_before_the_bound(tmp_path):
     assert seen["seconds"] < 15, seen
 
 
+def _silent(path: Path) -> Path:
+    """A stand-in registry that writes to its log and never answers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!{sys.executable}\nimport time\nprint('listening soon', flush=True)\n"
+                    "time.sleep(300)\n")
+    path.chmod(0o755)
+    return path
+
+
 def test_a_registry_that_never_answers_is_stopped_after_the_bound(tmp_path):
-    silent = tmp_path / "silent"
-    silent.write_text(f"#!{sys.executable}\nimport time\nprint('listening soon', flush=True)\n"
-                      "time.sleep(300)\n")
-    silent.chmod(0o755)
+    silent = _silent(tmp_path / "silent")
     seen = _inside(tmp_path / "work", str(silent), 1)
     assert f"{silent} did not answer http://127.0.0.1:" in seen["error"]
     assert " in 1 s " in seen["error"] and "listening soon" in seen["error"]  # the log's tail
@@ -121,7 +128,7 @@ def test_the_command_prints_the_url_and_stops_on_sigterm(tmp_path):
             assert server.wait(SECONDS) == 0
         finally:
             server.kill()
-    left = _serving(tmp_path / "registry.yml")
+            left = _serving(tmp_path / "registry.yml")
     assert not _port_open(port) and left == []
 
 
@@ -154,3 +161,32 @@ def test_no_binary_and_no_deb_names_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="start_seconds must be > 0, got 0"):
         with local_registry.running(tmp_path, start_seconds=0):
             pass
+
+
+def test_sigterm_while_starting_stops_the_registry_too(tmp_path):
+    silent = _silent(tmp_path / "bin" / "docker-registry")
+    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR),
+           "PATH": f"{silent.parent}{os.pathsep}{os.environ['PATH']}"}
+    work = tmp_path / "work"
+    command = [sys.executable, "-m", "jitk.tools.local_registry", "--work", str(work),
+               "--start-seconds", "300"]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as server:
+        try:
+            deadline = time.monotonic() + SECONDS
+            while "listening soon" not in _log(work) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "listening soon" in _log(work), "the stand-in never started"
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(SECONDS) == 0
+            assert server.stdout.read() == ""  # no URL: it never answered
+        finally:
+            server.kill()
+            left = _serving(work / "registry.yml")
+    assert left == []
+
+
+def _log(work: Path) -> str:
+    try:
+        return (work / "registry.log").read_text()
+    except FileNotFoundError:
+        return ""

@@ -147,15 +147,14 @@ def running(work: Path, *, deb_dirs: Sequence[Path] = (), binary: str | None = N
         _stop(process)
 
 
-def _serve(registry: LocalRegistry) -> None:
-    """Until SIGTERM or SIGINT, or until the parent that started this process is gone."""
-    parent = os.getppid()
-    stop = []
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: stop.append(True))
-    print(registry.url, flush=True)
-    while not stop and os.getppid() == parent:
-        time.sleep(0.2)
+class _Stopped(Exception):
+    """SIGTERM or SIGINT came: leaving the block stops the registry."""
+
+
+def _on_signal(number: int, frame: object) -> None:
+    for each in (signal.SIGTERM, signal.SIGINT):  # a second one must not cut the stop short
+        signal.signal(each, signal.SIG_IGN)
+    raise _Stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,10 +167,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start-seconds", type=float, default=START_SECONDS,
                         help="bound on the registry's first answer")
     args = parser.parse_args(argv)
+    parent = os.getppid()
+    for number in (signal.SIGTERM, signal.SIGINT):  # from here on, also while starting
+        signal.signal(number, _on_signal)
     try:
         with running(args.work, deb_dirs=args.deb_dir,
                      start_seconds=args.start_seconds) as registry:
-            _serve(registry)
+            print(registry.url, flush=True)
+            while os.getppid() == parent:  # serves until a signal, or until the parent is gone
+                time.sleep(0.2)
+    except _Stopped:
+        return 0
     except JitkError as error:
         print(error, file=sys.stderr)
         return 1
