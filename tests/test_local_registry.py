@@ -132,6 +132,8 @@ def test_the_command_prints_the_url_and_stops_on_sigterm(tmp_path):
     assert not _port_open(port) and left == []
 
 
+@pytest.mark.skipif(not (shutil.which("dpkg") and shutil.which("dpkg-deb")),
+                    reason="no dpkg and dpkg-deb (Debian's) to make and unpack a .deb")
 def test_the_binary_comes_from_a_deb_when_none_is_on_path(tmp_path, monkeypatch):
     package = tmp_path / "package"
     (package / "DEBIAN").mkdir(parents=True)
@@ -158,9 +160,10 @@ def test_no_binary_and_no_deb_names_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(local_registry.LocalRegistryError, match=r"no docker-registry on PATH "
                        r"and no docker-registry_\*\.deb in .*/debs"):
         local_registry.find_binary(tmp_path, [tmp_path / "debs"])
-    with pytest.raises(ValueError, match="start_seconds must be > 0, got 0"):
-        with local_registry.running(tmp_path, start_seconds=0):
-            pass
+    for wrong in (0, float("nan"), "20"):
+        with pytest.raises(ValueError, match=f"start_seconds must be a number > 0, got {wrong!r}"):
+            with local_registry.running(tmp_path, start_seconds=wrong):
+                pass
 
 
 def test_sigterm_while_starting_stops_the_registry_too(tmp_path):

@@ -123,9 +123,9 @@ def running(work: Path, *, deb_dirs: Sequence[Path] = (), binary: str | None = N
             start_seconds: float = START_SECONDS) -> Iterator[LocalRegistry]:
     """A registry serving while the block runs, with its files in `work` (made if missing);
     stopped (SIGTERM, then SIGKILL, each wait bounded) when the block ends."""
-    if start_seconds <= 0:
-        raise ArgumentError(f"local_registry.running: start_seconds must be > 0, got "
-                            f"{start_seconds!r}")
+    if not (isinstance(start_seconds, (int, float)) and start_seconds > 0):
+        raise ArgumentError(f"local_registry.running: start_seconds must be a number > 0, "
+                            f"got {start_seconds!r}")
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     command = binary or find_binary(work, deb_dirs)
