@@ -9,8 +9,9 @@ JITK_DISABLE_JIT=1 (a fetch or a failure, never a build). With a GPU the first c
 family's op on small tensors (green: its module's load); without one it is the load of the
 family's first precompile configuration, built for JITK_CUDA_ARCH (default 9.0).
 
-The registry is Debian's docker-registry: on PATH, else unpacked (dpkg -x) from the .deb in
-.debs/ that the device carries (scripts/gpu_remote_check.sh), on a free 127.0.0.1 port.
+The registry is Debian's docker-registry, started by jitk.tools.local_registry: on PATH,
+else unpacked (dpkg -x) from the .deb in .debs/ that the device carries
+(scripts/gpu_remote_check.sh), on a free 127.0.0.1 port.
 
     python benchmarks/bench_remote.py [--quick] [--json PATH]
 """
@@ -19,22 +20,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 from common import parse_args, print_table, write_json
 
+from jitk.tools import local_registry
+
 REPO = Path(__file__).resolve().parent.parent
 CHILD_SECONDS = 900  # one cold compile on a loaded machine stays well below
 STEP_SECONDS = 1800  # precompile of every shipped configuration, a push or a pull
-START_SECONDS = 20  # the registry's first answer
+# The .deb the device carries (scripts/gpu_remote_check.sh), here or at the checkout's root.
+DEB_DIRS = (REPO / ".debs", REPO.parent.parent / ".debs")
 # family -> (what the GPU call is, the code that makes it); `first` is the CPU fallback.
 GPU_CALLS = {
     "norm": ("rmsnorm 4x4096 bf16", """
@@ -67,47 +68,6 @@ print(json.dumps({"seconds": time.perf_counter() - started, "builds": build_coun
 """
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def registry_binary(work: Path) -> str:
-    found = shutil.which("docker-registry")
-    if found:
-        return found
-    debs = sorted([*REPO.glob(".debs/docker-registry_*.deb"),
-                   *REPO.parent.parent.glob(".debs/docker-registry_*.deb")])
-    if not debs:
-        sys.exit("bench_remote: no docker-registry on PATH and no .deb in .debs/ "
-                 "(apt-get download docker-registry there)")
-    subprocess.run(["dpkg", "-x", str(debs[0]), str(work / "deb")], check=True, timeout=120)
-    return str(work / "deb" / "usr" / "bin" / "docker-registry")
-
-
-def start_registry(work: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    config = work / "registry.yml"
-    config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: "
-                      f"{work / 'storage'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    with open(work / "registry.log", "w") as log:
-        process = subprocess.Popen([registry_binary(work), "serve", str(config)], stdout=log,
-                                   stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_SECONDS
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1).close()
-            return process, f"oci://127.0.0.1:{port}/bench"
-        except OSError as error:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                process.wait(10)
-                sys.exit(f"bench_remote: the registry did not answer in {START_SECONDS} s "
-                         f"({error}): {(work / 'registry.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-
-
 def run(folder: Path, arguments: list[str], timeout: float, **settings: str):
     """python `arguments` as a host whose cache and staging folders are in `folder`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITK_")}
@@ -132,43 +92,43 @@ def first_call(folder: Path, family: str, **settings: str) -> dict:
     return json.loads(out.splitlines()[-1])
 
 
+def measure(work: Path, where: str, quick: bool) -> tuple[list[dict], str, float]:
+    """The rows per family, and `cache pull`'s output and seconds, against `where`."""
+    gpu = torch.cuda.is_available()
+    push = {"JITK_REMOTE_CACHE": where,
+            "JITK_REMOTE_CACHE_KEY": str(work / "keys" / "jitk-remote.key")}
+    pull = {"JITK_REMOTE_CACHE": where,
+            "JITK_REMOTE_CACHE_TRUST": str(work / "keys" / "jitk-remote.pub"),
+            "JITK_DISABLE_JIT": "1"}
+    rows = []
+    for family in FAMILIES:
+        local = first_call(work / f"{family}-local", family)
+        run(work / f"{family}-local", ["-m", "jitk", "cache", "push"], STEP_SECONDS, **push)
+        fetched = first_call(work / f"{family}-remote", family, **pull)
+        what = GPU_CALLS[family][0] if gpu and family in GPU_CALLS else "module load"
+        rows.append({"family": family, "first call": what,
+                     "compiled here s": local["seconds"],
+                     "through the registry s": fetched["seconds"],
+                     "builds (registry)": fetched["builds"]})
+    if not quick:
+        run(work / "all", ["-m", "jitk", "precompile"], STEP_SECONDS)
+        run(work / "all", ["-m", "jitk", "cache", "push"], STEP_SECONDS, **push)
+    out, seconds = run(work / "pulled", ["-m", "jitk", "cache", "pull"], STEP_SECONDS, **pull)
+    return rows, out, seconds
+
+
 def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0])
-    gpu = torch.cuda.is_available()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="jitk-bench-remote-") as temp:
         work = Path(temp)
         run(work, ["-m", "jitk", "cache", "keygen", str(work / "keys")], 60)
-        registry, where = start_registry(work)
-        push = {"JITK_REMOTE_CACHE": where,
-                "JITK_REMOTE_CACHE_KEY": str(work / "keys" / "jitk-remote.key")}
-        pull = {"JITK_REMOTE_CACHE": where,
-                "JITK_REMOTE_CACHE_TRUST": str(work / "keys" / "jitk-remote.pub"),
-                "JITK_DISABLE_JIT": "1"}
         try:
-            for family in FAMILIES:
-                local = first_call(work / f"{family}-local", family)
-                run(work / f"{family}-local", ["-m", "jitk", "cache", "push"], STEP_SECONDS,
-                    **push)
-                fetched = first_call(work / f"{family}-remote", family, **pull)
-                what = GPU_CALLS[family][0] if gpu and family in GPU_CALLS else "module load"
-                rows.append({"family": family, "first call": what,
-                             "compiled here s": local["seconds"],
-                             "through the registry s": fetched["seconds"],
-                             "builds (registry)": fetched["builds"]})
-            if not args.quick:
-                run(work / "all", ["-m", "jitk", "precompile"], STEP_SECONDS)
-                run(work / "all", ["-m", "jitk", "cache", "push"], STEP_SECONDS, **push)
-            out, seconds = run(work / "pulled", ["-m", "jitk", "cache", "pull"],
-                               STEP_SECONDS, **pull)
-        finally:
-            registry.terminate()
-            try:
-                registry.wait(10)
-            except subprocess.TimeoutExpired:
-                registry.kill()
-                registry.wait(10)
+            with local_registry.running(work / "registry", deb_dirs=DEB_DIRS) as registry:
+                rows, out, seconds = measure(work, registry.url + "/bench", args.quick)
+        except local_registry.LocalRegistryError as error:
+            sys.exit(f"bench_remote: {error}")
     summary = out.strip().splitlines()[-1]
+    gpu = torch.cuda.is_available()
     print_table(f"first call of a cold process ({'GPU' if gpu else 'no GPU: module loads'}; "
                 f"registry on loopback)", rows, list(rows[0]))
     pulled = "what the rows pushed" if args.quick else "every shipped configuration"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue #41's GPU acceptance on the device machine, which has no network and no registry
 # installed: Debian's docker-registry travels as its .deb (apt-get download docker-registry
-# into .debs/, carried like .whl/), unpacked with dpkg -x into a temp folder and run from
-# there on a free loopback port with its own storage; nothing is installed.
+# into .debs/, carried like .whl/); jitk.tools.local_registry unpacks it with dpkg -x into a
+# temp folder and runs it from there on a free loopback port with its own storage; nothing
+# is installed.
 #   host A (its own cache): precompile every shipped configuration for this GPU, run the
 #          norm, hicache and wait_value GPU tests once (they also load test-only variants),
 #          then `cache push` all of it, signed;
@@ -17,58 +18,42 @@ cd "$(dirname "$0")/.."
 
 STEP_SECONDS=1800      # one step: precompile, the tests, push or pull
 START_SECONDS=20       # the registry's first answer
+URL_SECONDS=300        # jitk.tools.local_registry's URL: importing jitk, the .deb, the start
 TESTS=(tests/test_rmsnorm.py tests/test_hicache.py tests/test_wait_value.py)
 
-deb=$(ls .debs/docker-registry_*.deb ../../.debs/docker-registry_*.deb 2>/dev/null | head -n 1)
-if [[ -z "$deb" ]]; then
-  echo "no docker-registry .deb in .debs/ (apt-get download docker-registry there; carry it)"
-  exit 1
-fi
 work=$(mktemp -d /tmp/jitk-remote-check.XXXXXX)
 registry_pid=""
 stop_registry() {
-  if [[ -n "$registry_pid" ]]; then
+  if [[ -n "$registry_pid" ]]; then  # jitk.tools.local_registry stops the registry on SIGTERM
     kill "$registry_pid" 2>/dev/null
-    for _ in $(seq 50); do kill -0 "$registry_pid" 2>/dev/null || break; sleep 0.2; done
+    for _ in $(seq 150); do kill -0 "$registry_pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$registry_pid" 2>/dev/null
     registry_pid=""
   fi
+  cp "$work/registry/registry.log" "$out/registry.log" 2>/dev/null
   rm -rf "$work"  # made by mktemp above: the registry's files and storage, hosts A and B
 }
 trap stop_registry EXIT
 
-dpkg -x "$deb" "$work/deb" || { echo "dpkg -x $deb failed"; exit 1; }
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-cat > "$work/registry.yml" <<EOF
-version: 0.1
-storage:
-  filesystem:
-    rootdirectory: $work/storage
-http:
-  addr: 127.0.0.1:$port
-EOF
-"$work/deb/usr/bin/docker-registry" serve "$work/registry.yml" > "$out/registry.log" 2>&1 &
+python3 -m jitk.tools.local_registry --work "$work/registry" --deb-dir .debs \
+  --deb-dir ../../.debs --start-seconds "$START_SECONDS" > "$work/registry.url" \
+  2> "$out/local_registry.log" &
 registry_pid=$!
-if ! python3 - "$port" "$START_SECONDS" <<'PY'
-import sys, time, urllib.request
-port, limit = sys.argv[1], float(sys.argv[2])
-deadline = time.monotonic() + limit
-while True:
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1).close()
-        break
-    except OSError as error:
-        if time.monotonic() > deadline:
-            sys.exit(f"the registry did not answer on 127.0.0.1:{port} in {limit:g} s: {error}")
-        time.sleep(0.1)
-PY
-then
-  tail -n 20 "$out/registry.log"
+url=""
+for _ in $(seq $((URL_SECONDS * 5))); do
+  url=$(head -n 1 "$work/registry.url")
+  [[ -n "$url" ]] && break
+  kill -0 "$registry_pid" 2>/dev/null || break  # it exited: its error is in the log
+  sleep 0.2
+done
+if [[ -z "$url" ]]; then
+  echo "the local registry gave no URL (it exited, or $URL_SECONDS s passed):"
+  tail -n 20 "$out/local_registry.log" "$work/registry/registry.log" 2>/dev/null
   exit 1
 fi
-echo "registry: $("$work/deb/usr/bin/docker-registry" --version) on 127.0.0.1:$port"
+echo "registry: $url"
 
-remote="oci://127.0.0.1:$port/jitk"
+remote="$url/jitk"
 timeout "$STEP_SECONDS" python3 -m jitk cache keygen "$work/keys" || exit 1
 entries() { find "$1" -mindepth 1 -maxdepth 1 -type d ! -name '.*' 2>/dev/null | wc -l; }
 summary=()

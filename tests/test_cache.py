@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import jitk
-from jitk.build import cache, lock
+from jitk.build import cache, lock, staging
 
 KERNEL = "#include <cstdint>\nint64_t twice(int64_t x) { return 2 * x; }\n"
 
@@ -241,7 +241,7 @@ def write_heavy_kernel(folder: Path) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc")
 def test_a_build_past_the_time_limit_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(cache.STAGING_ENV, str(tmp_path / "staging"))
+    monkeypatch.setenv(staging.STAGING_ENV, str(tmp_path / "staging"))
     monkeypatch.setenv(lock.TIMEOUT_ENV, "0.2")
     with pytest.raises(jitk.JitCompileError) as info:
         jitk.load_jit("heavy", cpp_files=[write_heavy_kernel(tmp_path)],
@@ -408,10 +408,10 @@ def test_prune_counts_versions_per_architecture_and_keeps_each_last_one(tmp_path
 PUBLISHING = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from jitk.build import cache, lock
+    from jitk.build import cache, lock, staging
     entry = Path(sys.argv[1])
     fd = lock.try_lock(lock.lock_path(entry))
-    print(cache.copy_in(cache.new_staging(entry), entry), flush=True)
+    print(cache.copy_in(staging.new_staging(entry), entry), flush=True)
     time.sleep(60)
 """)
 

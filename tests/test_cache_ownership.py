@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jitk.base.errors import JitkError, SettingError
-from jitk.build import cache, names
+from jitk.build import cache, names, staging
 
 DAY = 86400
 
@@ -141,7 +141,7 @@ def test_a_failed_copy_into_the_cache_is_removed_and_named(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("variable, call", [
-    ("JITK_STAGING_DIR", lambda: cache.new_staging(Path("/nowhere/twice_0123456789abcdef"))),
+    ("JITK_STAGING_DIR", lambda: staging.new_staging(Path("/nowhere/twice_0123456789abcdef"))),
     ("JITK_CACHE_DIR", cache.cache_root),
 ])
 def test_a_folder_setting_that_names_a_file_is_a_setting_error(tmp_path, monkeypatch,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import jitk
-from jitk.build import cache, lock, trust
+from jitk.build import cache, lock, staging, trust
 
 KERNEL = "#include <cstdint>\nint64_t get(int64_t x) {{ return x + {value}; }}\n"
 # Each of these loads only once in this process under its own module name: a library that
@@ -341,7 +341,7 @@ def test_two_hosts_share_a_cache_while_a_third_prunes(tmp_path):
             (local / "staging").mkdir()
             (local / "locks").mkdir()
             prefix = []
-        hosts.append((prefix, {**env, cache.STAGING_ENV: str(local / "staging"),
+        hosts.append((prefix, {**env, staging.STAGING_ENV: str(local / "staging"),
                                lock.LOCK_DIR_ENV: str(local / "locks")}))
     started = time.monotonic()
     helpers = [subprocess.Popen([sys.executable, "-c", script, str(root), str(stop)],

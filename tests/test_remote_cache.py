@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
 from jitk.build import remote, signing  # noqa: E402  (after the skip: needs cryptography)
+from jitk.tools import local_registry  # noqa: E402
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 HOST_SECONDS = 600  # one host's builds (two CUDA modules for sm_90) on a slow machine
@@ -58,41 +59,11 @@ for family in (green, wait_value):
 """ + ADD_ONE
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     """oci://127.0.0.1:PORT, and the registry's log (one line a request)."""
-    folder = tmp_path_factory.mktemp("registry")
-    port = _free_port()
-    config = folder / "config.yml"
-    config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: "
-                      f"{folder / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    log = folder / "registry.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=out,
-                                   stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                pytest.fail(f"the registry did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-    yield f"oci://127.0.0.1:{port}", log
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
+    with local_registry.running(tmp_path_factory.mktemp("registry"), binary=REGISTRY) as served:
+        yield served.url, served.log
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_li
 from jitk.base.errors import JitkError
 from jitk.build import cache, loader, toolchain
 from jitk.build.lock import lock_timeout
+from jitk.build.staging import new_staging, old_stagings
 
 logger = logging.getLogger("jitk")
 
@@ -229,9 +230,9 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     loads it from there, publishes it as `spec.entry` and returns the loaded module. A failed
     build raises JitCompileError and leaves its folder for inspection until the next build
     of the same entry."""
-    for stale in cache.old_stagings(spec.entry):  # we hold the lock: their builders are gone
+    for stale in old_stagings(spec.entry):  # we hold the lock: their builders are gone
         shutil.rmtree(stale, ignore_errors=True)
-    staging = cache.new_staging(spec.entry)
+    staging = new_staging(spec.entry)
     for file_name, text in spec.sources.items():
         (staging / file_name).write_text(text)
     (staging / "build.ninja").write_text(build_file(spec))

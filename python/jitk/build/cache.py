@@ -7,15 +7,15 @@
 
 (<owner> is "<host>-<pid>-<n>"; jitk/build/names.py: clear and prune remove only what these
 names and an entry's record prove jitk made.) A build runs in a folder on its own host
-($JITK_STAGING_DIR, default the temporary folder), is copied into a private folder on the
-cache's file system, loaded from there and becomes the entry in one rename, with
-jitk-meta.json written last: rename within one file system is atomic on a local and a
-network file system alike, so a reader finds a whole entry or none. A build that finds an
-entry already published (another host built it meanwhile) discards its copy. Reading takes
-no lock and writes nothing: the entry is checked (who may have written it, the library
-against the digest taken when it was built, the builder's own headers against theirs) and
-its library loaded from the descriptor that was hashed. An entry is removed by renaming it
-into .trash first, so a reader never sees half of one.
+(jitk/build/staging.py), is copied into a private folder on the cache's file system, loaded
+from there and becomes the entry in one rename, with jitk-meta.json written last: rename
+within one file system is atomic on a local and a network file system alike, so a reader
+finds a whole entry or none. A build that finds an entry already published (another host
+built it meanwhile) discards its copy. Reading takes no lock and writes nothing: the entry
+is checked (who may have written it, the library against the digest taken when it was
+built, the builder's own headers against theirs) and its library loaded from the descriptor
+that was hashed. An entry is removed by renaming it into .trash first, so a reader never
+sees half of one.
 
 A build_directory given to load_jit is an entry of its own, jitk's only if jitk made it: its
 lock and private copies live in its .jitk folder, and a new build replaces its files, with
@@ -28,9 +28,7 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +51,6 @@ from jitk.build.names import (
 logger = logging.getLogger("jitk")
 
 CACHE_ENV = "JITK_CACHE_DIR"
-STAGING_ENV = "JITK_STAGING_DIR"
 FORMAT = 3  # of an entry; part of every cache key (3: headers recorded, not keyed)
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
@@ -70,10 +67,11 @@ class CacheWriteError(JitkError, OSError):
 
 def cache_root() -> Path:
     """$JITK_CACHE_DIR, else ~/.cache/jitk: a folder, made when first built into."""
-    return _folder_setting(CACHE_ENV, settings.get(CACHE_ENV))
+    return folder_setting(CACHE_ENV, settings.get(CACHE_ENV))
 
 
-def _folder_setting(variable: str, value: str) -> Path:
+def folder_setting(variable: str, value: str) -> Path:
+    """The folder a JITK_* setting names; SettingError when it names a file."""
     folder = Path(value).expanduser()
     if folder.exists() and not folder.is_dir():
         raise SettingError(f"{variable}={str(folder)!r} is a file; it must name a folder "
@@ -209,31 +207,6 @@ def write_meta(staging: Path, meta: dict) -> None:
 def make_folder(folder: Path) -> None:
     """Creates `folder` (and its parents) writable by its owner, or the trusted group."""
     folder.mkdir(parents=True, exist_ok=True, mode=trust.folder_mode())
-
-
-def staging_root() -> Path:
-    """Where builds run: $JITK_STAGING_DIR, else the temporary folder (both host-local)."""
-    return _folder_setting(STAGING_ENV, settings.get(STAGING_ENV) or tempfile.gettempdir())
-
-
-def _staging_prefix(entry: Path) -> str:
-    where = hashlib.sha256(str(entry).encode()).hexdigest()[:8]
-    return f"jitk-{re.sub(r'[^A-Za-z0-9_]+', '_', entry.name[:80])}-{where}-"
-
-
-def new_staging(entry: Path) -> Path:
-    """A fresh folder, private to this process, for a build of `entry` on this host."""
-    root = staging_root()
-    make_folder(root)
-    return Path(tempfile.mkdtemp(prefix=_staging_prefix(entry), dir=root))
-
-
-def old_stagings(entry: Path) -> list[Path]:
-    """This user's earlier build folders of `entry` on this host: failed builds, kept for
-    inspection, and killed ones. Only the holder of the entry's lock may remove them."""
-    root = staging_root()
-    found = root.glob(f"{_staging_prefix(entry)}*") if root.is_dir() else ()
-    return sorted(p for p in found if p.is_dir() and p.stat().st_uid == os.geteuid())
 
 
 def build_lock_path(entry: Path, in_place: bool = False) -> Path:
@@ -401,16 +374,6 @@ def foreign_folders(root: Path | None = None) -> list[Path]:
     return [f for f in _top_folders(root or cache_root()) if _entry(f) is None]
 
 
-def _discard_all(folders: list[Path]) -> tuple[int, list[str]]:
-    removed, failures = 0, []
-    for folder in folders:
-        try:
-            removed += discard(folder)
-        except OSError as error:
-            failures.append(f"{folder}: {error.strerror}")
-    return removed, failures
-
-
 def tidy(root: Path) -> list[str]:
     """Removes what no build owns any more: private copies whose builder is gone (another
     host's once they are an hour old), lock files nobody holds, and the trash. Returns what
@@ -443,17 +406,20 @@ def tidy(root: Path) -> list[str]:
     return failures
 
 
-def clear(root: Path | None = None) -> tuple[int, list[str]]:
-    """Removes every entry (the damaged ones too), and whatever no running build owns;
-    builds in progress, held locks and what jitk did not make are left alone. Returns how
+def prune(doomed: list[CacheEntry], root: Path | None = None) -> tuple[int, list[str]]:
+    """Removes the selected entries and whatever no running build owns (tidy). Returns how
     many entries went and what could not be removed."""
     root = root or cache_root()
-    removed, failures = _discard_all([e.path for e in list_entries(root)])
+    removed, failures = 0, []
+    for entry in doomed:
+        try:
+            removed += discard(entry.path)
+        except OSError as error:
+            failures.append(f"{entry.path}: {error.strerror}")
     return removed, failures + (tidy(root) if root.is_dir() else [])
 
 
-def prune(doomed: list[CacheEntry], root: Path | None = None) -> tuple[int, list[str]]:
-    """Removes the selected entries and whatever no running build owns."""
-    root = root or cache_root()
-    removed, failures = _discard_all([e.path for e in doomed])
-    return removed, failures + (tidy(root) if root.is_dir() else [])
+def clear(root: Path | None = None) -> tuple[int, list[str]]:
+    """Removes every entry (the damaged ones too), and whatever no running build owns;
+    builds in progress, held locks and what jitk did not make are left alone."""
+    return prune(list_entries(root), root)

@@ -47,6 +47,7 @@ from jitk.base import __version__, settings
 from jitk.base.errors import PREFIX, SettingError
 from jitk.build import cache
 from jitk.build.signing import TRUST_ENV, RemoteCacheError, fingerprint, signing_key, trusted_keys
+from jitk.build.staging import new_staging
 
 logger = logging.getLogger("jitk")
 
@@ -332,7 +333,7 @@ def fetch_entry(remote: Remote, entry: Path, key: str, archs: tuple[str, ...],
     if _sha(data) != digest:
         raise RemoteCacheError(f"{name}: refused: the files downloaded are not the signed "
                                "ones (tampered with, or cut short)")
-    staging = cache.new_staging(entry)
+    staging = new_staging(entry)
     try:
         _unpack(data, staging, name)
         meta = cache.read_meta(staging) or {}
