@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call on the device machine: set-up, the GPU tests,
 # compute-sanitizer on one small case of each kernel, the benchmarks, and a short table last.
-#   bash scripts/gpu_check.sh [setup] [tests] [sanitize] [bench] [quick]   (default: all)
+#   bash scripts/gpu_check.sh [setup] [tests] [flashinfer] [sanitize] [bench] [quick]
+# (default: all). flashinfer: FlashInfer's own RMSNorm tests against jitk
+# (scripts/flashinfer_norm_tests.py), from its tests/utils/test_norm.py carried at
+# .peers/flashinfer/test_norm.py (or FLASHINFER_TEST_NORM=PATH).
 # The device has no network: apache-tvm-ffi travels as a wheel in .whl/ (see README).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stages="${*:-tests sanitize bench}"
+stages="${*:-tests flashinfer sanitize bench}"
 . scripts/gpu_env.sh || exit 1
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
@@ -23,6 +26,15 @@ if [[ " $stages " == *" tests "* ]]; then
   # stay in order (the wait_value tests spin on flags).
   python3 -m pytest tests -q -p no:cacheprovider -n 6 --dist loadfile 2>&1 | tee "$out/pytest.log"
   summary+=("pytest: $(tail -n 1 "$out/pytest.log")")
+fi
+if [[ " $stages " == *" flashinfer "* ]]; then
+  fi_tests="${FLASHINFER_TEST_NORM:-.peers/flashinfer/test_norm.py}"
+  if [[ -f "$fi_tests" ]]; then
+    timeout 600 python3 scripts/flashinfer_norm_tests.py "$fi_tests" -n 8 > "$out/flashinfer.log" 2>&1
+    summary+=("FlashInfer's norm tests on jitk: $(tail -n 1 "$out/flashinfer.log")")
+  else
+    summary+=("FlashInfer's norm tests: skipped, no $fi_tests (carry FlashInfer's tests/utils/test_norm.py)")
+  fi
 fi
 if [[ " $stages " == *" sanitize "* ]]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_cases.py \
