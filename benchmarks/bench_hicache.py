@@ -30,24 +30,46 @@ stream). --quick measures a subset.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
-import math
 import statistics
-from dataclasses import dataclass, field
 
 import common
 import torch
+from hicache_calls import (
+    GPU_POOL,
+    HOST_POOL,
+    INDEX_SETS,
+    MIB,
+    PLACES,
+    Variant,
+    caches_calls,
+    check_staged,
+    contiguous_calls,
+    cpu_gathered_load_calls,
+    gathered_write_back_calls,
+    layer_calls,
+    page_indices,
+    pools_for,
+    random_rows,
+    rotating,
+    same_size_copy,
+    solo_variants,
+    staged_call,
+    torch_index_call,
+    variants,
+)
+from hicache_timing import (
+    GEMM,
+    gemm_alone_ms,
+    guarded_row,
+    make_gemm,
+    overlap_row,
+    run_layers,
+    solo_row,
+)
 
 import jitk
 from jitk.kernels import hicache
-
-MIB = 1 << 20
-HOST_POOL = 256 * 1024  # tokens
-GPU_POOL = 64 * 1024
-INDEX_SETS = 8
-PLACES = {"d2h": ("cuda", "cpu"), "h2d": ("cpu", "cuda"), "d2d": ("cuda", "cuda")}
-GEMM = (12, 8192)
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,221 +92,6 @@ def parse_args() -> argparse.Namespace:
                         help="overlap table: SGLang 0.5.23's kernels too (PYTHONPATH with "
                              ".peers/sgl523, see ../shared/peers/README.md)")
     return parser.parse_args()
-
-
-def random_rows(rows: int, row_bytes: int, where: str) -> torch.Tensor:
-    """fp16 rows of random data (never zeros), on the GPU or pinned on the host."""
-    shape = (rows, row_bytes // 2)
-    data = (torch.empty(shape, dtype=torch.float16, device="cuda") if where == "cuda" else
-            torch.empty(shape, dtype=torch.float16, pin_memory=True))
-    step = max(1, (256 * MIB) // row_bytes)
-    for first in range(0, rows, step):  # a chunk at a time: no second copy of the pool
-        chunk = torch.randn(min(step, rows - first), row_bytes // 2, device="cuda").half()
-        data[first:first + chunk.shape[0]].copy_(chunk)
-    torch.cuda.synchronize()
-    return data
-
-
-@dataclass
-class Variant:
-    """A way to run one layer's transfer: a jitk method with its options, indices on the
-    GPU or pinned on the host; `transfer` replaces jitk's call (SGLang's kernels)."""
-    label: str
-    method: str
-    host_indices: bool = False
-    options: dict = field(default_factory=dict)
-    transfer: object = None
-
-
-def variants(sms: int, peers: bool) -> list[Variant]:
-    """The kernel as jitk runs it by default and on every SM (its old default), the copy
-    engines, "auto" with host indices (the kernel on GPU copies of them below 64 KiB pages),
-    and SGLang 0.5.23's register and TMA kernels (GPU indices, its defaults) with --peers."""
-    found = [Variant("kernel", "kernel"),
-             Variant(f"kernel, {sms} blocks (all SMs)", "kernel", options={"block_quota": sms}),
-             Variant("copy_engine", "copy_engine", host_indices=True),
-             Variant("auto, host indices", "auto", host_indices=True)]
-    if peers:
-        try:
-            import sgl523
-        except ImportError as error:
-            print(f"SGLang 0.5.23's kernels did not load: {error}", flush=True)
-            return found
-        found += [Variant("sglang 0.5.23 register", "sglang",
-                          transfer=sgl523.transfer_hicache_one_layer),
-                  Variant("sglang 0.5.23 tma", "sglang",
-                          transfer=sgl523.transfer_hicache_one_layer_tma)]
-    return found
-
-
-@functools.cache
-def pools_for(row_bytes: int) -> Pools:
-    return Pools(row_bytes)
-
-
-class Pools:
-    """K and V pools for one row size: HOST_POOL tokens pinned, GPU_POOL on the GPU (made
-    once per row size and kept: 2.75 GB of pinned memory for the three sizes)."""
-
-    def __init__(self, row_bytes: int):
-        self.row_bytes = row_bytes
-        self.host = [random_rows(HOST_POOL, row_bytes, "cpu") for _ in range(2)]
-        self.gpu = [random_rows(GPU_POOL, row_bytes, "cuda") for _ in range(2)]
-
-    def sides(self, direction: str):
-        src_at, dst_at = PLACES[direction]
-        pick = lambda at: self.gpu if at == "cuda" else self.host  # noqa: E731
-        return pick(dst_at), pick(src_at)
-
-
-def page_indices(tokens: int, pool: int, page: int) -> torch.Tensor:
-    """`tokens` slot numbers in runs of `page`, the runs at random distinct pages."""
-    firsts = torch.randperm(pool // page)[:tokens // page] * page
-    return (firsts[:, None] + torch.arange(page)).flatten()
-
-
-def layer_calls(variant: Variant, pools: Pools, direction: str, tokens: int, page: int):
-    """One zero-argument call per index set, each a whole layer's K+V transfer."""
-    return caches_calls(variant, *pools.sides(direction), tokens, page)
-
-
-def caches_calls(variant: Variant, dst: list, src: list, tokens: int, page: int):
-    """layer_calls between given K and V caches (fp16 rows of their last dimension)."""
-    element_dim = dst[0].shape[-1]
-    calls = []
-    for _ in range(INDEX_SETS):
-        idx = [page_indices(tokens, side[0].numel() // element_dim, page) for side in (dst, src)]
-        if variant.host_indices:
-            idx = [i.pin_memory() for i in idx]
-        else:
-            idx = [i.cuda() for i in idx]
-        if variant.transfer is not None:
-            calls.append(lambda i=idx: variant.transfer(dst[0], dst[1], i[0], src[0], src[1],
-                                                        i[1], element_dim=element_dim))
-            continue
-        calls.append(lambda i=idx: hicache.transfer_hicache_one_layer(
-            dst[0], dst[1], i[0], src[0], src[1], i[1], page_size=page,
-            element_dim=element_dim, method=variant.method, **variant.options))
-    return calls
-
-
-def gathered_write_back_calls(pools: Pools, tokens: int, page: int):
-    """A write-back as a GPU gather of the pages into a staging buffer (the kernel, GPU to
-    GPU) and one copy-engine copy per cache into host slots that follow each other (as a
-    host allocator hands out fresh slots): the copy engines move one large block."""
-    row = pools.row_bytes // 2
-    staging = [torch.empty(tokens, row, dtype=torch.float16, device="cuda") for _ in range(2)]
-    staged = torch.arange(tokens)
-    staged_gpu = staged.cuda()
-    calls = []
-    for _ in range(INDEX_SETS):
-        src_idx = page_indices(tokens, GPU_POOL, page).cuda()
-        first = int(torch.randint(0, HOST_POOL - tokens, ()))
-        host_idx = torch.arange(first, first + tokens)
-
-        def call(src_idx=src_idx, host_idx=host_idx):
-            hicache.transfer_hicache_one_layer(staging[0], staging[1], staged_gpu,
-                                               pools.gpu[0], pools.gpu[1], src_idx,
-                                               method="kernel", block_quota=8)
-            hicache.transfer_hicache_one_layer(pools.host[0], pools.host[1], host_idx,
-                                               staging[0], staging[1], staged,
-                                               method="copy_engine")
-        calls.append(call)
-    return calls
-
-
-def cpu_gathered_load_calls(pools: Pools, tokens: int, page: int):
-    """A load-back as a gather of the host pages by CPU threads (torch's index_select) into
-    a pinned staging buffer, then one copy-engine copy per cache into GPU slots that follow
-    each other. A staging buffer is rewritten only after its last copy has finished."""
-    row = pools.row_bytes // 2
-    calls = []
-    for _ in range(INDEX_SETS):
-        host_idx = page_indices(tokens, HOST_POOL, page)
-        first = int(torch.randint(0, GPU_POOL - tokens, ()))
-        staging = [torch.empty(tokens, row, dtype=torch.float16, pin_memory=True)
-                   for _ in range(2)]
-        done = torch.cuda.Event()
-        done.record()
-
-        def call(host_idx=host_idx, first=first, staging=staging, done=done):
-            done.synchronize()
-            for cache in range(2):
-                torch.index_select(pools.host[cache], 0, host_idx, out=staging[cache])
-                pools.gpu[cache][first:first + tokens].copy_(staging[cache], non_blocking=True)
-            done.record()
-        calls.append(call)
-    return calls
-
-
-def contiguous_calls(pools: Pools, direction: str, tokens: int):
-    """The reference: K and V of a layer as one contiguous copy_ each."""
-    dst, src = pools.sides(direction)
-    return [lambda: [d[:tokens].copy_(s[:tokens], non_blocking=True) for d, s in zip(dst, src)]]
-
-
-def run_layers(calls, layers: int, streams: list, gemm=None) -> tuple[list[float], float]:
-    """Issues `layers` calls round-robin over `streams` (after the GEMMs, if any, on the
-    current stream); returns each layer's end and the GEMMs' end, in ms from the start."""
-    main = torch.cuda.current_stream()
-    start = torch.cuda.Event(enable_timing=True)
-    gemm_end = torch.cuda.Event(enable_timing=True)
-    start.record(main)
-    if gemm is not None:
-        gemm()
-    gemm_end.record(main)
-    ends = []
-    for i in range(layers):
-        stream = streams[i % len(streams)]
-        if i < len(streams):
-            stream.wait_event(start)
-        with torch.cuda.stream(stream):
-            calls[i % len(calls)]()
-        ends.append(torch.cuda.Event(enable_timing=True))
-        ends[-1].record(stream)
-    for stream in streams:
-        main.wait_stream(stream)
-    torch.cuda.synchronize()
-    return [start.elapsed_time(e) for e in ends], start.elapsed_time(gemm_end)
-
-
-def make_gemm():
-    count, n = GEMM
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    c = torch.empty_like(a)
-    return lambda: [torch.matmul(a, b, out=c) for _ in range(count)]
-
-
-def gemm_alone_ms(gemm) -> float:
-    """After a second of GEMMs, so that clocks have settled."""
-    samples = [run_layers([], 0, [], gemm)[1] for _ in range(60)]
-    return statistics.median(samples[-5:])
-
-
-def overlap_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds) -> dict:
-    """Alone, then beside the GEMMs: enough layers to outlast them at the solo rate. The
-    GEMMs are timed alone between the rounds (clocks drift over a run)."""
-    for call in calls:
-        call()  # build, load, first touch
-    probe = max(2, min(64, math.ceil(4 * MIB * 16 / layer_bytes)))
-    ends, _ = run_layers(calls, probe, streams)
-    alone_gbps = probe * layer_bytes / ends[-1] / 1e6
-    layers = max(4, min(2000, math.ceil(1.3 * gemm_ms * alone_gbps * 1e6 / layer_bytes)))
-    ends, _ = run_layers(calls, layers, streams)
-    alone_gbps = layers * layer_bytes / max(ends) / 1e6
-    beside, with_transfer, alone = [], [], []
-    for _ in range(rounds):
-        alone.append(run_layers([], 0, streams, gemm)[1])
-        ends, gemm_end = run_layers(calls, layers, streams, gemm)
-        done = [t for t in ends if t <= gemm_end]
-        if done:  # none when one layer outlasts the GEMMs
-            beside.append(len(done) * layer_bytes / max(done) / 1e6)
-        with_transfer.append(gemm_end)
-    gemm_alone = statistics.median(alone)
-    return {"method": label, "gemm ms": gemm_alone, "alone GB/s": alone_gbps,
-            "beside GB/s": statistics.median(beside) if beside else "n/a",
-            "GEMM slowdown": statistics.median(with_transfer) / gemm_alone - 1,
-            "layers": layers}
 
 
 def overlap_table(args, sms) -> list[dict]:
@@ -325,13 +132,6 @@ def overlap_table(args, sms) -> list[dict]:
     if split is not None:
         split.close()
     return rows
-
-
-def guarded_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds) -> dict:
-    try:
-        return overlap_row(label, calls, layer_bytes, streams, gemm, gemm_ms, rounds)
-    except RuntimeError as error:  # one failed method must not end the run
-        return {"method": label, "error": str(error)[:300]}
 
 
 def split_rows(args, split, pools, direction, tokens, page, shape, layer_bytes,
@@ -453,90 +253,11 @@ def staged_peers_table(args) -> list[dict]:
     return rows
 
 
-def staged_call(provider, buffers: tuple, src: torch.Tensor, dst: torch.Tensor):
-    """A zero-argument staged write-back by `provider` (a module with SGLang's two staged
-    functions), K/V or MLA by the number of pointer tables."""
-    tables, staging, host, page = buffers
-    if len(tables) == 2:
-        return lambda: provider.transfer_hicache_all_layer_staged_lf_pf(
-            tables[0], tables[1], src, dst, staging[0], staging[1], host[0], host[1],
-            page_size=page)
-    return lambda: provider.transfer_hicache_all_layer_mla_staged_lf_pf(
-        tables[0], src, dst, staging[0], host[0], page_size=page)
-
-
-def check_staged(name: str, call, indices, device: list, host: list) -> None:
-    """One staged call against torch: every host page it names equals the GPU page."""
-    src, dst = indices
-    for h in host:
-        h.view(torch.uint8).fill_(0x7B)
-    call()
-    torch.cuda.synchronize()
-    for layers, h in zip(device, host):
-        want = torch.stack([layer[src] for layer in layers], dim=1).cpu()
-        if not torch.equal(h[dst].view(torch.uint8), want.view(torch.uint8)):
-            raise AssertionError(f"staged write-back by {name}: host pages differ")
-
-
 def _short(row: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
 # ------------------------------------------------------------------------------- solo
-def same_size_copy(direction: str, nbytes: int):
-    """A contiguous copy_ of the same bytes between the same kinds of memory."""
-    src_at, dst_at = PLACES[direction]
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    src = src if src_at == "cuda" else src.cpu().pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_at, pin_memory=dst_at == "cpu")
-    return lambda: dst.copy_(src, non_blocking=True)
-
-
-def timed_against_copy(direction, moved, call, timing, rounds=3):
-    """(jitk us, same-size copy us), each the median of rounds taken alternately: PCIe
-    bandwidth drifts by a few percent between measurements."""
-    copy_call = same_size_copy(direction, moved)
-    jitk, copy = [], []
-    for _ in range(rounds):
-        copy.append(common.time_us(copy_call, **timing))
-        jitk.append(common.time_us(call, **timing))
-    return statistics.median(jitk), statistics.median(copy)
-
-
-def rotating(calls):
-    cycle = itertools.cycle(calls)
-    return lambda: next(cycle)()
-
-
-def solo_row(direction, tokens, row_bytes, page, pool, method, call, device_copy, timing):
-    moved = 2 * tokens * row_bytes
-    for _ in range(INDEX_SETS):
-        call()
-    jitk_us, copy_us = timed_against_copy(direction, moved, call, timing)
-    counted = 2 * moved if direction == "d2d" else moved
-    gbps, copy_gbps = counted / jitk_us / 1e3, counted / copy_us / 1e3
-    ceiling = device_copy if direction == "d2d" else copy_gbps
-    return {"direction": direction, "tokens": tokens, "bytes/token": row_bytes, "page": page,
-            "pool": pool, "method": method, "jitk us": jitk_us, "jitk GB/s": gbps,
-            "ceiling GB/s": ceiling, "ratio": gbps / ceiling, "same-size copy GB/s": copy_gbps,
-            "vs same-size copy": gbps / copy_gbps}
-
-
-def torch_index_call(direction, dst, src, idx_dst, idx_src):
-    """Naive torch: the gather runs where the source is, the scatter where the destination
-    is, with a copy between them (the host side's indices on the host)."""
-    if direction == "d2h":
-        idx_dst = idx_dst.cpu()
-    elif direction == "h2d":
-        idx_src = idx_src.cpu()
-    to = dst[0].device
-
-    def call():
-        for d, s in zip(dst, src):
-            d[idx_dst] = s[idx_src].to(to, non_blocking=True)
-    return call
-
-
 def todays_shapes(args, device_copy, timing) -> list[dict]:
     """Pools of 64 MiB or twice the tokens on both sides, page 1, GPU indices, defaults."""
     shapes = ([(d, 4096, b) for d in ("d2h", "h2d") for b in (256, 1024, 2048)] +
@@ -589,10 +310,6 @@ def layout_shapes(args, device_copy, timing) -> list[dict]:
                                      variant.label, call, device_copy, timing))
                 print("  ", _short(rows[-1]), flush=True)
     return rows
-
-
-def solo_variants() -> list[Variant]:
-    return [Variant("kernel", "kernel"), Variant("copy_engine", "copy_engine", True)]
 
 
 def host_pool_shapes(args, device_copy, timing) -> list[dict]:
