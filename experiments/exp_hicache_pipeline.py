@@ -32,6 +32,8 @@ import torch
 
 import bench_hicache as bench  # noqa: E402
 import common  # noqa: E402
+import hicache_calls  # noqa: E402
+import hicache_timing  # noqa: E402
 
 from jitk import load_jit
 from jitk.kernels import hicache  # noqa: E402
@@ -82,9 +84,9 @@ def pipeline_calls(pools, direction: str, tokens: int, page: int, threads: int,
     side = torch.cuda.Stream()
     split = int(round(share * tokens / page)) * page  # whole pages
     calls = []
-    for _ in range(bench.INDEX_SETS):
-        host_tokens = bench.page_indices(tokens, bench.HOST_POOL, page)
-        gpu_tokens = bench.page_indices(tokens, bench.GPU_POOL, page)
+    for _ in range(hicache_calls.INDEX_SETS):
+        host_tokens = hicache_calls.page_indices(tokens, hicache_calls.HOST_POOL, page)
+        gpu_tokens = hicache_calls.page_indices(tokens, hicache_calls.GPU_POOL, page)
         dst, src = pools.sides(direction)
         kernel_dst, kernel_src = ((gpu_tokens, host_tokens) if direction == "h2d" else
                                   (host_tokens, gpu_tokens))
@@ -128,8 +130,8 @@ def check(pools, direction: str, page: int, staging: Staging, one_launch: bool,
     streams take chunks of 64 KiB, so that each of the 3 threads goes round its ring of
     SLOTS slots more than once."""
     tokens = 2048
-    host_tokens = bench.page_indices(tokens, bench.HOST_POOL, page)
-    gpu_tokens = bench.page_indices(tokens, bench.GPU_POOL, page).cuda()
+    host_tokens = hicache_calls.page_indices(tokens, hicache_calls.HOST_POOL, page)
+    gpu_tokens = hicache_calls.page_indices(tokens, hicache_calls.GPU_POOL, page).cuda()
     dst, src = pools.sides(direction)
     i_dst, i_src = (gpu_tokens, host_tokens) if direction == "h2d" else (host_tokens, gpu_tokens)
     for d in dst:
@@ -187,7 +189,7 @@ def host_ceilings(rows: list, pools) -> None:
                          "alone GB/s": alone, "beside H2D GB/s": beside, "H2D GB/s": dma})
             print("  ", bench._short(rows[-1]), flush=True)
     for page in (1, 16):
-        idx = bench.page_indices(32768, bench.HOST_POOL, page)[::page].contiguous()
+        idx = hicache_calls.page_indices(32768, hicache_calls.HOST_POOL, page)[::page].contiguous()
         for threads in (8, 16):
             gather = functools.partial(module().host_gather_gbps, b, flat(pools.host[0]), idx,
                                        page * ROW, ROW, threads, 1, True)
@@ -212,7 +214,7 @@ def resident_slowdown(rows: list, gemm, gemm_ms: float) -> None:
                 with torch.cuda.stream(side):
                     module().hold_sms(probe, blocks, int(2.5 * gemm_ms * 1e6), heavy)
                 time.sleep(0.002)  # resident before the GEMMs are issued
-                times.append(bench.run_layers([], 0, [], gemm)[1])
+                times.append(hicache_timing.run_layers([], 0, [], gemm)[1])
                 torch.cuda.synchronize()
             ms = statistics.median(times)
             rows.append({"blocks": blocks, "fill the SM": heavy, "gemm ms": ms,
@@ -223,8 +225,8 @@ def resident_slowdown(rows: list, gemm, gemm_ms: float) -> None:
 def device_half_calls(pools, direction: str, tokens: int, page: int, staging: Staging,
                       blocks: int = BLOCKS):
     calls = []
-    for _ in range(bench.INDEX_SETS):
-        idx = bench.page_indices(tokens, bench.GPU_POOL, page)[::page].cuda()
+    for _ in range(hicache_calls.INDEX_SETS):
+        idx = hicache_calls.page_indices(tokens, hicache_calls.GPU_POOL, page)[::page].cuda()
         calls.append(functools.partial(module().device_half, staging.dev, flat(pools.gpu[0]),
                                        flat(pools.gpu[1]), idx, ROW, page, blocks,
                                        direction == "d2h"))
@@ -234,8 +236,8 @@ def device_half_calls(pools, direction: str, tokens: int, page: int, staging: St
 def multi_stream_calls(pools, direction: str, tokens: int, page: int, streams: int):
     """The copy engines with the pages split over `streams` streams at once."""
     sides = [torch.cuda.Stream() for _ in range(streams)]
-    variant = bench.Variant("copy_engine", "copy_engine", host_indices=True)
-    parts = [bench.layer_calls(variant, pools, direction, tokens // streams, page)
+    variant = hicache_calls.Variant("copy_engine", "copy_engine", host_indices=True)
+    parts = [hicache_calls.layer_calls(variant, pools, direction, tokens // streams, page)
              for _ in range(streams)]
 
     def call(i):
@@ -246,7 +248,7 @@ def multi_stream_calls(pools, direction: str, tokens: int, page: int, streams: i
                 part[i]()
         for side in sides:
             main.wait_stream(side)
-    return [functools.partial(call, i) for i in range(bench.INDEX_SETS)]
+    return [functools.partial(call, i) for i in range(hicache_calls.INDEX_SETS)]
 
 
 def latency_ms(calls) -> float:
@@ -268,7 +270,8 @@ def in_cache_rows(pools, staging: Staging, direction: str) -> list:
     stores through the caches, the write-back's scatter into the pool still bypasses them.
     Against the 4 MiB non-temporal rows of todo_rows, a byte would cross DRAM once, not twice;
     a contiguous copy_ of the same bytes is the ceiling, in the same run."""
-    todo = [(65536, 1, "copy_ contiguous", bench.contiguous_calls(pools, direction, 65536), 0)]
+    todo = [(65536, 1, "copy_ contiguous",
+             hicache_calls.contiguous_calls(pools, direction, 65536), 0)]
     for tokens, page in ((65536, 1), (65536, 16)):
         todo.append((tokens, page, "pipeline 1 launch, 4 MiB chunks",
                      pipeline_calls(pools, direction, tokens, page, 15, 4 * MIB, True,
@@ -311,13 +314,13 @@ def todo_rows(pools, staging: Staging, direction: str) -> list:
                                     0.35), 15))
     for tokens in (32768, 65536):
         for quota in (4, 8, 16, 132):
-            variant = bench.Variant("kernel", "kernel", options={"block_quota": quota})
+            variant = hicache_calls.Variant("kernel", "kernel", options={"block_quota": quota})
             todo.append((tokens, 1, f"jitk kernel, {quota} blocks",
-                         bench.layer_calls(variant, pools, direction, tokens, 1), 0))
+                         hicache_calls.layer_calls(variant, pools, direction, tokens, 1), 0))
         for streams in (1, 2, 4):
             todo.append((tokens, 16, f"jitk copy_engine on {streams} streams",
                          multi_stream_calls(pools, direction, tokens, 16, streams), 0))
-        todo.append((tokens, 1, "copy_ contiguous", bench.contiguous_calls(pools, direction,
+        todo.append((tokens, 1, "copy_ contiguous", hicache_calls.contiguous_calls(pools, direction,
                                                                             tokens), 0))
     return todo
 
@@ -335,7 +338,7 @@ def main():
         return
     print("device:", common.device_name(), "| CPUs:", os.cpu_count(), flush=True)
     result = {"ceilings": [], "resident": [], "overlap": []}
-    pools = bench.pools_for(ROW)
+    pools = hicache_calls.pools_for(ROW)
     if not args.in_cache:
         print("host ceilings (pinned memory):", flush=True)
         host_ceilings(result["ceilings"], pools)
@@ -353,8 +356,8 @@ def main():
           "streams; cached and non-temporal stores)", flush=True)
     streams = [torch.cuda.Stream()]
     with torch.cuda.stream(torch.cuda.Stream()):
-        gemm = bench.make_gemm()
-        gemm_ms = bench.gemm_alone_ms(gemm)
+        gemm = hicache_timing.make_gemm()
+        gemm_ms = hicache_timing.gemm_alone_ms(gemm)
         print(f"GEMM alone {gemm_ms:.2f} ms", flush=True)
         if not args.in_cache:
             resident_slowdown(result["resident"], gemm, gemm_ms)
@@ -363,7 +366,7 @@ def main():
             for tokens, page, label, calls, threads in rows_of(pools, staging, direction):
                 shape = {"direction": direction, "tokens": tokens, "page": page}
                 try:
-                    row = bench.overlap_row(label, calls, 2 * tokens * ROW, streams, gemm,
+                    row = hicache_timing.overlap_row(label, calls, 2 * tokens * ROW, streams, gemm,
                                             gemm_ms, 3)
                     row["threads"] = threads
                     row["call ms"] = latency_ms(calls)

@@ -17,16 +17,9 @@ import statistics
 
 
 import torch  # noqa: E402
-from bench_hicache import (  # noqa: E402
-    Variant,
-    gemm_alone_ms,
-    layer_calls,
-    make_gemm,
-    overlap_row,
-    pools_for,
-    run_layers,
-)
 from common import device_name, parse_args, print_table, write_json  # noqa: E402
+from hicache_calls import Variant, layer_calls, pools_for  # noqa: E402
+from hicache_timing import gemm_alone_ms, make_gemm, overlap_row, run_layers  # noqa: E402
 
 import jitk  # noqa: E402
 
