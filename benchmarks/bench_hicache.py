@@ -357,6 +357,9 @@ def quota_sweep(args, sms, timing) -> list[dict]:
 
 def main():
     args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_hicache: skipped, no CUDA GPU (it times transfers on one)")
+        return
     timing = {"warmup_ms": 10, "rep_ms": 40} if args.quick else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("device:", common.device_name())
