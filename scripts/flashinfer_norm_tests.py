@@ -8,8 +8,8 @@ package first on the path whose `norm.rmsnorm` and `fused_add_rmsnorm` call jitk
 the file's tests of those two ops at FlashInfer's own tolerances: plain and q/k-norm (3-D)
 rows, contiguous or not, strides past INT32_MAX, tensors of more than 2^31 elements. The
 tests of ops jitk does not have (quantised, Gemma, LayerNorm, FlashInfer's own build) are
-not run. `enable_pdl` is accepted and left to jitk, which
-chooses programmatic dependent launch itself. Exits with pytest's status."""
+not run. `enable_pdl` is accepted and left to jitk, which chooses programmatic dependent
+launch itself. Exits with pytest's status."""
 
 import os
 import sys
