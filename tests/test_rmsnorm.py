@@ -779,12 +779,17 @@ def test_by_default_the_tuner_times_each_change_in_the_defaults_order(space):
         candidates = space.candidates(bucket, beside=True)
         assert all(norm.rules.keeps_order(c, hidden, dtype) for c in candidates)
         assert not any(c["two_vectors"] or c["sum_chains"] != 1 for c in candidates)
-        # _TRIED's {row_registers 8, late_trigger, fill_sm, one_turn}, as the default adds.
-        sglang_like = {**default, "late_trigger": True, "one_turn": True}
-        if hidden == 4096:  # row_registers 8 would spread a row over 256 threads, not 128
-            assert sglang_like in candidates
+        # TRIED's {row_registers 8, late_trigger, fill_sm, one_turn}: as written where 8
+        # registers spread the default's threads in its order (4096 bf16: 256 threads, not
+        # 128; 5120 fp16: 320), else with the default's registers and without fill_sm (128
+        # fp32: a row of 8 lanes, which 8 registers would make 16).
+        sglang_like = {**default, **tuning._SGLANG_LIKE, **tuning._FILL_SM, **tuning._ONE_TURN}
+        spread = norm.rules.spread(hidden, dtype, sglang_like)
+        assert spread == (1 if hidden == 128 else 2)
+        put_back = {**default, "late_trigger": True, "one_turn": True}
+        assert (sglang_like if spread > 1 else put_back) in candidates
     short = space.candidates((4096, torch.bfloat16, 256))
-    assert (len(short), len(space.candidates((4096, torch.bfloat16, 512)))) == (7, 8)
+    assert (len(short), len(space.candidates((4096, torch.bfloat16, 512)))) == (11, 9)
 
 
 @pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
@@ -838,8 +843,8 @@ def test_tune_builds_two_modules_per_width_and_dtype():
     every row bucket of a width share them."""
     modules = {("jitk.kernels.norm", 5120, torch.bfloat16, "default"),
                ("jitk.kernels.norm", 5120, torch.bfloat16, "candidates", False)}
-    # Beside a GEMM, each of the 10 choices without PDL too, in a module of their own.
-    for beside, choices, more in ((False, 10, set()), (True, 20, {
+    # Beside a GEMM, each of the 15 choices without PDL too, in a module of their own.
+    for beside, choices, more in ((False, 15, set()), (True, 30, {
             ("jitk.kernels.norm", 5120, torch.bfloat16, "candidates without PDL", False)})):
         keys, configs = set(), set()
         for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):

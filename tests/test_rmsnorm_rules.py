@@ -122,18 +122,43 @@ def test_threads_per_row_is_the_cpp_rule_at_every_width(cpp):
                     knobs = {"max_vec_bytes": vec_bytes, "row_registers": registers}
                     assert rules.threads_per_row(hidden, dtype, knobs) == cpp.threads_per_row(
                         hidden, dtype.itemsize, vec_bytes, registers), (hidden, dtype, knobs)
+                    assert rules.spread(hidden, dtype, knobs) == cpp.row_spread(
+                        hidden, dtype.itemsize, vec_bytes, registers), (hidden, dtype, knobs)
+
+
+def test_spread_layouts_are_where_the_default_gives_a_row_whole_warps():
+    """row_registers 8 and 4 keep the default's order by spreading its threads 2 and 4 times
+    where the default reads a row in 16-byte accesses, four a thread, in whole warps, and the
+    spread threads fit a block: hidden 1024 bf16 (one warp) to 32768 (1024 threads; 8 would
+    need 2048), not 512 (16 threads), nor 8-byte accesses."""
+    def knobs(registers, vec_bytes=16):
+        return {"row_registers": registers, "max_vec_bytes": vec_bytes}
+    bf16 = torch.bfloat16
+    assert [rules.spread(4096, bf16, knobs(r)) for r in (16, 8, 4)] == [1, 2, 4]
+    assert [rules.threads_per_row(4096, bf16, knobs(r)) for r in (16, 8, 4)] == [128, 256, 512]
+    assert [rules.threads_per_row(5120, bf16, knobs(r)) for r in (16, 8, 4)] == [160, 320, 640]
+    assert rules.threads_per_row(1032, bf16, knobs(8)) == 2 * 64  # not 129 rounded up to 160
+    assert rules.spread(1024, bf16, knobs(4)) == 4 and rules.spread(512, bf16, knobs(8)) == 1
+    assert rules.spread(8192, bf16, knobs(4)) == 4 and rules.spread(16384, bf16, knobs(4)) == 1
+    assert rules.spread(16384, bf16, knobs(8)) == 2 and rules.spread(32768, bf16, knobs(8)) == 1
+    assert rules.spread(4096, bf16, knobs(8, 8)) == 1 and rules.spread(4100, bf16, knobs(8)) == 1
 
 
 def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
     """Batch invariance: each row-count bucket may get its own choice, so every choice the
     tuner times adds a row as the default does; JITK_RMSNORM_FAST_UNSTABLE=1 lets the others
-    in. At 4096 bf16 the default's 16 registers give 128 threads a row; row_registers 8 (256
-    threads), four partial sums and TwoVectors each add in another order."""
+    in. At 4096 bf16 the default's 16 registers give 128 threads a row; row_registers 8 and 4
+    spread them over 256 and 512 in its order; 8-byte accesses, four partial sums and
+    TwoVectors each add in another order, as row_registers 8 does at 512 bf16 (a half warp)."""
     bucket = (4096, torch.bfloat16, 1024)
     default = norm._default_knobs(bucket)
-    for changes in ({"row_registers": 8}, {"sum_chains": 4}, {"two_vectors": True}):
+    for changes in ({"row_registers": 8, "max_vec_bytes": 8}, {"sum_chains": 4},
+                    {"two_vectors": True}):
         assert not rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
-    for changes in ({"broadcast_sum": True}, {"one_turn": True}, {"fill_sm": True},
+    short = norm._default_knobs((512, torch.bfloat16))
+    assert not rules.keeps_order({**short, "row_registers": 8}, 512, torch.bfloat16)
+    for changes in ({"row_registers": 8}, {"row_registers": 4},
+                    {"broadcast_sum": True}, {"one_turn": True}, {"fill_sm": True},
                     {"pin_offsets": True, "row_first": True, "late_trigger": True},
                     {"prefetch_weight": False, "pdl": False, "register_cap": False}):
         assert rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
@@ -147,8 +172,8 @@ def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
     # At 32768 bf16 a row takes 1024 threads whatever row_registers asks: 8 keeps the order.
     wide = norm._default_knobs((32768, torch.bfloat16))
     assert rules.keeps_order({**wide, "row_registers": 8}, 32768, torch.bfloat16)
-    faster = {**default, "row_registers": 8, "late_trigger": True, "fill_sm": True,
-              "one_turn": True}  # in _TRIED, another order at 4096
+    faster = {**default, "broadcast_sum": True, "pin_offsets": True, "row_first": True,
+              "sum_chains": 4, "one_turn": True}  # in TRIED, another order
     assert not tuning.tried(bucket, faster)
     monkeypatch.setenv("JITK_RMSNORM_FAST_UNSTABLE", "1")
     assert tuning.tried(bucket, faster)

@@ -93,32 +93,46 @@ __device__ __forceinline__ T warp_sum(T value) {
 }
 
 namespace detail {
-// What lane kLane of a warp holds after block_sum's shuffles down to offset kOffset, from
-// `sums` (kCount of them; lanes past them hold 0): the pair of kOffset * 2's values kOffset
-// apart, added depth first so that few partial sums are live at a time. Offsets start at
-// kCount rounded up to a power of two: larger ones only add 0.
-template <int kCount, int kLane, int kOffset, typename T>
-__device__ __forceinline__ T tree_sum(const T* sums) {
+// What lane kLane of a warp holds after warp_sum's shuffles down to offset kOffset, given
+// value(i) in lane i (kCount of them; lanes past them hold 0): the pair of kOffset * 2's
+// values kOffset apart, added depth first so that few partial sums are live at a time.
+// Offsets start at kCount rounded up to a power of two: larger ones only add 0.
+template <int kCount, int kLane, int kOffset, typename F>
+__device__ __forceinline__ auto tree_sum(const F& value) {
   if constexpr (kOffset >= static_cast<int>(std::bit_ceil(unsigned{kCount}))) {
-    return sums[kLane];
+    return value(kLane);
   } else if constexpr (kLane + kOffset >= kCount) {
-    return tree_sum<kCount, kLane, kOffset * 2>(sums);
+    return tree_sum<kCount, kLane, kOffset * 2>(value);
   } else {
-    return tree_sum<kCount, kLane, kOffset * 2>(sums) +
-           tree_sum<kCount, kLane + kOffset, kOffset * 2>(sums);
+    return tree_sum<kCount, kLane, kOffset * 2>(value) +
+           tree_sum<kCount, kLane + kOffset, kOffset * 2>(value);
   }
 }
 }  // namespace detail
 
+// The sum of value(0) .. value(kCount - 1) (kCount <= 32) in warp_sum's tree, as if lane i
+// held value(i): at each offset o = 16, 8, ..., 1, sum i takes sum i + o (xor pairs of lanes
+// add the same two values, and a lane past kCount adds 0, which leaves any sum but -0 as it
+// was). Every thread gets it: by a shuffle in each warp, or, with kBroadcast, by every thread
+// calling value itself (loads from shared memory, say: same-address reads broadcast): fewer
+// dependent steps, the same bits.
+template <int kCount, bool kBroadcast, typename F>
+__device__ __forceinline__ auto lanes_tree_sum(const F& value) {
+  static_assert(kCount >= 1 && kCount <= kWarpThreads);
+  if constexpr (kBroadcast) {
+    return detail::tree_sum<kCount, 0, 1>(value);
+  } else {
+    const int lane = threadIdx.x % kWarpThreads;
+    using T = decltype(value(0));
+    return warp_sum(lane < kCount ? value(lane) : T{});
+  }
+}
+
 // Sum over the block; every thread gets the result. After each warp's own sum and a barrier,
-// the warps' sums in `scratch` (one T per warp) are added by a shuffle in each warp, or, with
-// kBroadcast, by every thread itself from shared memory (same-address reads broadcast): fewer
-// dependent steps, for a short launch. Both add in one tree, the shuffle's: at each offset
-// o = 16, 8, ..., 1, sum i takes sum i + o (xor pairs of lanes add the same two values, and a
-// lane past the warps adds 0, which leaves any sum but -0 as it was), so the two forms give the
-// same bits and a caller may pick either without changing its results. `scratch` is free again
-// on return; a caller that alternates between two scratch buffers may drop that last barrier
-// (kFreeScratch = false): the next call's barrier orders the reuse.
+// the warps' sums in `scratch` (one T per warp) are added by lanes_tree_sum, in either of its
+// forms (kBroadcast), which give the same bits. `scratch` is free again on return; a caller
+// that alternates between two scratch buffers may drop that last barrier (kFreeScratch =
+// false): the next call's barrier orders the reuse.
 template <int kThreads, bool kFreeScratch = true, bool kBroadcast = false, typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(kThreads % kWarpThreads == 0 && kThreads <= 1024);
@@ -127,15 +141,9 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
   if constexpr (kWarps == 1) {
     return value;
   } else {
-    const int warp = threadIdx.x / kWarpThreads;
-    const int lane = threadIdx.x % kWarpThreads;
-    if (lane == 0) scratch[warp] = value;
+    if (threadIdx.x % kWarpThreads == 0) scratch[threadIdx.x / kWarpThreads] = value;
     __syncthreads();
-    if constexpr (kBroadcast) {
-      value = detail::tree_sum<kWarps, 0, 1>(scratch);
-    } else {
-      value = warp_sum(lane < kWarps ? scratch[lane] : T{});
-    }
+    value = lanes_tree_sum<kWarps, kBroadcast>([scratch](int i) { return scratch[i]; });
     if constexpr (kFreeScratch) __syncthreads();
     return value;
   }

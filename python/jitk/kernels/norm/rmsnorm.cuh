@@ -192,4 +192,12 @@ inline int rules_threads_per_row(int hidden, int elem_bytes, int max_vec_bytes, 
                          row_registers);
 }
 
+// row_spread at that width: above 1, the threads keep the default layout's order.
+inline int rules_row_spread(int hidden, int elem_bytes, int max_vec_bytes, int row_registers) {
+  RuntimeCheck(hidden >= 1 && hidden <= kMaxHidden, "hidden size ", hidden, " is not in 1..",
+               kMaxHidden);
+  return row_spread(hidden, elem_bytes, widest_vec_size(hidden, elem_bytes, max_vec_bytes),
+                    row_registers);
+}
+
 }  // namespace jitk::norm

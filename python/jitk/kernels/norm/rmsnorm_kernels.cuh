@@ -16,23 +16,36 @@
 
 namespace jitk::norm {
 
-// kChains running sums: one chain of 32 dependent FMAs (four 16-byte bf16 vectors) is 128
-// cycles on the critical path of a short launch; four chains of 8 are a quarter of it.
+// A thread's sum of squares over its slots. With one chain, the order of jitk/norm_order.cuh:
+// each slot's elements in a chain of fmaf, the slots by slots_sum's tree, which is also a
+// short critical path (four 16-byte bf16 vectors: four chains of 8 FMAs, then two adds).
+// kChains 2 or 4 (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in turn.
 template <typename Tiling, int kChains, int kCount>
 __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
-  float sums[kChains] = {};
+  if constexpr (kChains == 1) {
+    float sums[kCount];
 #pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    const auto f = Tiling::unpack(x[i]);
+    for (int i = 0; i < kCount; ++i) {
+      const auto f = Tiling::unpack(x[i]);
+      sums[i] = 0.0f;
 #pragma unroll
-    for (int e = 0; e < Tiling::kVecSize; ++e) {
-      float& sum = sums[(i * Tiling::kVecSize + e) % kChains];
-      sum = fmaf(f[e], f[e], sum);
+      for (int e = 0; e < Tiling::kVecSize; ++e) sums[i] = fmaf(f[e], f[e], sums[i]);
     }
+    return slots_sum(sums);
+  } else {
+    float sums[kChains] = {};
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      const auto f = Tiling::unpack(x[i]);
+#pragma unroll
+      for (int e = 0; e < Tiling::kVecSize; ++e) {
+        float& sum = sums[(i * Tiling::kVecSize + e) % kChains];
+        sum = fmaf(f[e], f[e], sum);
+      }
+    }
+    if constexpr (kChains == 4) return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    return sums[0] + sums[1];
   }
-  if constexpr (kChains == 4) return (sums[0] + sums[1]) + (sums[2] + sums[3]);
-  if constexpr (kChains == 2) return sums[0] + sums[1];
-  return sums[0];
 }
 
 // x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
@@ -54,17 +67,17 @@ __device__ __forceinline__ auto scale_by(float inv_rms) {
   return [inv_rms](float x, float w) { return x * inv_rms * w; };
 }
 
-// A row's sum over its threads, which every one of them gets. Consecutive calls must alternate
-// between two scratch buffers (the next call's barrier orders the reuse). Across warps (a
-// block a row), with kBroadcastSum every thread adds the warps' sums itself from shared
-// memory (a few loads and adds), else each warp shuffles them (5 dependent shuffles, ~25
-// cycles each, after the barrier).
+// A row's sum over its threads, which every one of them gets, in jitk/norm_order.cuh's tree.
+// Consecutive calls must alternate between two scratch buffers (the next call's barrier orders
+// the reuse). Across warps (a block a row), with kBroadcastSum every thread adds the warps'
+// sums itself from shared memory (a few loads and adds), else each warp shuffles them (5
+// dependent shuffles, ~25 cycles each, after the barrier).
 template <typename Tiling, bool kBroadcastSum>
 __device__ __forceinline__ float row_sum(float sum, float* scratch) {
   if constexpr (Tiling::kSubWarp) {  // a row's lanes are an aligned run of kThreadsPerRow
-    return device::warp_sum<Tiling::kThreadsPerRow>(sum);
+    return lanes_sum<Tiling::kThreadsPerRow>(sum);
   } else {
-    return device::block_sum<Tiling::kBlockThreads, false, kBroadcastSum>(sum, scratch);
+    return row_block_sum<Tiling::kBlockThreads, Tiling::kSpread, kBroadcastSum>(sum, scratch);
   }
 }
 
@@ -186,14 +199,16 @@ inline constexpr int kMinBlocks =
 // held one; jitk's 384 threads there hold three. Offsets pinned before the wait plan 8 more
 // (16 with the row loop), and the fused form's row loop 8: held to the plan without them,
 // such bodies spilled 8-164 bytes (sm_90, 4096-12288). No more: 16 for the single turn too
-// would cost the short path a block an SM at 12288, and time at 1024 rows in place.
+// would cost the short path a block an SM at 12288, and time at 1024 rows in place. A spread
+// layout (jitk/norm_order.cuh) plans 8 for its slots' offsets: without them, 256-thread rows
+// of 4096-8192 spilled 4-24 bytes under a 32-register cap (sm_90).
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
   constexpr int kPlan =
       register_plan(kFusedAdd, min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
                                    Tiling::kVecRegisters) +
       (Tuning::kPinOffsets ? (Tuning::kOneTurn ? 8 : 16) : 0) +
-      (kFusedAdd && !Tuning::kOneTurn ? 8 : 0);
+      (kFusedAdd && !Tuning::kOneTurn ? 8 : 0) + (Tiling::kSpread > 1 ? 8 : 0);
   constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
   int blocks = max_of(1, 2048 / kThreads);
   while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;

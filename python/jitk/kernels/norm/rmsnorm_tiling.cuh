@@ -125,16 +125,19 @@ struct Tiling : Access<T_, kVecSize_> {
   static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
   static constexpr int kThreadsPerRow =
       threads_per_row(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
+  // Above 1, the default layout's threads spread this many times over (jitk/norm_order.cuh).
+  static constexpr int kSpread = row_spread(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kThreadsPerRow <= kWarpThreads;
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kRowWarps = kSubWarp ? 1 : kThreadsPerRow / kWarpThreads;
-  static constexpr int kVecsPerThread = div_ceil(kVecsPerRow, kThreadsPerRow);
+  static constexpr int kVecsPerThread =
+      kSpread > 1 ? kBaseSlots / kSpread : div_ceil(kVecsPerRow, kThreadsPerRow);
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
-  // Whether the last slot of some threads lies past the end of the row.
-  static constexpr bool kRagged = kVecsPerRow % kThreadsPerRow != 0;
+  // Whether some slots lie past the end of the row (the last ones, in the base layout).
+  static constexpr bool kRagged = kVecsPerRow != kThreadsPerRow * kVecsPerThread;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -160,17 +163,22 @@ struct Params {
 };
 static_assert(offsetof(Params, split) == 48, "a plain call's parameters fill one line");
 
-// Slot k of a thread is vector lane + k * kThreadsPerRow of its row. A slot is live when
-// its row exists and reaches that far; dead slots are neither read nor written.
+// Slot k of a thread is vector lane + k * kThreadsPerRow of its row, or spread_slot's in a
+// spread layout. A slot is live when its row exists and reaches that far; dead slots are
+// neither read nor written.
 template <typename Tiling>
 __device__ __forceinline__ int slot_index(int lane, int k) {
-  return lane + k * Tiling::kThreadsPerRow;
+  if constexpr (Tiling::kSpread > 1) {
+    return spread_slot<Tiling::kThreadsPerRow / Tiling::kSpread, Tiling::kSpread>(lane, k);
+  } else {
+    return lane + k * Tiling::kThreadsPerRow;
+  }
 }
 template <typename Tiling>
 __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
+  const bool may_be_dead = Tiling::kRagged && (Tiling::kSpread > 1 || k + 1 == Tiling::kVecsPerThread);
   return row_valid && k < Tiling::kVecsPerThread &&
-         (k + 1 < Tiling::kVecsPerThread || !Tiling::kRagged ||
-          slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow);
+         (!may_be_dead || slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow);
 }
 
 // Loads slots first .. first + kCount - 1, all issued before any is used; dead ones read 0.

@@ -41,27 +41,49 @@ def vec_size(hidden: int, dtype: torch.dtype, max_vec_bytes: int) -> int:
     return size
 
 
-def threads_per_row(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
-    """rules_threads_per_row: the threads a row of the choice's own kernel spreads over."""
-    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+def _base_threads(hidden: int, dtype: torch.dtype, size: int, row_registers: int) -> int:
+    """base_threads_per_row (jitk/norm_order.cuh)."""
     vec_registers = max(1, size * dtype.itemsize // 4)
-    wanted = -(-(hidden // size) // max(1, knobs["row_registers"] // vec_registers))
+    wanted = -(-(hidden // size) // max(1, row_registers // vec_registers))
     if wanted <= 32:
         return 1 << (wanted - 1).bit_length()
     return min(-(-wanted // 32) * 32, 1024)
 
 
+def spread(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
+    """rules_row_spread: how many times the default layout's threads the choice spreads a row
+    over in the default's order (2 or 4), else 1."""
+    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+    registers = knobs["row_registers"]
+    if size * dtype.itemsize != 16 or registers not in (8, 4):
+        return 1
+    base = _base_threads(hidden, dtype, size, 16)
+    times = 16 // registers
+    fits = base >= 32 and hidden // size <= 4 * base and base * times <= 1024
+    return times if fits else 1
+
+
+def threads_per_row(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
+    """rules_threads_per_row: the threads a row of the choice's own kernel spreads over."""
+    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+    times = spread(hidden, dtype, knobs)
+    if times > 1:
+        return times * _base_threads(hidden, dtype, size, 16)
+    return _base_threads(hidden, dtype, size, knobs["row_registers"])
+
+
 def row_order(knobs: dict, hidden: int, dtype: torch.dtype) -> tuple:
     """What fixes the order in which a row's sum of squares is added (docs/developer_guide/
-    verifying_and_tuning.md, "Batch invariance"): the access width and threads a row (which
-    slots each thread adds, the tree over lanes and warps), the partial sums a thread keeps,
-    and TwoVectors' kernel (its own layout and pairwise adds). The other knobs change only
-    how rows map to blocks and how the kernel launches; broadcast_sum adds the warps' sums
-    in the shuffle's tree (device::block_sum)."""
+    verifying_and_tuning.md, "Batch invariance"): the access width and the threads of the
+    layout whose order a row keeps (a spread layout keeps its base's), the partial sums a
+    thread keeps, and TwoVectors' kernel (its own layout and pairwise adds). The other knobs
+    change only how rows map to blocks and how the kernel launches; broadcast_sum adds the
+    warps' sums in the shuffle's tree."""
     if knobs["two_vectors"]:
         return ("two_vectors",)
     size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
-    return size, threads_per_row(hidden, dtype, knobs), knobs["sum_chains"]
+    threads = threads_per_row(hidden, dtype, knobs) // spread(hidden, dtype, knobs)
+    return size, threads, knobs["sum_chains"]
 
 
 def keeps_order(knobs: dict, hidden: int, dtype: torch.dtype) -> bool:
@@ -86,9 +108,10 @@ def check_applies(bucket: tuple, knobs: dict) -> None:
 def module() -> object:
     """rmsnorm.cuh's rules as host functions (no kernel): knob_count(), default_knob(hidden,
     element bytes, index), tuning_applies(hidden, element bytes, max_vec_bytes, two_vectors)
-    and threads_per_row(hidden, element bytes, max_vec_bytes, row_registers)."""
+    and threads_per_row and row_spread(hidden, element bytes, max_vec_bytes, row_registers)."""
     return load_jit("rmsnorm_rules", cuda_files=["rmsnorm.cuh"],
                     cuda_wrappers=[(name, f"jitk::norm::{cpp}") for name, cpp in (
                         ("knob_count", "rules_knob_count"), ("default_knob", "rules_default_knob"),
                         ("tuning_applies", "tuning_applies"),
-                        ("threads_per_row", "rules_threads_per_row"))])
+                        ("threads_per_row", "rules_threads_per_row"),
+                        ("row_spread", "rules_row_spread"))])

@@ -55,11 +55,11 @@ struct RMSNorm {
     }
   }
 
-  // The row's sum after one barrier (device::block_sum's broadcast form, which adds in its
-  // shuffle form's tree); the worker's barrier after each item frees the scratch for the
-  // next item's sum. Threads past the row's add 0, which leaves the tree's sums as they are.
+  // The row's sum after one barrier, in jitk.rmsnorm's tree (norm::row_block_sum's broadcast
+  // form); the worker's barrier after each item frees the scratch for the next item's sum.
+  // Threads past the row's add 0, which leaves the tree's sums as they are.
   static __device__ float inverse_rms(float sum, const Args& a, float* scratch) {
-    const float total = device::block_sum<kThreads, false, true>(sum, scratch);
+    const float total = norm::row_block_sum<kThreads, 1, true>(sum, scratch);
     return rsqrtf(total / static_cast<float>(a.n) + static_cast<float>(a.eps));
   }
 
@@ -87,17 +87,18 @@ struct RMSNorm {
         w[k] = ws[v];
       }
     }
-    float sum = 0.0f;
+    float sums[kMaxSlots];  // each slot's chain, then norm::slots_sum's tree; dead slots 0
 #pragma unroll
     for (int k = 0; k < kMaxSlots; ++k) {
+      sums[k] = 0.0f;
       if (lane >= threads || lane + k * threads >= slots) continue;
 #pragma unroll
       for (int e = 0; e < kSize; ++e) {
         const float f = __bfloat162float(x[k][e]);
-        sum = fmaf(f, f, sum);
+        sums[k] = fmaf(f, f, sums[k]);
       }
     }
-    const float scale = inverse_rms(sum, a, scratch);
+    const float scale = inverse_rms(norm::slots_sum(sums), a, scratch);
 #pragma unroll
     for (int k = 0; k < kMaxSlots; ++k) {
       const int v = lane + k * threads;
