@@ -3,8 +3,8 @@
 // (kernels/persistent/persistent_chain.cuh), so that both give a row the same bits:
 //   - the row is read in accesses of vec_size elements (slots), spread over threads_per_row
 //     threads; in the base layout, slot k of thread t is access t + k * threads_per_row;
-//   - each slot's squares are added element by element in one chain of fmaf from 0; a
-//     thread's slots by slots_sum's halving tree;
+//   - a slot's squares in chains of fmaf from 0 over 4 consecutive elements, the chains and
+//     then a thread's slots added by slots_sum's halving tree (slot_squares);
 //   - the threads' sums by lanes_sum's xor tree over the row's lanes (masks 1, 2, 4, ...),
 //     then over whole warps by device::lanes_tree_sum's tree (either form: they add alike);
 //   - inv_rms = rsqrtf(sum / hidden + eps), and each output is x * inv_rms * w, rounded.
@@ -100,6 +100,26 @@ __device__ __forceinline__ float slots_sum(float (&sums)[kCount]) {
     }
   }
   return sums[0];
+}
+
+// The sum of squares of a slot of kSize elements (element(e) is element e as a float): chains
+// of fmaf from 0 over 4 consecutive elements, added by slots_sum's tree. Short chains keep a
+// short launch's critical path short (a thread of two 16-byte bf16 slots: 4 FMAs and 2 adds).
+inline constexpr int kChainElements = 4;
+template <int kSize, typename F>
+__device__ __forceinline__ float slot_squares(const F& element) {
+  constexpr int kChains = div_ceil(kSize, kChainElements);
+  float chains[kChains];
+#pragma unroll
+  for (int c = 0; c < kChains; ++c) {
+    chains[c] = 0.0f;
+#pragma unroll
+    for (int e = c * kChainElements; e < min_of(kSize, (c + 1) * kChainElements); ++e) {
+      const float f = element(e);
+      chains[c] = fmaf(f, f, chains[c]);
+    }
+  }
+  return slots_sum(chains);
 }
 
 // The sum over each aligned run of kLanes lanes, in the base layout's tree: masks 1, 2, 4, ...

@@ -17,9 +17,8 @@
 namespace jitk::norm {
 
 // A thread's sum of squares over its slots. With one chain, the order of jitk/norm_order.cuh:
-// each slot's elements in a chain of fmaf, the slots by slots_sum's tree, which is also a
-// short critical path (four 16-byte bf16 vectors: four chains of 8 FMAs, then two adds).
-// kChains 2 or 4 (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in turn.
+// each slot's slot_squares, the slots by slots_sum's tree. kChains 2 or 4
+// (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in turn.
 template <typename Tiling, int kChains, int kCount>
 __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
   if constexpr (kChains == 1) {
@@ -27,9 +26,7 @@ __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
       const auto f = Tiling::unpack(x[i]);
-      sums[i] = 0.0f;
-#pragma unroll
-      for (int e = 0; e < Tiling::kVecSize; ++e) sums[i] = fmaf(f[e], f[e], sums[i]);
+      sums[i] = slot_squares<Tiling::kVecSize>([&f](int e) { return f[e]; });
     }
     return slots_sum(sums);
   } else {

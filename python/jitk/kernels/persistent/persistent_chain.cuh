@@ -87,16 +87,12 @@ struct RMSNorm {
         w[k] = ws[v];
       }
     }
-    float sums[kMaxSlots];  // each slot's chain, then norm::slots_sum's tree; dead slots 0
+    float sums[kMaxSlots];  // norm::slot_squares, then norm::slots_sum's tree; dead slots 0
 #pragma unroll
     for (int k = 0; k < kMaxSlots; ++k) {
-      sums[k] = 0.0f;
-      if (lane >= threads || lane + k * threads >= slots) continue;
-#pragma unroll
-      for (int e = 0; e < kSize; ++e) {
-        const float f = __bfloat162float(x[k][e]);
-        sums[k] = fmaf(f, f, sums[k]);
-      }
+      const bool live = lane < threads && lane + k * threads < slots;
+      sums[k] = live ? norm::slot_squares<kSize>([&](int e) { return __bfloat162float(x[k][e]); })
+                     : 0.0f;
     }
     const float scale = inverse_rms(norm::slots_sum(sums), a, scratch);
 #pragma unroll
