@@ -22,6 +22,9 @@ import pytest
 from jitk.tools import local_registry
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+# jitk from this checkout, ahead of whatever the caller's path adds (apache-tvm-ffi from a
+# folder of its own on the GPU machine, say).
+PYTHON_PATH = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
 SECONDS = 60  # one child: import jitk, start a registry, probe it, stop it
 needs_registry = pytest.mark.skipif(
     shutil.which("docker-registry") is None,
@@ -50,7 +53,7 @@ except local_registry.LocalRegistryError as error:
 
 
 def _inside(work: Path, binary: str = "", seconds: float = 20) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR)}
+    env = {**os.environ, "PYTHONPATH": PYTHON_PATH}
     done = subprocess.run([sys.executable, "-c", INSIDE, str(work), binary, str(seconds)],
                           env=env, capture_output=True, text=True, timeout=SECONDS,
                           check=False)
@@ -116,7 +119,7 @@ def test_a_registry_that_never_answers_is_stopped_after_the_bound(tmp_path):
 
 @needs_registry
 def test_the_command_prints_the_url_and_stops_on_sigterm(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR)}
+    env = {**os.environ, "PYTHONPATH": PYTHON_PATH}
     command = [sys.executable, "-m", "jitk.tools.local_registry", "--work", str(tmp_path)]
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as server:
         try:
@@ -168,7 +171,7 @@ def test_no_binary_and_no_deb_names_where_it_looked(tmp_path, monkeypatch):
 
 def test_sigterm_while_starting_stops_the_registry_too(tmp_path):
     silent = _silent(tmp_path / "bin" / "docker-registry")
-    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR),
+    env = {**os.environ, "PYTHONPATH": PYTHON_PATH,
            "PATH": f"{silent.parent}{os.pathsep}{os.environ['PATH']}"}
     work = tmp_path / "work"
     command = [sys.executable, "-m", "jitk.tools.local_registry", "--work", str(work),

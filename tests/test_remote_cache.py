@@ -36,6 +36,9 @@ from jitk.build import remote, signing  # noqa: E402  (after the skip: needs cry
 from jitk.tools import local_registry  # noqa: E402
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+# jitk from this checkout, ahead of whatever the caller's path adds (apache-tvm-ffi from a
+# folder of its own on the GPU machine, say).
+PYTHON_PATH = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
 HOST_SECONDS = 600  # one host's builds (two CUDA modules for sm_90) on a slow machine
 ADD_ONE = """
 import json, sys, time
@@ -79,7 +82,7 @@ def _host(folder: Path, code: str, *arguments: str, timeout: float = HOST_SECOND
     """Runs `code` (or `-m jitk ...` when code is "") as a host whose caches are in
     `folder`, with no GPU and sm_90 as its target (unless `settings` say otherwise)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITK_")}
-    env.update({"PYTHONPATH": str(PYTHON_DIR), "CUDA_VISIBLE_DEVICES": "",
+    env.update({"PYTHONPATH": PYTHON_PATH, "CUDA_VISIBLE_DEVICES": "",
                 "JITK_CUDA_ARCH": "9.0", "JITK_CACHE_DIR": str(folder / "cache"),
                 "JITK_STAGING_DIR": str(folder / "staging"), **settings})
     command = [sys.executable, *(["-c", code] if code else ["-m", "jitk"]), *arguments]
@@ -262,7 +265,7 @@ def test_a_registry_stopping_mid_pull_leaves_no_entry_within_the_bound(fleet, tm
 def test_eight_processes_missing_one_entry_download_it_once(fleet, registry, tmp_path):
     code = "import sys, time; time.sleep(max(0, float(sys.argv[2]) - time.time()))" + ADD_ONE
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITK_")}
-    env.update(PYTHONPATH=str(PYTHON_DIR), JITK_CACHE_DIR=str(tmp_path / "cache"),
+    env.update(PYTHONPATH=PYTHON_PATH, JITK_CACHE_DIR=str(tmp_path / "cache"),
                JITK_STAGING_DIR=str(tmp_path / "staging"), JITK_DISABLE_JIT="1",
                JITK_VERBOSE="1", **fleet["settings"])
     name = next(n for n in fleet["entries"] if n.startswith("addone_"))
