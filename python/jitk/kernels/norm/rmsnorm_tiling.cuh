@@ -176,7 +176,8 @@ __device__ __forceinline__ int slot_index(int lane, int k) {
 }
 template <typename Tiling>
 __device__ __forceinline__ bool slot_live(int lane, int k, bool row_valid) {
-  const bool may_be_dead = Tiling::kRagged && (Tiling::kSpread > 1 || k + 1 == Tiling::kVecsPerThread);
+  const bool may_be_dead =
+      Tiling::kRagged && (Tiling::kSpread > 1 || k + 1 == Tiling::kVecsPerThread);
   return row_valid && k < Tiling::kVecsPerThread &&
          (!may_be_dead || slot_index<Tiling>(lane, k) < Tiling::kVecsPerRow);
 }

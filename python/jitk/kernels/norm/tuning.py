@@ -41,7 +41,7 @@ KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (
 # kernel of SGLang's layout written for jitk (rmsnorm_kernels.cuh, TwoVectors), tried past 256
 # rows at the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is
 # 10 to 14 of a width's 19 choices (with TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
-# (6 to 8 with the default at 4096 bf16). A width's choices share a module
+# (9 to 11 of 15 at 4096 bf16, where 8 and 4 registers keep it). A width's choices share a module
 # (__init__'s _candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
@@ -72,14 +72,14 @@ TRIED_AT_SHORT_LIMIT = ({**_SGLANG_LIKE, **_FILL_SM, **_ONE_TURN, "pin_offsets":
 
 # Batch invariance: a row's bits must not depend on the row count, and each bucket of rows
 # may get its own choice, so every choice the tuner times adds a row in the default's order
-# (rules.keeps_order: the same access width, threads a row and partial sums a thread, not
-# TwoVectors' kernel). A tried change that would add in another order is timed with those
-# knobs at the default's values and its launch changes kept, but fill_sm, whose register plan
-# was chosen for the threads it was tried with (left on, it spilled under ptxas at 8192 with
-# the default's 16 registers, sm_90). JITK_RMSNORM_FAST_UNSTABLE=1
-# times the changes as written, giving up invariance (docs/developer_guide/
-# verifying_and_tuning.md, "Batch invariance"); it is read when a bucket's candidates are
-# first worked out.
+# (rules.keeps_order: the same access width, the default's threads a row or a spread of them
+# (8 or 4 registers where the default gives a row whole warps: jitk/norm_order.cuh), one sum
+# a thread, not TwoVectors' kernel). A tried change that would add in another order is timed
+# with those knobs at the default's values and its launch changes kept, but fill_sm, whose
+# register plan was chosen for the threads it was tried with (left on, it spilled under ptxas
+# at 8192 with the default's 16 registers, sm_90). JITK_RMSNORM_FAST_UNSTABLE=1 times the
+# changes as written, giving up invariance (docs/developer_guide/verifying_and_tuning.md,
+# "Batch invariance"); it is read when a bucket's candidates are first worked out.
 FAST_UNSTABLE_ENV = "JITK_RMSNORM_FAST_UNSTABLE"
 _PUT_BACK = ("row_registers", "max_vec_bytes", "sum_chains", "two_vectors", "fill_sm")
 
