@@ -1,4 +1,6 @@
-"""NVRTC in the process: CUDA device code to a cubin without nvcc (JITK_DEVICE_COMPILER=nvrtc).
+"""NVRTC in the process: CUDA device code to a cubin without nvcc. No build path uses it yet:
+`python -m jitk env` reports it, and experiments/exp_nvrtc_split.py measures the split it
+would allow (docs/developer_guide/debugging_and_performance.md, "NVRTC for device code").
 
 The library comes from the nvidia-cuda-nvrtc wheel (nvidia/cu13/lib, pinned by the `nvrtc`
 extra to the CUDA line of the nvcc and runtime jitk builds with), else from the dynamic
@@ -46,7 +48,7 @@ def _lib() -> ctypes.CDLL:
             ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
         lib = ctypes.CDLL(library_path())
     except OSError as error:
-        raise NvrtcError(f"JITK_DEVICE_COMPILER=nvrtc: could not load {library_path()} "
+        raise NvrtcError(f"NVRTC: could not load {library_path()} "
                          f"({error}); pip install 'jitk[nvrtc]' for the CUDA 13.0 line") from None
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return lib
