@@ -230,9 +230,7 @@ class TuningSpace:
         """(bucket, knob values) of every entry the file holds for this op, whatever GPU or
         versions it was tuned on, then the shipped tables' for this GPU: what `precompile`
         builds."""
-        shipped = [] if self.tables is None else [
-            {"op": key.split(" ", 1)[0], "bucket": json.loads(key.split(" ", 1)[1]),
-             "config": config} for key, config in tuning_store.table_configs(self.tables).items()]
+        shipped = [] if self.tables is None else tuning_store.table_entries(self.tables)
         return [(e["bucket"], e["config"]) for e in (*tuning_store.read(tuning_file())[0], *shipped)
                 if e["op"] == self.op and isinstance(e["config"], dict)
                 and e["config"].keys() == self.knobs.keys()]

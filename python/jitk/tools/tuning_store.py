@@ -146,7 +146,8 @@ def table_name(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
 
 
-TABLES_READ: dict[tuple[Path, tuple[str, int]], dict[str, dict]] = {}
+# (folder/table, gpu) -> the table's entries ({"op", "bucket", "config"}) and {key: config}.
+TABLES_READ: dict[tuple[Path, tuple[str, int]], tuple[list[dict], dict[str, dict]]] = {}
 
 
 def table_gpu() -> tuple[str, int] | None:
@@ -165,28 +166,39 @@ def table_gpu() -> tuple[str, int] | None:
     return name.strip(), int(sms)
 
 
+def table_entries(folder: Path) -> list[dict]:
+    """The shipped table's entries ({"op", "bucket", "config"}) for table_gpu() (name and SM
+    count), read once; [] when none ships for it or it cannot be read (with a warning: a
+    packaging fault)."""
+    return _table(folder)[0]
+
+
 def table_configs(folder: Path) -> dict[str, dict]:
-    """The shipped table's {key: config} for table_gpu() (name and SM count), read once;
-    {} when none ships for it or it cannot be read (with a warning: a packaging fault)."""
+    """The same table as {key: config}, for a lookup by bucket."""
+    return _table(folder)[1]
+
+
+def _table(folder: Path) -> tuple[list[dict], dict[str, dict]]:
     gpu = table_gpu()
     if gpu is None:
-        return {}
+        return [], {}
     path = folder / table_name(gpu[0])
     if (path, gpu) not in TABLES_READ:
-        configs = {}
+        entries = []
         if path.is_file():
             try:
                 document = json.loads(path.read_text())
                 if document.get("format") != FORMAT:
                     raise ValueError(f"not a jitk tuning table of format {FORMAT}")
                 if (document["gpu"], document["sms"]) == gpu:
-                    configs = {key(e["op"], e["bucket"]): e["config"]
-                               for e in document["entries"]}
+                    entries = [{"op": e["op"], "bucket": e["bucket"], "config": e["config"]}
+                               for e in document["entries"]]
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
                 warnings.warn(f"jitk.autotune: the shipped tuning table {path} cannot be used "
                               f"({error}); the defaults apply where the tuning file has no "
-                              "entry", stacklevel=5)
-        TABLES_READ[(path, gpu)] = configs
+                              "entry", stacklevel=6)
+        TABLES_READ[(path, gpu)] = entries, {key(e["op"], e["bucket"]): e["config"]
+                                            for e in entries}
     return TABLES_READ[(path, gpu)]
 
 
