@@ -11,7 +11,7 @@
 // A row of 16-byte accesses that the default layout gives whole warps (four slots a thread)
 // may also be spread over 2 or 4 times the threads (row_registers 8 or 4) without changing
 // that order: spread_slot says which access each of their slots reads, lanes_sum and
-// warps_sum add in the base layout's tree. So the tuner may pick the threads a row takes per
+// row_block_sum add in the base layout's tree. So the tuner may pick the threads a row takes per
 // batch size and a row still gets the same bits.
 #pragma once
 

@@ -197,8 +197,8 @@ inline constexpr int kMinBlocks =
 // (16 with the row loop), and the fused form's row loop 8: held to the plan without them,
 // such bodies spilled 8-164 bytes (sm_90, 4096-12288). No more: 16 for the single turn too
 // would cost the short path a block an SM at 12288, and time at 1024 rows in place. A spread
-// layout (jitk/norm_order.cuh) plans 8 for its slots' offsets: without them, 256-thread rows
-// of 4096-8192 spilled 4-24 bytes under a 32-register cap (sm_90).
+// layout (jitk/norm_order.cuh) plans 8 for its slots' offsets: without them, its rows of 256
+// to 512 threads at 4096-8192 spilled 4-24 bytes under the 32 registers fill_sm allowed (sm_90).
 template <typename Tiling, typename Tuning, bool kFusedAdd>
 constexpr int fill_sm_blocks() {
   constexpr int kPlan =
