@@ -132,8 +132,8 @@ struct Tiling : Access<T_, kVecSize_> {
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
   static constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   static constexpr int kRowWarps = kSubWarp ? 1 : kThreadsPerRow / kWarpThreads;
-  static constexpr int kVecsPerThread =
-      kSpread > 1 ? kBaseSlots / kSpread : div_ceil(kVecsPerRow, kThreadsPerRow);
+  static constexpr int kVecsPerThread = kSpread > 1 ? kBaseSlots / kSpread
+                                                    : div_ceil(kVecsPerRow, kThreadsPerRow);
   // Only when 1024 threads are not enough does a thread get more than it keeps in registers.
   static constexpr bool kInRegisters = kVecsPerThread <= kMaxVecsInRegisters;
   // Whether some slots lie past the end of the row (the last ones, in the base layout).

@@ -91,8 +91,8 @@ struct RMSNorm {
 #pragma unroll
     for (int k = 0; k < kMaxSlots; ++k) {
       const bool live = lane < threads && lane + k * threads < slots;
-      sums[k] = live ? norm::slot_squares<kSize>([&](int e) { return __bfloat162float(x[k][e]); })
-                     : 0.0f;
+      sums[k] =
+          live ? norm::slot_squares<kSize>([&](int e) { return __bfloat162float(x[k][e]); }) : 0.0f;
     }
     const float scale = inverse_rms(norm::slots_sum(sums), a, scratch);
 #pragma unroll
