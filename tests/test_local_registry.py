@@ -18,13 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import PYTHON_PATH
 
 from jitk.tools import local_registry
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
-# jitk from this checkout, ahead of whatever the caller's path adds (apache-tvm-ffi from a
-# folder of its own on the GPU machine, say).
-PYTHON_PATH = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
 SECONDS = 60  # one child: import jitk, start a registry, probe it, stop it
 needs_registry = pytest.mark.skipif(
     shutil.which("docker-registry") is None,

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from child_env import PYTHON_PATH
 
 pytest.importorskip("cryptography", reason="the remote cache needs `cryptography` (jitk[remote])")
 REGISTRY = shutil.which("docker-registry")
@@ -35,10 +36,6 @@ from cryptography.hazmat.primitives import serialization  # noqa: E402
 from jitk.build import remote, signing  # noqa: E402  (after the skip: needs cryptography)
 from jitk.tools import local_registry  # noqa: E402
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
-# jitk from this checkout, ahead of whatever the caller's path adds (apache-tvm-ffi from a
-# folder of its own on the GPU machine, say).
-PYTHON_PATH = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
 HOST_SECONDS = 600  # one host's builds (two CUDA modules for sm_90) on a slow machine
 ADD_ONE = """
 import json, sys, time

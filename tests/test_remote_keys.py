@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from child_env import PYTHON_PATH
 
 pytest.importorskip("cryptography", reason="the remote cache needs `cryptography` (jitk[remote])")
 from cryptography.hazmat.primitives import serialization  # noqa: E402
@@ -16,7 +16,6 @@ from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: E402
 
 from jitk.build import signing  # noqa: E402
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 READ_TRUSTED = """
 import json, sys
 from jitk.build import signing
@@ -28,8 +27,7 @@ print(json.dumps({"fingerprints": sorted(keys),
 
 def test_a_puller_imports_only_the_ed25519_part_of_cryptography(tmp_path):
     _, public, fingerprint = signing.keygen(tmp_path)
-    path = os.pathsep.join(filter(None, (str(PYTHON_DIR), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PYTHONPATH": path, "JITK_REMOTE_CACHE_TRUST": str(public)}
+    env = {**os.environ, "PYTHONPATH": PYTHON_PATH, "JITK_REMOTE_CACHE_TRUST": str(public)}
     read = subprocess.run([sys.executable, "-c", READ_TRUSTED], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert read.returncode == 0, read.stderr

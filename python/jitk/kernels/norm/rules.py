@@ -50,26 +50,28 @@ def _base_threads(hidden: int, dtype: torch.dtype, size: int, row_registers: int
     return min(-(-wanted // 32) * 32, 1024)
 
 
+def _layout(hidden: int, dtype: torch.dtype, knobs: dict) -> tuple[int, int, int]:
+    """(access width, row_spread, the threads of the layout whose order a row keeps): the
+    default's (16 registers) for a spread layout, else the choice's own."""
+    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
+    registers = knobs["row_registers"]
+    if size * dtype.itemsize == 16 and registers in (8, 4):
+        base, times = _base_threads(hidden, dtype, size, 16), 16 // registers
+        if base >= 32 and hidden // size <= 4 * base and base * times <= 1024:
+            return size, times, base
+    return size, 1, _base_threads(hidden, dtype, size, registers)
+
+
 def spread(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
     """rules_row_spread: how many times the default layout's threads the choice spreads a row
     over in the default's order (2 or 4), else 1."""
-    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
-    registers = knobs["row_registers"]
-    if size * dtype.itemsize != 16 or registers not in (8, 4):
-        return 1
-    base = _base_threads(hidden, dtype, size, 16)
-    times = 16 // registers
-    fits = base >= 32 and hidden // size <= 4 * base and base * times <= 1024
-    return times if fits else 1
+    return _layout(hidden, dtype, knobs)[1]
 
 
 def threads_per_row(hidden: int, dtype: torch.dtype, knobs: dict) -> int:
     """rules_threads_per_row: the threads a row of the choice's own kernel spreads over."""
-    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
-    times = spread(hidden, dtype, knobs)
-    if times > 1:
-        return times * _base_threads(hidden, dtype, size, 16)
-    return _base_threads(hidden, dtype, size, knobs["row_registers"])
+    _, times, threads = _layout(hidden, dtype, knobs)
+    return times * threads
 
 
 def row_order(knobs: dict, hidden: int, dtype: torch.dtype) -> tuple:
@@ -81,8 +83,7 @@ def row_order(knobs: dict, hidden: int, dtype: torch.dtype) -> tuple:
     warps' sums in the shuffle's tree."""
     if knobs["two_vectors"]:
         return ("two_vectors",)
-    size = vec_size(hidden, dtype, knobs["max_vec_bytes"])
-    threads = threads_per_row(hidden, dtype, knobs) // spread(hidden, dtype, knobs)
+    size, _, threads = _layout(hidden, dtype, knobs)
     return size, threads, knobs["sum_chains"]
 
 
