@@ -36,11 +36,15 @@ import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, toolchain
+from jitk.build import cache, loader, nvrtc, toolchain
 from jitk.build.lock import lock_timeout
 from jitk.build.staging import new_staging, old_stagings
 
 logger = logging.getLogger("jitk")
+
+# The generated unit of a module whose CUDA files are written in two halves (jitk/nvrtc.cuh):
+# the host compiler builds it alone, NVRTC the kernels it launches (device_halves).
+HOST_HALF = "host_half.cpp"
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
 # The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
@@ -95,6 +99,7 @@ class BuildSpec:
     sources: dict[str, str]  # generated file name -> text
     kernel_files: tuple[Path, ...]  # hashed into the key
     flags: dict[str, list[str]]  # "cflags", "cuda_cflags", "ldflags", "include_dirs"
+    device_halves: tuple[Path, ...] = ()  # CUDA files whose kernels NVRTC builds
 
 
 def _object(source: str) -> str:
@@ -148,7 +153,7 @@ def build_file(spec: BuildSpec) -> str:
     # compilers' dependency files itself (_headers_read).
     rules = ["rule compile",
              "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out", ""]
-    if spec.archs:
+    if any(source.endswith(".cu") for source in spec.sources):
         cuda_cflags = ["-ccbin", toolchain.nvcc_host_compiler(), *gencode_flags(spec.archs),
                        *flags["cuda_cflags"], *includes]
         lines += [f"nvcc = {_arguments(toolchain.nvcc_path())}",
@@ -156,12 +161,19 @@ def build_file(spec: BuildSpec) -> str:
         rules += ["rule compile_cuda",
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
+    if HOST_HALF in spec.sources:  # the level nvcc gives a host side (jit.DEFAULT_CUDA_CFLAGS)
+        half = ["-std=c++20", "-O1", "-fPIC", *includes, f"-I{toolchain.cuda_home() / 'include'}"]
+        lines.append(f"host_half_flags = {_arguments(*half)}")
+        rules += ["rule compile_host_half",
+                  "  command = $cxx -MMD -MF $out.d $host_half_flags -c $in -o $out", ""]
+    if spec.archs:
         ldflags += toolchain.cudart_link_flags()
     lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}
-    builds = [f"build {obj}: {'compile_cuda' if src.endswith('.cu') else 'compile'} {src}"
-              for src, obj in objects.items()]
+    rule = {HOST_HALF: "compile_host_half"}
+    builds = [f"build {obj}: {rule.get(src, 'compile_cuda' if src.endswith('.cu') else 'compile')}"
+              f" {src}" for src, obj in objects.items()]
     library = f"{spec.name}.so"
     builds += [f"build {library}: link {' '.join(objects.values())}", f"default {library}"]
     return "\n".join([*lines, "", *rules, *builds, ""])
@@ -238,13 +250,15 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     (staging / "build.ninja").write_text(build_file(spec))
     started = time.perf_counter()
     _run_ninja(spec.name, staging)
-    seconds = time.perf_counter() - started
     library = staging / f"{spec.name}.so"
+    device_code = _build_device_halves(spec, library) if spec.device_halves else []
+    seconds = time.perf_counter() - started
     sha256 = cache.digest(library)
     cache.write_meta(staging, {
         "module": spec.name, "key": spec.key, "library": library.name,
         "archs": list(spec.archs), "build_seconds": round(seconds, 3), "built_at": time.time(),
-        "sha256": sha256, "headers": package_headers(spec, staging)})
+        "sha256": sha256, "headers": package_headers(spec, staging),
+        "device_code": {path.name: cache.digest(path) for path in device_code}})
     private = cache.copy_in(staging, spec.entry, spec.in_place)
     shutil.rmtree(staging)
     try:  # before publication: it cannot vanish, and a library that does not load stays out
@@ -261,6 +275,33 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
                 ", ".join(toolchain.sm_name(a) for a in spec.archs) or "host only", seconds,
                 spec.entry)
     return module
+
+
+def _build_device_halves(spec: BuildSpec, library: Path) -> list[Path]:
+    """NVRTC builds the kernels the host half launches (the names it registered) for each
+    target, beside the library: <name>.sm_XX.cubin, and <name>.kernels, a line
+    "expression<TAB>lowered name" each (jitk/nvrtc.cuh reads them at the first launch).
+    Returns the files written."""
+    written = []
+    try:
+        expressions = nvrtc.kernel_names(library)
+        source = "".join(f'#include "{path}"\n' for path in spec.device_halves)
+        includes = [f"-I{path}" for path in (*spec.flags["include_dirs"],
+                                             toolchain.cuda_home() / "include")]
+        lowered = {}
+        for arch in spec.archs:
+            program = nvrtc.compile_cubin(source, f"{spec.name}.cu", expressions,
+                                          [f"-arch={toolchain.sm_name(arch)}", *nvrtc.OPTIONS,
+                                           *includes])
+            written.append(library.parent / f"{spec.name}.{toolchain.sm_name(arch)}.cubin")
+            written[-1].write_bytes(program.cubin)
+            lowered = program.lowered
+    except nvrtc.NvrtcError as error:
+        raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
+                              or [str(error)], str(error)) from None
+    written.append(library.parent / f"{spec.name}.kernels")
+    written[-1].write_text("".join(f"{e}\t{lowered[e]}\n" for e in expressions))
+    return written
 
 
 def _load_copy(library: Path, sha256: str) -> tvm_ffi.Module:

@@ -182,7 +182,7 @@ def look_up(entry: Path, key: str) -> Lookup:
         if digest_fd(fd) != meta.get("sha256"):
             problem = f"{library.name} is damaged (its digest changed)"
         else:
-            problem = _headers_problem(meta)
+            problem = _headers_problem(meta) or _device_code_problem(entry, meta)
     except BaseException:
         os.close(fd)
         raise
@@ -190,6 +190,20 @@ def look_up(entry: Path, key: str) -> Lookup:
         os.close(fd)
         return Lookup(problem=problem)
     return Lookup(library=library, fd=fd)
+
+
+def _device_code_problem(entry: Path, meta: dict) -> str | None:
+    """The device code NVRTC built beside the library (jitk/nvrtc.cuh), which its host half
+    reads at the first launch, against the digests recorded."""
+    for name, recorded in meta.get("device_code", {}).items():
+        path = entry / name
+        try:
+            trust.check(path, "the device code")
+            if digest(path) != recorded:
+                return f"{name} is damaged (its digest changed)"
+        except FileNotFoundError:
+            return f"its device code {name} is missing"
+    return None
 
 
 def is_complete(entry: Path, key: str) -> bool:

@@ -30,8 +30,8 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import JitkError
-from jitk.build import cache, events, loader, names, remote, toolchain, trust
-from jitk.build.builder import BuildSpec, JitCompileError, build_and_publish
+from jitk.build import cache, events, loader, names, nvrtc, remote, toolchain, trust
+from jitk.build.builder import HOST_HALF, BuildSpec, JitCompileError, build_and_publish
 from jitk.build.lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
@@ -369,6 +369,7 @@ def load_jit(
     extra_include_paths: Iterable[str | os.PathLike] = (),
     build_directory: str | os.PathLike | None = None,
     min_arch: str | None = None,
+    cuda_compiler: str = "nvcc",
 ) -> tvm_ffi.Module:
     """Build (or find in the cache) and load a module.
 
@@ -385,6 +386,8 @@ def load_jit(
     architectures than the targets (precompile --arch "8.0 9.0 10.0") serves them when it
     holds machine code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
+    `cuda_compiler="nvrtc"` builds CUDA files written in two halves (<jitk/nvrtc.cuh>): the
+    host compiler alone builds the host half, NVRTC the kernels it launches, in the process.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -403,6 +406,12 @@ def load_jit(
     includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
+    if cuda_compiler not in ("nvcc", "nvrtc"):
+        raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc' or 'nvrtc', got {cuda_compiler!r}")
+    split = cuda_compiler == "nvrtc"
+    if split and flags["extra_cuda_cflags"]:
+        raise ValueError(f"load_jit('{name}'): extra_cuda_cflags are nvcc's; with "
+                         "cuda_compiler='nvrtc' there is no nvcc to give them to")
     if min_arch is not None and not (isinstance(min_arch, str)
                                      and re.fullmatch(r"\d+\.\d+", min_arch)):
         raise ValueError(f"load_jit(min_arch=...): expected one architecture such as '9.0', "
@@ -416,15 +425,18 @@ def load_jit(
     sources = {}  # generated file name -> text: main.cpp for the host compiler, cuda.cu for nvcc
     if has_cpp:
         sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
-    if has_cuda:
-        sources["cuda.cu"] = _render_source(name, cuda_paths, cuda_exports, True)
+    if has_cuda:  # nvcc's unit, or the host half of one that NVRTC completes
+        sources[HOST_HALF if split else "cuda.cu"] = _render_source(name, cuda_paths,
+                                                                    cuda_exports, True)
     build_flags = {
         "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
         "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
         "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
         "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
     }
-    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda))
+    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda and not split))
+    if split and has_cuda:
+        compilers.append("nvrtc {}.{} {}".format(*nvrtc.version(), nvrtc.OPTIONS))
     kernel_files = cpp_paths + cuda_paths
     # The architectures are not in the build's key but in the folder's name, after it, so
     # that a process can find an entry built for more architectures than it asks for.
@@ -434,7 +446,8 @@ def load_jit(
     entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
         name, build_key, archs)
     spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
-                     sources, tuple(kernel_files), build_flags)
+                     sources, tuple(kernel_files), build_flags,
+                     tuple(cuda_paths) if split else ())
     # The call as `python -m jitk precompile --call` replays it: the arguments given, with
     # include folders made absolute (a kernel file's relative name is the package's own).
     call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
@@ -442,7 +455,7 @@ def load_jit(
             "cuda_wrappers": cuda_exports, **flags,
             "extra_include_paths": build_flags["include_dirs"][1:],
             "build_directory": str(build_dir) if build_dir else None,
-            "min_arch": min_arch}
+            "min_arch": min_arch, "cuda_compiler": cuda_compiler if split else None}
     call = {key: value for key, value in call.items() if value}
     module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
     if held:

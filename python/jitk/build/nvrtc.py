@@ -1,6 +1,5 @@
-"""NVRTC in the process: CUDA device code to a cubin without nvcc. No build path uses it yet:
-`python -m jitk env` reports it, and experiments/exp_nvrtc_split.py measures the split it
-would allow (docs/developer_guide/debugging_and_performance.md, "NVRTC for device code").
+"""NVRTC in the process: CUDA device code to a cubin without nvcc, for the kernels of files
+written in two halves (jitk/nvrtc.cuh; load_jit(..., cuda_compiler="nvrtc"), builder.py).
 
 The library comes from the nvidia-cuda-nvrtc wheel (nvidia/cu13/lib, pinned by the `nvrtc`
 extra to the CUDA line of the nvcc and runtime jitk builds with), else from the dynamic
@@ -19,9 +18,12 @@ from pathlib import Path
 from jitk.base.errors import ArgumentError, JitkError
 from jitk.build import toolchain
 
-__all__ = ["NvrtcError", "Program", "compile_cubin", "library_path", "version"]
+__all__ = ["OPTIONS", "NvrtcError", "Program", "compile_cubin", "kernel_names", "library_path",
+           "version"]
 
 _SONAME = "libnvrtc.so.13"
+# What every build of a device half passes, besides its architecture and include folders.
+OPTIONS = ("-std=c++20",)
 _SUCCESS = 0
 
 
@@ -112,3 +114,17 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
         return Program(cubin, lowered, log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(handle))
+
+
+def kernel_names(library: Path) -> list[str]:
+    """The name expressions of the kernels a built host half launches by name (what its
+    instantiations of LaunchKernel::launch registered, jitk/nvrtc.cuh), from the library."""
+    try:
+        names = ctypes.CDLL(str(library)).jitk_nvrtc_kernel_names
+    except (OSError, AttributeError) as error:
+        raise NvrtcError(f"cannot read the kernels {library.name} launches: {error}") from None
+    names.restype = ctypes.c_char_p
+    text = names()
+    if text is None:
+        raise NvrtcError(f"{library.name} could not list the kernels it launches")
+    return text.decode().splitlines()

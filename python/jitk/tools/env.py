@@ -45,9 +45,9 @@ def _nvcc() -> dict:
 
 
 def _nvrtc() -> dict:
-    """NVRTC, which compiles device code in the process where it is installed (the `nvrtc`
-    extra); builds do not use it yet (debugging_and_performance.md, "NVRTC for device
-    code")."""
+    """NVRTC, which compiles device code in the process where it is installed (the `cuda`
+    and `nvrtc` extras): the kernels of files written in two halves (jitk/nvrtc.cuh),
+    built with load_jit(..., cuda_compiler="nvrtc")."""
     found = dict.fromkeys(NVRTC_KEYS)
     try:
         found["version"] = "{}.{}".format(*nvrtc.version())
@@ -163,7 +163,7 @@ def render(report: dict) -> str:
         ("apache-tvm-ffi", report["tvm_ffi"] or "not installed"),
         ("nvcc", f"{nvcc['path']} ({nvcc['source']}), {nvcc['version']}; toolkit "
                  f"{nvcc['toolkit']}" if not nvcc["error"] else f"error: {nvcc['error']}"),
-        ("nvrtc", f"{found_nvrtc['path']}, {found_nvrtc['version']} (not used by builds yet)"
+        ("nvrtc", f"{found_nvrtc['path']}, {found_nvrtc['version']} (cuda_compiler='nvrtc' builds)"
                   if not found_nvrtc["error"] else f"not found: {found_nvrtc['error']}"),
         ("host compiler", _compiler_line(report["host_compiler"])),
         ("nvcc's host compiler", _compiler_line(report["nvcc_host_compiler"])),

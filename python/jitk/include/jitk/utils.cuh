@@ -134,6 +134,13 @@ inline constexpr bool kPdlOnAllTargets = [] {
 // LaunchKernel(grid, block, device)(kernel, args...);
 // LaunchKernel(grid, block, stream, dynamic_smem_bytes).enable_pdl()(kernel, args...);
 // A failed launch raises an error that names the line that built the launch.
+#ifndef __CUDACC__
+// A kernel NVRTC built for this module, found by name (defined in jitk/nvrtc.cuh): what
+// LaunchKernel::launch runs in a host half that the host compiler built alone.
+template <auto kKernel>
+cudaKernel_t nvrtc_kernel();
+#endif
+
 class LaunchKernel {
  public:
   LaunchKernel(dim3 grid, dim3 block, DLDevice device, std::size_t dynamic_smem = 0,
@@ -180,7 +187,36 @@ class LaunchKernel {
     RuntimeDeviceCheck(error, where_);
   }
 
+  // Launches kKernel with `args` converted to its parameters: (*this)(kKernel, args...) under
+  // nvcc; in a kernel file's host half built by the host compiler alone (jitk/nvrtc.cuh,
+  // load_jit(..., cuda_compiler="nvrtc")), the kernel NVRTC built, found by its name.
+  template <auto kKernel, typename... Args>
+  void launch(Args&&... args) const {
+#ifdef __CUDACC__
+    (*this)(kKernel, std::forward<Args>(args)...);
+#else
+    by_name(nvrtc_kernel<kKernel>(), kKernel, std::forward<Args>(args)...);
+#endif
+  }
+
  private:
+#ifndef __CUDACC__
+  template <typename... Params, typename... Args>
+  void by_name(cudaKernel_t kernel, void (*)(Params...), Args&&... args) const {
+    with_params<Params...>(kernel, std::forward<Args>(args)...);
+  }
+  template <typename... Params>
+  void with_params(cudaKernel_t kernel, Params... values) const {
+    void* params[sizeof...(Params) + 1] = {static_cast<void*>(&values)...};
+    cudaError_t error;
+    {
+      const DeviceGuard on(device_id_, where_);
+      error = cudaLaunchKernelExC(&config_, reinterpret_cast<const void*>(kernel), params);
+    }
+    RuntimeDeviceCheck(error, where_);
+  }
+#endif
+
   DebugInfo where_;
   cudaLaunchAttribute attributes_[1]{};
   cudaLaunchConfig_t config_{};

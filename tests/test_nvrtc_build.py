@@ -1,0 +1,154 @@
+"""load_jit(..., cuda_compiler="nvrtc"): a kernel file in two halves (jitk/nvrtc.cuh), its
+host half built by the host compiler alone and its kernels by NVRTC in the process.
+
+CPU part: the entry holds the library, a cubin per target and the kernel names the host half
+registered; its argument checks run and name the tensor and line; a damaged cubin makes the
+entry unusable rather than loaded; the same file still builds under nvcc; bad arguments are
+refused before any build. GPU part: both halves' results against a float64 reference and
+against the nvcc build of the same file, bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from errors import expect_error
+
+import jitk
+from jitk.build import nvrtc
+from jitk.build.builder import JitCompileError
+
+KERNEL = Path(__file__).resolve().parent / "csrc" / "nvrtc_axpy.cuh"
+PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+WRAPPERS = [("axpy_f32", "nvrtc_axpy::Axpy<fp32_t>::run"),
+            ("axpy_bf16", "nvrtc_axpy::Axpy<bf16_t>::run")]
+EXPRESSIONS = ["&nvrtc_axpy::axpy_kernel<float>", "&nvrtc_axpy::axpy_kernel<__nv_bfloat16>"]
+
+
+def _nvrtc_missing() -> str | None:
+    try:
+        nvrtc.version()
+    except nvrtc.NvrtcError as error:
+        return str(error)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_nvrtc_missing() is not None,
+                                reason=f"no NVRTC here: {_nvrtc_missing()}")
+
+
+def load(compiler: str = "nvrtc", **changes):
+    return jitk.load_jit("nvrtc_axpy", "fp32_t", "bf16_t", cuda_files=[KERNEL],
+                         cuda_wrappers=WRAPPERS, cuda_compiler=compiler, **changes)
+
+
+def entry_of(cache: Path) -> Path:
+    (entry,) = [p for p in cache.iterdir() if p.is_dir() and p.name.startswith("nvrtc_axpy_")]
+    return entry
+
+
+def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITK_CUDA_ARCH", "8.0;9.0")
+    load()
+    entry = entry_of(tmp_path)
+    stem = "nvrtc_axpy_fp32_t_bf16_t"
+    files = {p.name for p in entry.iterdir()}
+    assert {f"{stem}.so", f"{stem}.sm_80.cubin", f"{stem}.sm_90.cubin", f"{stem}.kernels"} <= files
+    assert "cuda.cu" not in files  # no nvcc unit: the host half is host_half.cpp
+    for cubin in ("sm_80", "sm_90"):
+        assert (entry / f"{stem}.{cubin}.cubin").read_bytes()[:4] == b"\x7fELF"
+    lines = (entry / f"{stem}.kernels").read_text().splitlines()
+    assert sorted(line.split("\t")[0] for line in lines) == sorted(EXPRESSIONS)
+    assert all(line.split("\t")[1].startswith("_ZN10nvrtc_axpy11axpy_kernelI") for line in lines)
+    meta = json.loads((entry / "jitk-meta.json").read_text())
+    assert set(meta["device_code"]) == {f"{stem}.sm_80.cubin", f"{stem}.sm_90.cubin",
+                                        f"{stem}.kernels"}
+    assert any(name.endswith("include/jitk/nvrtc.cuh") for name in meta["headers"])
+
+
+def test_the_host_half_checks_its_arguments_and_names_them():
+    module = load()
+    x, y = torch.ones(8), torch.ones(8)
+    expect_error(lambda: module.axpy_f32(1.0, x, y), "'x'", "nvrtc_axpy.cuh:",
+                 "expected cuda but got cpu")
+    expect_error(lambda: module.axpy_bf16(1.0, x, y), "'x'", "dtype")
+
+
+LOAD_CACHED = """
+import sys, jitk
+sys.path.insert(0, sys.argv[1])
+from test_nvrtc_build import load
+load()
+print(jitk.jit_stats()["disk"]["count"])
+"""
+
+
+def _load_in_child(cache: Path, **env) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", LOAD_CACHED, str(Path(__file__).parent)],
+                          env={**os.environ, "JITK_CACHE_DIR": str(cache), "PYTHONPATH": path,
+                               **env},
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_a_new_process_loads_the_entry_and_a_damaged_cubin_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    load()
+    loaded = _load_in_child(tmp_path, JITK_DISABLE_JIT="1")
+    assert loaded.returncode == 0 and loaded.stdout.split()[-1] == "1", loaded.stderr[-2000:]
+    (cubin,) = entry_of(tmp_path).glob("*.cubin")
+    image = bytearray(cubin.read_bytes())
+    image[len(image) // 2] ^= 0xFF
+    cubin.write_bytes(bytes(image))
+    refused = _load_in_child(tmp_path, JITK_DISABLE_JIT="1")
+    assert refused.returncode != 0
+    assert f"{cubin.name} is damaged" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_the_same_file_builds_under_nvcc_into_another_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    module = load("nvcc")
+    expect_error(lambda: module.axpy_f32(1.0, torch.ones(8), torch.ones(8)), "'x'")
+    load("nvrtc")
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("nvrtc_axpy_")
+                and p.is_dir()]) == 2
+
+
+def test_bad_arguments_are_refused_before_any_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    expect_error(lambda: load("clang"), "cuda_compiler", "'nvcc' or 'nvrtc'", "'clang'",
+                 kind=ValueError)
+    expect_error(lambda: load(extra_cuda_cflags=["-lineinfo"]), "extra_cuda_cflags are nvcc's",
+                 kind=ValueError)
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_error_in_the_device_half_is_nvrtcs_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "broken.cuh"
+    broken.write_text(KERNEL.read_text().replace("if (i < n) y[i]", "if (i < n) z[i]"))
+    with pytest.raises(JitCompileError, match=r'identifier "z" is undefined'):
+        jitk.load_jit("nvrtc_broken", "fp32_t", cuda_files=[broken],
+                      cuda_wrappers=WRAPPERS[:1], cuda_compiler="nvrtc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_builds_compute_axpy_alike(dtype):
+    n = 100_003
+    x, y = torch.randn(n, device="cuda").to(dtype), torch.randn(n, device="cuda").to(dtype)
+    expected = (0.5 * x.double() + y.double()).to(dtype)
+    results = []
+    for compiler in ("nvrtc", "nvcc"):
+        out = y.clone()
+        getattr(load(compiler), "axpy_f32" if dtype == torch.float32 else "axpy_bf16")(
+            0.5, x, out)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-2 if dtype != torch.float32
+                                   else 1e-5)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
