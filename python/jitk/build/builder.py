@@ -251,18 +251,18 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     started = time.perf_counter()
     _run_ninja(spec.name, staging)
     library = staging / f"{spec.name}.so"
-    device_code = _build_device_halves(spec, library) if spec.device_halves else []
+    device_code = _build_device_halves(spec, staging) if spec.device_halves else {}
     seconds = time.perf_counter() - started
     sha256 = cache.digest(library)
     cache.write_meta(staging, {
         "module": spec.name, "key": spec.key, "library": library.name,
         "archs": list(spec.archs), "build_seconds": round(seconds, 3), "built_at": time.time(),
         "sha256": sha256, "headers": package_headers(spec, staging),
-        "device_code": {path.name: cache.digest(path) for path in device_code}})
+        "device_code": {name: cache.digest_bytes(data) for name, data in device_code.items()}})
     private = cache.copy_in(staging, spec.entry, spec.in_place)
     shutil.rmtree(staging)
     try:  # before publication: it cannot vanish, and a library that does not load stays out
-        module = _load_copy(private / library.name, sha256)
+        module = _load_copy(private / library.name, sha256, device_code)
     except Exception as error:
         shutil.rmtree(private, ignore_errors=True)
         raise JitCompileError(spec.name, f"dlopen {private / library.name}", [str(error)],
@@ -277,14 +277,14 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     return module
 
 
-def _build_device_halves(spec: BuildSpec, library: Path) -> list[Path]:
+def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     """NVRTC builds the kernels the host half launches (the names it registered) for each
-    target, beside the library: <name>.sm_XX.cubin, and <name>.kernels, a line
-    "expression<TAB>lowered name" each (jitk/nvrtc.cuh reads them at the first launch).
-    Returns the files written."""
-    written = []
+    target: <name>.sm_XX.cubin, and <name>.kernels, a line "expression<TAB>lowered name"
+    each, written into `staging` and returned (file name -> bytes) for the library to be
+    handed at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch)."""
+    code = {}
     try:
-        expressions = nvrtc.kernel_names(library)
+        expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
         source = "".join(f'#include "{path}"\n' for path in spec.device_halves)
         includes = [f"-I{path}" for path in (*spec.flags["include_dirs"],
                                              toolchain.cuda_home() / "include")]
@@ -293,21 +293,21 @@ def _build_device_halves(spec: BuildSpec, library: Path) -> list[Path]:
             program = nvrtc.compile_cubin(source, f"{spec.name}.cu", expressions,
                                           [f"-arch={toolchain.sm_name(arch)}", *nvrtc.OPTIONS,
                                            *includes])
-            written.append(library.parent / f"{spec.name}.{toolchain.sm_name(arch)}.cubin")
-            written[-1].write_bytes(program.cubin)
+            code[f"{spec.name}.{toolchain.sm_name(arch)}.cubin"] = program.cubin
             lowered = program.lowered
     except nvrtc.NvrtcError as error:
         raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
                               or [str(error)], str(error)) from None
-    written.append(library.parent / f"{spec.name}.kernels")
-    written[-1].write_text("".join(f"{e}\t{lowered[e]}\n" for e in expressions))
-    return written
+    code[f"{spec.name}.kernels"] = "".join(f"{e}\t{lowered[e]}\n" for e in expressions).encode()
+    for name, data in code.items():
+        (staging / name).write_bytes(data)
+    return code
 
 
-def _load_copy(library: Path, sha256: str) -> tvm_ffi.Module:
+def _load_copy(library: Path, sha256: str, device_code: dict[str, bytes]) -> tvm_ffi.Module:
     """Loads the copied library from the descriptor that shows it is the one built."""
     fd = os.open(library, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     if cache.digest_fd(fd) != sha256:
         os.close(fd)
         raise OSError(f"{library} differs from the library built (copied wrongly)")
-    return loader.load_from_fd(fd)
+    return loader.load_from_fd(fd, device_code)

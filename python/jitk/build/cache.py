@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jitk.base import settings
@@ -92,7 +92,11 @@ def local(recorded: str) -> Path:
 
 
 def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return digest_bytes(path.read_bytes())
+
+
+def digest_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def digest_fd(fd: int) -> str:
@@ -120,14 +124,18 @@ class Lookup:
     library: Path | None = None
     fd: int | None = None
     problem: str | None = None
+    device_code: dict[str, bytes] = field(default_factory=dict)  # file name -> checked bytes
 
 
-def _library_name(meta: dict) -> str | None:
-    """The library's file name from the record, if it names a file inside the entry."""
-    name = meta.get("library")
+def _file_name(name: object) -> str | None:
+    """`name` from a record, if it names a file inside the entry."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
         return None
     return name
+
+
+def _library_name(meta: dict) -> str | None:
+    return _file_name(meta.get("library"))
 
 
 def _open_library(entry: Path, meta: dict) -> tuple[int | None, str | None]:
@@ -182,28 +190,47 @@ def look_up(entry: Path, key: str) -> Lookup:
         if digest_fd(fd) != meta.get("sha256"):
             problem = f"{library.name} is damaged (its digest changed)"
         else:
-            problem = _headers_problem(meta) or _device_code_problem(entry, meta)
+            problem = _headers_problem(meta)
+        if not problem:
+            device_code, problem = read_device_code(entry, meta)
     except BaseException:
         os.close(fd)
         raise
     if problem:
         os.close(fd)
         return Lookup(problem=problem)
-    return Lookup(library=library, fd=fd)
+    return Lookup(library=library, fd=fd, device_code=device_code)
 
 
-def _device_code_problem(entry: Path, meta: dict) -> str | None:
-    """The device code NVRTC built beside the library (jitk/nvrtc.cuh), which its host half
-    reads at the first launch, against the digests recorded."""
-    for name, recorded in meta.get("device_code", {}).items():
+def read_device_code(entry: Path, meta: dict) -> tuple[dict[str, bytes], str | None]:
+    """The device code NVRTC built beside the library (jitk/nvrtc.cuh), read once and checked
+    against the recorded digests: these bytes, not the files, are what the library is given
+    (loader.load_from_fd), so a file swapped after the check changes nothing. With why
+    they cannot be used, if so."""
+    recorded = meta.get("device_code", {})
+    if not isinstance(recorded, dict):
+        return {}, f"its {META_FILE} lists its device code wrongly"
+    code = {}
+    for name, expected in recorded.items():
+        if _file_name(name) is None:
+            return {}, f"its {META_FILE} names {name!r}, not a file in the entry"
         path = entry / name
         try:
-            trust.check(path, "the device code")
-            if digest(path) != recorded:
-                return f"{name} is damaged (its digest changed)"
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
-            return f"its device code {name} is missing"
-    return None
+            return {}, f"its device code {name} is missing"
+        except OSError as error:
+            return {}, f"its device code {name} cannot be read: {error.strerror}"
+        try:
+            trust.check(path, "the device code", os.fstat(fd))
+            with os.fdopen(fd, "rb", closefd=False) as file:
+                data = file.read()
+        finally:
+            os.close(fd)
+        if digest_bytes(data) != expected:
+            return {}, f"{name} is damaged (its digest changed)"
+        code[name] = data
+    return code, None
 
 
 def is_complete(entry: Path, key: str) -> bool:

@@ -299,12 +299,12 @@ def _load_cached(spec: BuildSpec, build_key: str | None
     or why the exact entry cannot be used."""
     found = _look_up(spec)
     if found.fd is not None:
-        return loader.load_from_fd(found.fd), spec.archs, None
+        return loader.load_from_fd(found.fd, found.device_code), spec.archs, None
     for entry, built in _covering_entries(spec, build_key) if build_key and spec.archs else ():
         other = _look_up_entry(entry, _entry_key(build_key, built))
         if other.fd is not None:
             logger.info("jitk: %s for %s served by %s", spec.name, ", ".join(spec.archs), entry)
-            return loader.load_from_fd(other.fd), built, None
+            return loader.load_from_fd(other.fd, other.device_code), built, None
     return None, spec.archs, found.problem
 
 

@@ -4,10 +4,14 @@ A library is hashed through an open descriptor and dlopened as /proc/self/fd/N, 
 the file checked is the file loaded: swapping the path between the check and the load
 changes nothing. The descriptor stays open for the life of the process, one per library
 file: the dynamic loader knows a loaded library by its path, so a closed N reused for
-another library would be answered with the first one."""
+another library would be answered with the first one.
+
+A library whose kernels NVRTC built (jitk/nvrtc.cuh) is handed its device code here, as
+the bytes that were checked, before anyone can call it."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -17,9 +21,10 @@ _held: dict[tuple[int, int], int] = {}  # (device, inode) -> the descriptor it i
 _held_lock = threading.Lock()
 
 
-def load_from_fd(fd: int) -> tvm_ffi.Module:
-    """The module in the library open at `fd`. Takes the descriptor over: it is kept while
-    the library is loaded, or closed when the same file is already held."""
+def load_from_fd(fd: int, device_code: dict[str, bytes] | None = None) -> tvm_ffi.Module:
+    """The module in the library open at `fd`, given its `device_code` (file name -> bytes).
+    Takes the descriptor over: it is kept while the library is loaded, or closed when the
+    same file is already held."""
     status = os.fstat(fd)
     file_id = (status.st_dev, status.st_ino)
     with _held_lock:
@@ -38,4 +43,20 @@ def load_from_fd(fd: int) -> tvm_ffi.Module:
             os.close(fd)
         raise
     tvm_ffi.get_global_func("ffi.ModuleGlobalsAdd")(module)  # as load_module keeps it alive
+    if device_code:
+        _hand_over(f"/proc/self/fd/{held}", device_code)
     return module
+
+
+def _hand_over(path: str, device_code: dict[str, bytes]) -> None:
+    """Copies each file's bytes into the loaded library (jitk_nvrtc_adopt, which keeps the
+    first copy of a name, so a second load of the same library changes nothing)."""
+    library = ctypes.CDLL(path)  # the same path: the handle of the library already loaded
+    adopt = library.jitk_nvrtc_adopt
+    adopt.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    adopt.restype = ctypes.c_int
+    with _held_lock:  # a launch on another thread never sees a half-given library
+        for name, data in sorted(device_code.items()):
+            if adopt(name.encode(), data, len(data)) != 0:
+                raise OSError(f"{path} could not take its device code {name} "
+                              f"({len(device_code)} files, {len(data)} bytes)")

@@ -17,9 +17,11 @@
 // How a kernel is named: launch<kKernel> registers g++'s spelling of the instantiation
 // (__PRETTY_FUNCTION__ of a template taking it), the build reads the list from the built
 // library (jitk_nvrtc_kernel_names) and gives it to NVRTC as name expressions, and writes
-// beside the library the cubin for each target (<library>.sm_XX.cubin) and a line
-// "expression<TAB>lowered name" for each kernel (<library>.kernels). The first launch loads
-// the cubin of the current GPU's architecture and looks each kernel up by its lowered name.
+// beside the library the cubin for each target (<module>.sm_XX.cubin) and a line
+// "expression<TAB>lowered name" for each kernel (<module>.kernels). Whoever loads the library
+// hands it those files' checked bytes (jitk_nvrtc_adopt) before its first call; the first
+// launch loads the cubin of the current GPU's architecture and looks each kernel up by its
+// lowered name.
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -46,9 +48,8 @@ using uint64_t = unsigned long;
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-
-#include <dlfcn.h>
 #endif
 
 #if JITK_HOST_HALF && !JITK_DEVICE_HALF
@@ -92,20 +93,60 @@ struct Named {
   static inline const int index = add_kernel(pretty());
 };
 
+// The device code the loader handed over: each file's name and bytes, kept for the process.
+struct File {
+  char* name = nullptr;
+  char* bytes = nullptr;
+  std::size_t size = 0;
+};
+inline constexpr int kMaxFiles = 32;  // a cubin per target and the names
+struct Files {
+  File file[kMaxFiles];
+  int count = 0;
+};
+inline Files& files() {
+  static Files handed;
+  return handed;
+}
+
+// The handed file whose name ends with `suffix`, or nullptr.
+inline const File* find_file(const char* suffix) {
+  const std::size_t length = std::strlen(suffix);
+  for (int i = 0; i < files().count; ++i) {
+    const File& file = files().file[i];
+    const std::size_t name_length = std::strlen(file.name);
+    if (name_length >= length && std::strcmp(file.name + name_length - length, suffix) == 0) {
+      return &file;
+    }
+  }
+  return nullptr;
+}
+
 // The library's cubin for the current GPU, loaded once, and its kernels found by name.
 struct Loaded {
   cudaLibrary_t library = nullptr;
   cudaKernel_t kernels[kMaxKernels] = {};
 };
 
-inline void library_file(const char* suffix, char (&out)[kMaxName]) {
-  Dl_info info{};
-  RuntimeCheck(dladdr(reinterpret_cast<void*>(&registry), &info) != 0 && info.dli_fname,
-               "cannot find the path of the library holding this module");
-  const int written = std::snprintf(out, sizeof(out), "%.*s%s",
-                                    static_cast<int>(std::strlen(info.dli_fname) - 3),
-                                    info.dli_fname, suffix);  // the path without ".so"
-  RuntimeCheck(written > 0 && written < kMaxName, "a module's path is too long");
+// The lowered name of `wanted` in the names file ("expression<TAB>lowered" lines), copied
+// into `out`; false if it has none.
+inline bool lowered_name(const File& names, const char* wanted, char (&out)[kMaxName]) {
+  const std::size_t wanted_length = std::strlen(wanted);
+  const char* line = names.bytes;
+  const char* end = names.bytes + names.size;
+  while (line < end) {
+    const char* line_end = static_cast<const char*>(std::memchr(line, '\n', end - line));
+    if (line_end == nullptr) line_end = end;
+    const char* tab = static_cast<const char*>(std::memchr(line, '\t', line_end - line));
+    if (tab != nullptr && std::size_t(tab - line) == wanted_length &&
+        std::memcmp(line, wanted, wanted_length) == 0 && std::size_t(line_end - tab) <= kMaxName) {
+      std::memcpy(out, tab + 1, line_end - tab - 1);
+      out[line_end - tab - 1] = '\0';
+      return true;
+    }
+    line = line_end + 1;
+  }
+  return false;
 }
 
 inline Loaded load() {
@@ -113,48 +154,25 @@ inline Loaded load() {
   RuntimeDeviceCheck(cudaGetDevice(&device));
   RuntimeDeviceCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   RuntimeDeviceCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  char suffix[32], path[kMaxName];
+  char suffix[32];
   std::snprintf(suffix, sizeof(suffix), ".sm_%d%d.cubin", major, minor);
-  library_file(suffix, path);
-  std::FILE* file = std::fopen(path, "rb");
-  RuntimeCheck(file != nullptr, "no device code for this GPU (sm_", major, minor,
-               "): the module was built for other architectures; missing ", path);
-  std::fseek(file, 0, SEEK_END);
-  const long size = std::ftell(file);
-  std::fseek(file, 0, SEEK_SET);
-  char* image = size > 0 ? static_cast<char*>(std::malloc(size)) : nullptr;
-  const bool read = image != nullptr && std::fread(image, 1, size, file) == std::size_t(size);
-  std::fclose(file);
+  const File* cubin = find_file(suffix);
+  RuntimeCheck(cubin != nullptr, "no device code for this GPU (sm_", major, minor,
+               "): the module was built for other architectures, or loaded without jitk's "
+               "loader (",
+               files().count, " device code files handed over)");
+  const File* names = find_file(".kernels");
+  RuntimeCheck(names != nullptr, "the module was loaded without the names of its kernels");
   Loaded loaded;
-  const cudaError_t error = read ? cudaLibraryLoadData(&loaded.library, image, nullptr, nullptr,
-                                                       0, nullptr, nullptr, 0)
-                                 : cudaSuccess;
-  std::free(image);
-  RuntimeCheck(read, "cannot read ", path);
-  RuntimeDeviceCheck(error);
-  library_file(".kernels", path);
-  file = std::fopen(path, "r");
-  RuntimeCheck(file != nullptr, "cannot open ", path);
-  char line[2 * kMaxName], wanted[kMaxName];
+  RuntimeDeviceCheck(
+      cudaLibraryLoadData(&loaded.library, cubin->bytes, nullptr, nullptr, 0, nullptr, nullptr, 0));
+  char wanted[kMaxName], lowered[kMaxName];
   for (int i = 0; i < registry().count; ++i) {
     expression(registry().pretty[i], wanted);
-    std::rewind(file);
-    while (loaded.kernels[i] == nullptr && std::fgets(line, sizeof(line), file)) {
-      char* tab = std::strchr(line, '\t');
-      if (tab == nullptr) continue;
-      *tab = '\0';
-      tab[std::strcspn(tab + 1, "\n") + 1] = '\0';
-      if (std::strcmp(line, wanted) == 0) {
-        const cudaError_t error = cudaLibraryGetKernel(&loaded.kernels[i], loaded.library, tab + 1);
-        if (error != cudaSuccess) std::fclose(file);
-        RuntimeDeviceCheck(error);
-      }
-    }
-    if (loaded.kernels[i] == nullptr) std::fclose(file);
-    RuntimeCheck(loaded.kernels[i] != nullptr, "the module's device code has no kernel ",
-                 wanted, " (", path, ")");
+    RuntimeCheck(lowered_name(*names, wanted, lowered), "the module's device code has no kernel ",
+                 wanted);
+    RuntimeDeviceCheck(cudaLibraryGetKernel(&loaded.kernels[i], loaded.library, lowered));
   }
-  std::fclose(file);
   return loaded;
 }
 
@@ -168,6 +186,33 @@ inline const Loaded& loaded() {
 template <auto kKernel>
 cudaKernel_t jitk::nvrtc_kernel() {
   return nvrtc::loaded().kernels[nvrtc::Named<kKernel>::index];
+}
+
+// Keeps a copy of one file of the library's device code (`name`, `size` bytes), unless one
+// of that name is already kept. 0, or -1 when there is no room. Called by the loader, under
+// its lock, before the library's first call.
+extern "C" __attribute__((visibility("default"))) int jitk_nvrtc_adopt(const char* name,
+                                                                       const char* bytes,
+                                                                       std::size_t size) {
+  jitk::nvrtc::Files& files = jitk::nvrtc::files();
+  for (int i = 0; i < files.count; ++i) {
+    if (std::strcmp(files.file[i].name, name) == 0) return 0;
+  }
+  if (files.count == jitk::nvrtc::kMaxFiles) return -1;
+  jitk::nvrtc::File file;
+  file.name = static_cast<char*>(std::malloc(std::strlen(name) + 1));
+  file.bytes = static_cast<char*>(std::malloc(size + 1));
+  if (file.name == nullptr || file.bytes == nullptr) {
+    std::free(file.name);
+    std::free(file.bytes);
+    return -1;
+  }
+  std::strcpy(file.name, name);
+  std::memcpy(file.bytes, bytes, size);
+  file.bytes[size] = '\0';
+  file.size = size;
+  files.file[files.count++] = file;
+  return 0;
 }
 
 // The expressions of every kernel the library launches, a line each: what the build gives
