@@ -57,16 +57,18 @@ def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, mo
     entry = entry_of(tmp_path)
     stem = "nvrtc_axpy_fp32_t_bf16_t"
     files = {p.name for p in entry.iterdir()}
-    assert {f"{stem}.so", f"{stem}.sm_80.cubin", f"{stem}.sm_90.cubin", f"{stem}.kernels"} <= files
+    assert {f"{stem}.so", f"{stem}.kernels"} <= files
     assert "cuda.cu" not in files  # no nvcc unit: the host half is host_half.cpp
-    for cubin in ("sm_80", "sm_90"):
-        assert (entry / f"{stem}.{cubin}.cubin").read_bytes()[:4] == b"\x7fELF"
-    lines = (entry / f"{stem}.kernels").read_text().splitlines()
-    assert sorted(line.split("\t")[0] for line in lines) == sorted(EXPRESSIONS)
-    assert all(line.split("\t")[1].startswith("_ZN10nvrtc_axpy11axpy_kernelI") for line in lines)
+    lines = [line.split("\t") for line in (entry / f"{stem}.kernels").read_text().splitlines()]
+    assert sorted(expression for expression, _, _ in lines) == sorted(EXPRESSIONS)
+    assert all(lowered.startswith("_ZN10nvrtc_axpy11axpy_kernelI") for _, lowered, _ in lines)
+    # Each kernel's part holds a cubin for each target, and nothing else is device code.
+    cubins = {f"{stem}.{part}.{sm}.cubin" for _, _, part in lines for sm in ("sm_80", "sm_90")}
+    assert cubins == {name for name in files if name.endswith(".cubin")}
+    for cubin in cubins:
+        assert (entry / cubin).read_bytes()[:4] == b"\x7fELF"
     meta = json.loads((entry / "jitk-meta.json").read_text())
-    assert set(meta["device_code"]) == {f"{stem}.sm_80.cubin", f"{stem}.sm_90.cubin",
-                                        f"{stem}.kernels"}
+    assert set(meta["device_code"]) == cubins | {f"{stem}.kernels"}
     assert any(name.endswith("include/jitk/nvrtc.cuh") for name in meta["headers"])
 
 
@@ -100,7 +102,7 @@ def test_a_new_process_loads_the_entry_and_a_damaged_cubin_is_not_used(tmp_path,
     load()
     loaded = _load_in_child(tmp_path, JITK_DISABLE_JIT="1")
     assert loaded.returncode == 0 and loaded.stdout.split()[-1] == "1", loaded.stderr[-2000:]
-    (cubin,) = entry_of(tmp_path).glob("*.cubin")
+    cubin = sorted(entry_of(tmp_path).glob("*.cubin"))[-1]
     image = bytearray(cubin.read_bytes())
     image[len(image) // 2] ^= 0xFF
     cubin.write_bytes(bytes(image))
@@ -118,13 +120,32 @@ def test_the_same_file_builds_under_nvcc_into_another_entry(tmp_path, monkeypatc
                 and p.is_dir()]) == 2
 
 
+@pytest.mark.parametrize("setting, unit", [("nvcc", "cuda.cu"), ("nvrtc", "host_half.cpp")])
+def test_auto_builds_as_the_setting_says(tmp_path, monkeypatch, setting, unit):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITK_CUDA_COMPILER", setting)
+    load("auto")
+    assert (entry_of(tmp_path) / unit).is_file()
+
+
 def test_bad_arguments_are_refused_before_any_build(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    expect_error(lambda: load("clang"), "cuda_compiler", "'nvcc' or 'nvrtc'", "'clang'",
+    expect_error(lambda: load("clang"), "cuda_compiler", "'nvcc', 'nvrtc' or 'auto'", "'clang'",
                  kind=ValueError)
     expect_error(lambda: load(extra_cuda_cflags=["-lineinfo"]), "extra_cuda_cflags are nvcc's",
                  kind=ValueError)
     assert not any(tmp_path.iterdir())
+
+
+def test_two_modules_in_one_process_keep_their_own_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    other = tmp_path / "other_axpy.cuh"
+    other.write_text(KERNEL.read_text().replace("namespace nvrtc_axpy", "namespace other_axpy"))
+    jitk.load_jit("other_axpy", "fp32_t", cuda_files=[other], cuda_compiler="nvrtc",
+                  cuda_wrappers=[("axpy_f32", "other_axpy::Axpy<fp32_t>::run")])
+    load()  # after the other module's library is loaded in this process
+    lines = (entry_of(tmp_path) / "nvrtc_axpy_fp32_t_bf16_t.kernels").read_text().splitlines()
+    assert sorted(line.split("\t")[0] for line in lines) == sorted(EXPRESSIONS)
 
 
 def test_an_error_in_the_device_half_is_nvrtcs_message(tmp_path, monkeypatch):

@@ -48,6 +48,10 @@ SETTINGS = _declare(
     Setting("JITK_NVCC", "path", None, "the nvcc to build with (default: found; see README)"),
     Setting("JITK_CUDA_ARCH", "text", None,
             "the architectures to build for, e.g. '9.0' or '8.0;9.0' (default: the GPU's)"),
+    Setting("JITK_CUDA_COMPILER", "choice", "auto",
+            "what builds files written in two halves when load_jit is given "
+            "cuda_compiler='auto' (the shipped kernels): auto (NVRTC where it loads), nvrtc "
+            "or nvcc", ("auto", "nvrtc", "nvcc")),
     Setting("JITK_DISABLE_JIT", "flag", False,
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),

@@ -21,6 +21,7 @@ compilers when the builder dies or the build runs past JITK_LOCK_TIMEOUT."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -162,7 +163,14 @@ def build_file(spec: BuildSpec) -> str:
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
     if HOST_HALF in spec.sources:  # the level nvcc gives a host side (jit.DEFAULT_CUDA_CFLAGS)
-        half = ["-std=c++20", "-O1", "-fPIC", *includes, f"-I{toolchain.cuda_home() / 'include'}"]
+        # __CUDA_ARCH_LIST__ as nvcc defines it, for what the host side decides by the
+        # targets (jitk::kPdlOnAllTargets).
+        targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
+        # Hidden by default: each library keeps its own kernel list and device code (jitk/nvrtc.cuh's
+        # statics), where default visibility would bind every library to the first one loaded.
+        half = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *includes,
+                f"-I{toolchain.cuda_home() / 'include'}",
+                *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
         lines.append(f"host_half_flags = {_arguments(*half)}")
         rules += ["rule compile_host_half",
                   "  command = $cxx -MMD -MF $out.d $host_half_flags -c $in -o $out", ""]
@@ -279,29 +287,41 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
 
 def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     """NVRTC builds the kernels the host half launches (the names it registered) for each
-    target: <name>.sm_XX.cubin, and <name>.kernels, a line "expression<TAB>lowered name"
-    each, written into `staging` and returned (file name -> bytes) for the library to be
+    target, in parts side by side (a program each; ctypes lets the threads run at once):
+    <name>.<part>.sm_XX.cubin, and <name>.kernels, a line "expression<TAB>lowered<TAB>part"
+    a kernel. Written into `staging` and returned (file name -> bytes), for the library to be
     handed at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch)."""
-    code = {}
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
+        parts = [expressions[i::_nvrtc_parts(len(expressions))]
+                 for i in range(_nvrtc_parts(len(expressions)))]
         source = "".join(f'#include "{path}"\n' for path in spec.device_halves)
-        includes = [f"-I{path}" for path in (*spec.flags["include_dirs"],
-                                             toolchain.cuda_home() / "include")]
-        lowered = {}
-        for arch in spec.archs:
-            program = nvrtc.compile_cubin(source, f"{spec.name}.cu", expressions,
-                                          [f"-arch={toolchain.sm_name(arch)}", *nvrtc.OPTIONS,
-                                           *includes])
-            code[f"{spec.name}.{toolchain.sm_name(arch)}.cubin"] = program.cubin
-            lowered = program.lowered
+        cuda_include = toolchain.cuda_home() / "include"
+        # The standard headers as libcu++'s (include/nvrtc_std), then the kernel's folders.
+        includes = [f"-I{path}" for path in (Path(spec.flags["include_dirs"][0]) / "nvrtc_std",
+                                             *spec.flags["include_dirs"], cuda_include,
+                                             cuda_include / "cccl")]
+        jobs = [(arch, index) for arch in spec.archs for index in range(len(parts))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            programs = list(pool.map(lambda job: nvrtc.compile_cubin(
+                source, f"{spec.name}.cu", parts[job[1]],
+                [f"-arch={toolchain.sm_name(job[0])}", *nvrtc.OPTIONS, *includes]), jobs))
     except nvrtc.NvrtcError as error:
         raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
                               or [str(error)], str(error)) from None
-    code[f"{spec.name}.kernels"] = "".join(f"{e}\t{lowered[e]}\n" for e in expressions).encode()
+    code = {f"{spec.name}.{index}.{toolchain.sm_name(arch)}.cubin": program.cubin
+            for (arch, index), program in zip(jobs, programs)}
+    table = {expression: f"{program.lowered[expression]}\t{index}"
+             for (_, index), program in zip(jobs, programs) for expression in parts[index]}
+    code[f"{spec.name}.kernels"] = "".join(f"{e}\t{table[e]}\n" for e in expressions).encode()
     for name, data in code.items():
         (staging / name).write_bytes(data)
     return code
+
+
+def _nvrtc_parts(kernels: int) -> int:
+    """How many NVRTC programs build a module's kernels: one a core, at most one a kernel."""
+    return max(1, min(kernels, os.cpu_count() or 1))
 
 
 def _load_copy(library: Path, sha256: str, device_code: dict[str, bytes]) -> tvm_ffi.Module:

@@ -387,7 +387,8 @@ def load_jit(
     holds machine code (or, once noted, PTX) for each. Under JITK_DISABLE_JIT=1 or
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     `cuda_compiler="nvrtc"` builds CUDA files written in two halves (<jitk/nvrtc.cuh>): the
-    host compiler alone builds the host half, NVRTC the kernels it launches, in the process.
+    host compiler alone builds the host half, NVRTC the kernels it launches, in the process;
+    "auto" builds such files as JITK_CUDA_COMPILER says (nvrtc.choose).
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -406,9 +407,10 @@ def load_jit(
     includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
-    if cuda_compiler not in ("nvcc", "nvrtc"):
-        raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc' or 'nvrtc', got {cuda_compiler!r}")
-    split = cuda_compiler == "nvrtc"
+    if cuda_compiler not in ("nvcc", "nvrtc", "auto"):
+        raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc', 'nvrtc' or 'auto', got "
+                         f"{cuda_compiler!r}")
+    split = nvrtc.choose(cuda_compiler) == "nvrtc"
     if split and flags["extra_cuda_cflags"]:
         raise ValueError(f"load_jit('{name}'): extra_cuda_cflags are nvcc's; with "
                          "cuda_compiler='nvrtc' there is no nvcc to give them to")
@@ -455,7 +457,7 @@ def load_jit(
             "cuda_wrappers": cuda_exports, **flags,
             "extra_include_paths": build_flags["include_dirs"][1:],
             "build_directory": str(build_dir) if build_dir else None,
-            "min_arch": min_arch, "cuda_compiler": cuda_compiler if split else None}
+            "min_arch": min_arch, "cuda_compiler": cuda_compiler if cuda_compiler != "nvcc" else None}
     call = {key: value for key, value in call.items() if value}
     module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
     if held:

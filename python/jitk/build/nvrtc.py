@@ -15,15 +15,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from jitk.base import settings
 from jitk.base.errors import ArgumentError, JitkError
 from jitk.build import toolchain
 
-__all__ = ["OPTIONS", "NvrtcError", "Program", "compile_cubin", "kernel_names", "library_path",
-           "version"]
+__all__ = ["OPTIONS", "NvrtcError", "Program", "choose", "compile_cubin", "kernel_names",
+           "library_path", "version"]
 
 _SONAME = "libnvrtc.so.13"
 # What every build of a device half passes, besides its architecture and include folders.
-OPTIONS = ("-std=c++20",)
+# -default-device: a function without an execution space is a device function, as nvcc's
+# --expt-relaxed-constexpr lets device code call constexpr ones (NVRTC refuses host functions).
+OPTIONS = ("-std=c++20", "-default-device")
 _SUCCESS = 0
 
 
@@ -114,6 +117,21 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
         return Program(cubin, lowered, log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(handle))
+
+
+def choose(requested: str) -> str:
+    """The compiler of a load_jit(cuda_compiler=requested) call: "auto" is JITK_CUDA_COMPILER's
+    choice, and its own "auto" NVRTC where its library loads, else nvcc."""
+    if requested != "auto":
+        return requested
+    chosen = settings.get("JITK_CUDA_COMPILER")
+    if chosen != "auto":
+        return chosen
+    try:
+        _lib()
+    except NvrtcError:
+        return "nvcc"
+    return "nvrtc"
 
 
 def kernel_names(library: Path) -> list[str]:

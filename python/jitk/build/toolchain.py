@@ -176,6 +176,12 @@ def sm_name(arch: str) -> str:
     return "sm_" + arch.replace(".", "")
 
 
+def arch_number(arch: str) -> int:
+    """'9.0a' -> 900, as nvcc's __CUDA_ARCH__ and __CUDA_ARCH_LIST__ spell it."""
+    major, minor, _ = _split(arch)
+    return major * 100 + minor * 10
+
+
 def _split(arch: str) -> tuple[int, int, str]:
     major, minor, suffix = _ARCH_PATTERN.match(arch).groups()  # type: ignore[union-attr]
     return int(major), int(minor), suffix

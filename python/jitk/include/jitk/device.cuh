@@ -5,8 +5,9 @@
 
 #include <jitk/utils.cuh>
 
-#include <bit>
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
 #include <cstdint>
+#endif
 
 namespace jitk::device {
 
@@ -21,6 +22,10 @@ struct alignas(sizeof(T) * N) Vec {
 // The number of T that fit in 16 bytes, the widest per-thread global access.
 template <typename T>
 inline constexpr int kVec16 = 16 / sizeof(T);
+
+// The rest is device code: a host half built by the host compiler alone (jitk/nvrtc.cuh)
+// sees only the types above.
+#if JITK_DEVICE_HALF
 
 // 16-byte loads and stores that bypass L1 and mark the line evict-first in L2: for data
 // touched exactly once (copies, transfers), so it does not push out data that is reused.
@@ -99,7 +104,7 @@ namespace detail {
 // Offsets start at kCount rounded up to a power of two: larger ones only add 0.
 template <int kCount, int kLane, int kOffset, typename F>
 __device__ __forceinline__ auto tree_sum(const F& value) {
-  if constexpr (kOffset >= static_cast<int>(std::bit_ceil(unsigned{kCount}))) {
+  if constexpr (kOffset >= static_cast<int>(pow2_ceil(kCount))) {
     return value(kLane);
   } else if constexpr (kLane + kOffset >= kCount) {
     return tree_sum<kCount, kLane, kOffset * 2>(value);
@@ -160,5 +165,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+#endif  // JITK_DEVICE_HALF
 
 }  // namespace jitk::device

@@ -18,8 +18,9 @@
 #include <jitk/device.cuh>
 #include <jitk/utils.cuh>
 
-#include <bit>
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
 #include <cstdint>
+#endif
 
 namespace jitk::norm {
 
@@ -48,7 +49,7 @@ constexpr int base_threads_per_row(int hidden, int elem_bytes, int vec_size, int
   const int vec_registers = max_of(1, vec_size * elem_bytes / 4);
   const int wanted = div_ceil(hidden / vec_size, max_of(1, row_registers / vec_registers));
   return wanted <= kWarpThreads
-             ? static_cast<int>(std::bit_ceil(static_cast<unsigned>(wanted)))
+             ? static_cast<int>(pow2_ceil(wanted))
              : min_of(div_ceil(wanted, kWarpThreads) * kWarpThreads, kMaxBlockThreads);
 }
 
@@ -73,6 +74,8 @@ constexpr int threads_per_row(int hidden, int elem_bytes, int vec_size, int row_
                     : base_threads_per_row(hidden, elem_bytes, vec_size, row_registers);
 }
 
+// The rest is device code (see jitk/device.cuh).
+#if JITK_DEVICE_HALF
 // The access slot k of thread `lane` reads in a layout spreading a base of kBaseThreads
 // threads kSpread times. Lane l of warp w is line lane g = l % 8 of line group q = l / 8.
 // The base layout's thread 32 w' + 8 q' + g holds slot k' of line 4 w' + q' + k' * lines,
@@ -91,7 +94,7 @@ __device__ __forceinline__ int spread_slot(int lane, int k) {
 // (P = kCount rounded up to a power of two; past kCount, 0).
 template <int kCount>
 __device__ __forceinline__ float slots_sum(float (&sums)[kCount]) {
-  constexpr int kPow = static_cast<int>(std::bit_ceil(static_cast<unsigned>(kCount)));
+  constexpr int kPow = static_cast<int>(pow2_ceil(kCount));
 #pragma unroll
   for (int half = kPow / 2; half >= 1; half /= 2) {
 #pragma unroll
@@ -166,5 +169,7 @@ __device__ __forceinline__ float row_block_sum(float value, float* scratch) {
     });
   }
 }
+
+#endif  // JITK_DEVICE_HALF
 
 }  // namespace jitk::norm

@@ -14,8 +14,9 @@
 //   ... LaunchKernel(grid, block, device).launch<scale_kernel<T>>(x, n);
 //   #endif
 //
-// How a kernel is named: launch<kKernel> registers g++'s spelling of the instantiation
-// (__PRETTY_FUNCTION__ of a template taking it), the build reads the list from the built
+// How a kernel is named: launch<kKernel> registers the host compiler's name of the
+// instantiation (the demangled type name of a template taking it), the build reads the list
+// from the built
 // library (jitk_nvrtc_kernel_names) and gives it to NVRTC as name expressions, and writes
 // beside the library the cubin for each target (<module>.sm_XX.cubin) and a line
 // "expression<TAB>lowered name" for each kernel (<module>.kernels). Whoever loads the library
@@ -24,35 +25,28 @@
 // lowered name.
 #pragma once
 
-#if defined(__CUDACC_RTC__)
-#define JITK_DEVICE_HALF 1
-#define JITK_HOST_HALF 0
-// NVRTC has no C library: the fixed-width types as the host's (LP64) spells them, so that a
-// kernel's parameters are the same types on both sides.
-using int8_t = signed char;
-using uint8_t = unsigned char;
-using int16_t = short;
-using uint16_t = unsigned short;
-using int32_t = int;
-using uint32_t = unsigned int;
-using int64_t = long;
-using uint64_t = unsigned long;
-#else
-#define JITK_HOST_HALF 1
-#ifdef __CUDACC__
-#define JITK_DEVICE_HALF 1
-#else
-#define JITK_DEVICE_HALF 0
-#endif
+#include <jitk/utils.h>  // JITK_DEVICE_HALF, JITK_HOST_HALF
+
+#if JITK_HOST_HALF
 #include <jitk/utils.cuh>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cxxabi.h>
+#include <typeinfo>
 #endif
 
 #if JITK_HOST_HALF && !JITK_DEVICE_HALF
+// A kernel's declaration as the host compiler reads it: the launch attributes are NVRTC's.
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
+
 namespace jitk::nvrtc {
 
 inline constexpr int kMaxKernels = 256;
@@ -60,37 +54,49 @@ inline constexpr int kMaxName = 4096;  // an expression or a lowered name, in by
 
 // The kernels this library launches, in the order their instantiations registered at load.
 struct Registry {
-  const char* pretty[kMaxKernels];
+  const char* type_name[kMaxKernels];  // Named<&kernel>'s, mangled
   int count = 0;
 };
 inline Registry& registry() {
   static Registry kernels;
   return kernels;
 }
-inline int add_kernel(const char* pretty) {
+inline int add_kernel(const char* type_name) {
   Registry& kernels = registry();
   RuntimeCheck(kernels.count < kMaxKernels, "a module launches more than ", kMaxKernels,
                " kernels by name");
-  kernels.pretty[kernels.count] = pretty;
+  kernels.type_name[kernels.count] = type_name;
   return kernels.count++;
 }
 
-// "&" and the instantiation's spelling, from g++'s "... [with auto kKernel = ns::k<float>]".
-inline void expression(const char* pretty, char (&out)[kMaxName]) {
-  const char* at = std::strstr(pretty, "kKernel = ");
-  RuntimeCheck(at != nullptr, "cannot read a kernel's name from '", pretty, "'");
-  at += std::strlen("kKernel = ");
-  const std::size_t length = std::strlen(at) - 1;  // without the closing ']'
-  RuntimeCheck(length + 2 <= sizeof(out), "a kernel's name is longer than ", kMaxName, " bytes");
-  out[0] = '&';
-  std::memcpy(out + 1, at, length);
-  out[length + 1] = '\0';
+// "&" and the kernel's fully qualified name, from the demangled name of Named<&kernel>:
+// "jitk::nvrtc::Named<&(void ns::k<ns::T<1> >(float*, long))>" (a template's return type
+// and its parameters around the name; "Named<&(k(int*))>" for a plain function).
+inline void expression(const char* type_name, char (&out)[kMaxName]) {
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(type_name, nullptr, nullptr, &status);
+  const char* at = demangled != nullptr ? std::strstr(demangled, "<&(") : nullptr;
+  if (at == nullptr) std::free(demangled);
+  RuntimeCheck(at != nullptr, "cannot read a kernel's name from '", type_name, "'");
+  at += 3;
+  if (std::strncmp(at, "void ", 5) == 0) at += 5;
+  std::size_t length = 0;  // up to the parameters: the first '(' outside the template's <>
+  for (int depth = 0; at[length] != '\0' && (depth > 0 || at[length] != '('); ++length) {
+    depth += at[length] == '<' ? 1 : at[length] == '>' ? -1 : 0;
+  }
+  const bool fits = length + 2 <= sizeof(out);
+  if (fits) {
+    out[0] = '&';
+    std::memcpy(out + 1, at, length);
+    out[length + 1] = '\0';
+  }
+  std::free(demangled);
+  RuntimeCheck(fits, "a kernel's name is longer than ", kMaxName, " bytes");
 }
 
 template <auto kKernel>
 struct Named {
-  static const char* pretty() { return __PRETTY_FUNCTION__; }
-  static inline const int index = add_kernel(pretty());
+  static inline const int index = add_kernel(typeid(Named).name());
 };
 
 // The device code the loader handed over: each file's name and bytes, kept for the process.
@@ -122,15 +128,17 @@ inline const File* find_file(const char* suffix) {
   return nullptr;
 }
 
-// The library's cubin for the current GPU, loaded once, and its kernels found by name.
+// The library's cubins for the current GPU (one a part: NVRTC builds a module's kernels in
+// parts side by side), loaded once, and its kernels found by name.
+inline constexpr int kMaxParts = 64;
 struct Loaded {
-  cudaLibrary_t library = nullptr;
+  cudaLibrary_t parts[kMaxParts] = {};
   cudaKernel_t kernels[kMaxKernels] = {};
 };
 
-// The lowered name of `wanted` in the names file ("expression<TAB>lowered" lines), copied
-// into `out`; false if it has none.
-inline bool lowered_name(const File& names, const char* wanted, char (&out)[kMaxName]) {
+// The part and lowered name of `wanted` in the names file ("expression<TAB>lowered<TAB>part"
+// lines), the name copied into `out`; the part is -1 if the file has no such kernel.
+inline int lowered_name(const File& names, const char* wanted, char (&out)[kMaxName]) {
   const std::size_t wanted_length = std::strlen(wanted);
   const char* line = names.bytes;
   const char* end = names.bytes + names.size;
@@ -138,54 +146,64 @@ inline bool lowered_name(const File& names, const char* wanted, char (&out)[kMax
     const char* line_end = static_cast<const char*>(std::memchr(line, '\n', end - line));
     if (line_end == nullptr) line_end = end;
     const char* tab = static_cast<const char*>(std::memchr(line, '\t', line_end - line));
-    if (tab != nullptr && std::size_t(tab - line) == wanted_length &&
-        std::memcmp(line, wanted, wanted_length) == 0 && std::size_t(line_end - tab) <= kMaxName) {
-      std::memcpy(out, tab + 1, line_end - tab - 1);
-      out[line_end - tab - 1] = '\0';
-      return true;
+    const char* part =
+        tab == nullptr ? nullptr
+                       : static_cast<const char*>(std::memchr(tab + 1, '\t', line_end - tab - 1));
+    if (part != nullptr && std::size_t(tab - line) == wanted_length &&
+        std::memcmp(line, wanted, wanted_length) == 0 && std::size_t(part - tab) <= kMaxName) {
+      std::memcpy(out, tab + 1, part - tab - 1);
+      out[part - tab - 1] = '\0';
+      const int index = std::atoi(part + 1);
+      return index >= 0 && index < kMaxParts ? index : -1;
     }
     line = line_end + 1;
   }
-  return false;
+  return -1;
 }
 
-inline Loaded load() {
+inline Loaded load(DebugInfo where) {
   int device = 0, major = 0, minor = 0;
-  RuntimeDeviceCheck(cudaGetDevice(&device));
-  RuntimeDeviceCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  RuntimeDeviceCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  char suffix[32];
-  std::snprintf(suffix, sizeof(suffix), ".sm_%d%d.cubin", major, minor);
-  const File* cubin = find_file(suffix);
-  RuntimeCheck(cubin != nullptr, "no device code for this GPU (sm_", major, minor,
-               "): the module was built for other architectures, or loaded without jitk's "
-               "loader (",
-               files().count, " device code files handed over)");
+  RuntimeDeviceCheck(cudaGetDevice(&device), where);
+  RuntimeDeviceCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                     where);
+  RuntimeDeviceCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                     where);
   const File* names = find_file(".kernels");
-  RuntimeCheck(names != nullptr, "the module was loaded without the names of its kernels");
+  RuntimeCheck(where, names != nullptr,
+               "the module was loaded without its device code (jitk's loader hands it over; ",
+               files().count, " files were)");
   Loaded loaded;
-  RuntimeDeviceCheck(
-      cudaLibraryLoadData(&loaded.library, cubin->bytes, nullptr, nullptr, 0, nullptr, nullptr, 0));
-  char wanted[kMaxName], lowered[kMaxName];
+  char wanted[kMaxName], lowered[kMaxName], suffix[64];
   for (int i = 0; i < registry().count; ++i) {
-    expression(registry().pretty[i], wanted);
-    RuntimeCheck(lowered_name(*names, wanted, lowered), "the module's device code has no kernel ",
-                 wanted);
-    RuntimeDeviceCheck(cudaLibraryGetKernel(&loaded.kernels[i], loaded.library, lowered));
+    expression(registry().type_name[i], wanted);
+    const int part = lowered_name(*names, wanted, lowered);
+    RuntimeCheck(where, part >= 0, "the module's device code has no kernel ", wanted);
+    if (loaded.parts[part] == nullptr) {
+      std::snprintf(suffix, sizeof(suffix), ".%d.sm_%d%d.cubin", part, major, minor);
+      const File* cubin = find_file(suffix);
+      RuntimeCheck(where, cubin != nullptr, "no device code for this GPU (sm_", major, minor,
+                   "): the module was built for other architectures");
+      RuntimeDeviceCheck(cudaLibraryLoadData(&loaded.parts[part], cubin->bytes, nullptr, nullptr, 0,
+                                             nullptr, nullptr, 0),
+                         where);
+    }
+    RuntimeDeviceCheck(cudaLibraryGetKernel(&loaded.kernels[i], loaded.parts[part], lowered),
+                       where);
   }
   return loaded;
 }
 
-inline const Loaded& loaded() {
-  static const Loaded library = load();  // once a library, at its first launch; thread-safe
+// Once a library, at its first launch (thread-safe; a failed load is tried again next time).
+inline const Loaded& loaded(DebugInfo where) {
+  static const Loaded library = load(where);
   return library;
 }
 
 }  // namespace jitk::nvrtc
 
 template <auto kKernel>
-cudaKernel_t jitk::nvrtc_kernel() {
-  return nvrtc::loaded().kernels[nvrtc::Named<kKernel>::index];
+cudaKernel_t jitk::nvrtc_kernel(DebugInfo where) {
+  return nvrtc::loaded(where).kernels[nvrtc::Named<kKernel>::index];
 }
 
 // Keeps a copy of one file of the library's device code (`name`, `size` bytes), unless one
@@ -223,7 +241,7 @@ extern "C" __attribute__((visibility("default"))) const char* jitk_nvrtc_kernel_
     std::size_t used = 0;
     char one[jitk::nvrtc::kMaxName];
     for (int i = 0; i < jitk::nvrtc::registry().count; ++i) {
-      jitk::nvrtc::expression(jitk::nvrtc::registry().pretty[i], one);
+      jitk::nvrtc::expression(jitk::nvrtc::registry().type_name[i], one);
       const std::size_t length = std::strlen(one);
       std::memcpy(names + used, one, length);
       names[used + length] = '\n';

@@ -14,21 +14,27 @@
 #include <jitk/device.cuh>
 #include <jitk/utils.cuh>
 
+#if JITK_DEVICE_HALF
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#endif
 
 namespace jitk::device {
 
 template <typename T, int N>
   requires(std::is_same_v<T, fp32_t> || std::is_same_v<T, fp16_t> || std::is_same_v<T, bf16_t>)
-using Packed =
-    std::conditional_t<(N * sizeof(T) >= 4), Vec<uint32_t, N * sizeof(T) / 4>, Vec<uint16_t, 1>>;
+using Packed = std::conditional_t<(N * kElemBytes<T> >= 4), Vec<uint32_t, N * kElemBytes<T> / 4>,
+                                  Vec<uint16_t, 1>>;
 
+// The rest is device code (see jitk/device.cuh).
+#if JITK_DEVICE_HALF
 namespace detail {
 
 template <typename T>
@@ -131,5 +137,7 @@ __device__ __forceinline__ void keep_packed(Pack (&packs)[kCount]) {
     }
   }
 }
+
+#endif  // JITK_DEVICE_HALF
 
 }  // namespace jitk::device

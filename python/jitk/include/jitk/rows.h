@@ -13,13 +13,18 @@
 //
 // Checking the row size, the dtype, the device and a contiguous last dimension is left to
 // TensorMatcher, on view.matrix().
+// A device half compiled by NVRTC (jitk/nvrtc.cuh) reads RowIndex, RowSplit's index and
+// RowStrides.
 #pragma once
 
-#include <jitk/tensor.h>
 #include <jitk/utils.h>
+
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
+#include <jitk/tensor.h>
 
 #include <cstdint>
 #include <initializer_list>
+#endif
 
 namespace jitk {
 
@@ -35,6 +40,7 @@ class RowSplit {
  public:
   // One run: a row's index is the row itself, with nothing to divide.
   RowSplit() = default;
+#if JITK_HOST_HALF
   RowSplit(int64_t inner_rows, int64_t rows)
       : inner_rows_(inner_rows), narrow_(rows <= int64_t{UINT32_MAX}) {
     if (!narrow_ || inner_rows <= 0) return;
@@ -45,6 +51,7 @@ class RowSplit {
     while ((uint64_t{1} << shift_) < d) ++shift_;
     magic_ = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift_) - d) / d + 1);
   }
+#endif
 
   JITK_HOST_DEVICE int64_t inner_rows() const { return inner_rows_; }
 
@@ -77,6 +84,7 @@ struct RowStrides {
   }
 };
 
+#if JITK_HOST_HALF
 // A tensor seen as rows of its last dimension. It refers to the tensor's shape and strides,
 // which must outlive it, as for any view.
 class RowView {
@@ -181,5 +189,7 @@ inline RowSplit shared_split(std::initializer_list<const RowView*> views, DebugI
   }
   return owner == nullptr ? RowSplit() : RowSplit(owner->inner_rows(), owner->rows());
 }
+
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk

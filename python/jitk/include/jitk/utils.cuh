@@ -1,16 +1,24 @@
 // CUDA-side foundations: error checks that name the caller's line, the host-side guards and
 // queries every kernel shares (the current device, relaxed capture, pinned host memory), and
 // LaunchKernel, which launches on the stream PyTorch was using when the call was made.
+// A device half compiled by NVRTC (jitk/nvrtc.cuh) reads only the warp size and the dtype
+// names.
 #pragma once
 
-#include <jitk/tensor.h>
 #include <jitk/utils.h>
+
+#if JITK_HOST_HALF
+#include <jitk/tensor.h>
 
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
 #include <cstddef>
 #include <utility>
+#else
+struct __half;
+struct __nv_bfloat16;
+#endif
 
 namespace jitk {
 
@@ -21,6 +29,17 @@ inline constexpr int kWarpThreads = 32;
 using fp16_t = __half;
 using bf16_t = __nv_bfloat16;
 using fp32_t = float;
+
+// An element's bytes: sizeof(T), which a host half built without nvcc (jitk/nvrtc.cuh) cannot
+// take of fp16_t and bf16_t, left incomplete there rather than pay for their headers.
+template <typename T>
+inline constexpr int kElemBytes = static_cast<int>(sizeof(T));
+template <>
+inline constexpr int kElemBytes<fp16_t> = 2;
+template <>
+inline constexpr int kElemBytes<bf16_t> = 2;
+
+#if JITK_HOST_HALF
 
 inline void RuntimeDeviceCheck(cudaError_t error, DebugInfo where = {}) {
   if (error != cudaSuccess) [[unlikely]] {
@@ -138,7 +157,7 @@ inline constexpr bool kPdlOnAllTargets = [] {
 // A kernel NVRTC built for this module, found by name (defined in jitk/nvrtc.cuh): what
 // LaunchKernel::launch runs in a host half that the host compiler built alone.
 template <auto kKernel>
-cudaKernel_t nvrtc_kernel();
+cudaKernel_t nvrtc_kernel(DebugInfo where);
 #endif
 
 class LaunchKernel {
@@ -195,22 +214,23 @@ class LaunchKernel {
 #ifdef __CUDACC__
     (*this)(kKernel, std::forward<Args>(args)...);
 #else
-    by_name(nvrtc_kernel<kKernel>(), kKernel, std::forward<Args>(args)...);
+    by_name<kKernel>(kKernel, std::forward<Args>(args)...);
 #endif
   }
 
  private:
 #ifndef __CUDACC__
-  template <typename... Params, typename... Args>
-  void by_name(cudaKernel_t kernel, void (*)(Params...), Args&&... args) const {
-    with_params<Params...>(kernel, std::forward<Args>(args)...);
+  template <auto kKernel, typename... Params, typename... Args>
+  void by_name(void (*)(Params...), Args&&... args) const {
+    with_params<kKernel, Params...>(std::forward<Args>(args)...);
   }
-  template <typename... Params>
-  void with_params(cudaKernel_t kernel, Params... values) const {
+  template <auto kKernel, typename... Params>
+  void with_params(Params... values) const {
     void* params[sizeof...(Params) + 1] = {static_cast<void*>(&values)...};
     cudaError_t error;
     {
       const DeviceGuard on(device_id_, where_);
+      const cudaKernel_t kernel = nvrtc_kernel<kKernel>(where_);  // loaded at the first launch
       error = cudaLaunchKernelExC(&config_, reinterpret_cast<const void*>(kernel), params);
     }
     RuntimeDeviceCheck(error, where_);
@@ -222,5 +242,7 @@ class LaunchKernel {
   cudaLaunchConfig_t config_{};
   int device_id_ = -1;
 };
+
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk

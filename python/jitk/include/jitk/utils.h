@@ -4,8 +4,29 @@
 // Only C headers and light C++ ones: nvcc parses a translation unit three times, and
 // <string>, <sstream> and <string_view> alone cost about 0.9 s of every kernel build
 // (measured on the CI machine), so messages are built in jitk::Text instead.
+//
+// NVRTC (a kernel file's device half, jitk/nvrtc.cuh) reads only the small helpers at the
+// end; the rest is host code, which NVRTC does not compile.
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+// NVRTC has no standard library: the pieces of libcu++ that jitk's device code uses, one
+// header each, found as std:: (its whole <type_traits> or <bit> costs NVRTC a second a build;
+// jitk's headers include the standard headers only where a host compiler reads them).
+#include <cuda/std/__bit/bit_cast.h>
+#include <cuda/std/__concepts/arithmetic.h>
+#include <cuda/std/__type_traits/common_type.h>
+#include <cuda/std/__type_traits/conditional.h>
+#include <cuda/std/__type_traits/integral_constant.h>
+#include <cuda/std/__type_traits/is_same.h>
+#include <cuda/std/__type_traits/is_void.h>
+#include <cuda/std/__utility/forward.h>
+#include <cuda/std/cstddef>
+#include <cuda/std/cstdint>
+namespace std {
+using namespace cuda::std;
+}
+#else
 #include <concepts>
 #include <cstdarg>
 #include <cstddef>
@@ -20,6 +41,20 @@
 #if __has_include(<source_location>)
 #include <source_location>
 #endif
+#endif
+
+// Which half of a kernel file a compiler is reading (jitk/nvrtc.cuh): nvcc reads both, NVRTC
+// the device half, and the host compiler alone the host half of a file written in two halves.
+#if defined(__CUDACC_RTC__)
+#define JITK_DEVICE_HALF 1
+#define JITK_HOST_HALF 0
+#elif defined(__CUDACC__)
+#define JITK_DEVICE_HALF 1
+#define JITK_HOST_HALF 1
+#else
+#define JITK_DEVICE_HALF 0
+#define JITK_HOST_HALF 1
+#endif
 
 // Small functions that host and device code share (a plain inline function to a host
 // compiler).
@@ -31,6 +66,7 @@
 
 namespace jitk {
 
+#if JITK_HOST_HALF
 // The place in the source that asked for a check. It is always taken as a defaulted
 // argument, so it names the caller's line, not this header's.
 struct DebugInfo {
@@ -321,6 +357,7 @@ template <typename... Args>
 RuntimeCheck(bool, Args&&...) -> RuntimeCheck<Args...>;
 template <typename... Args>
 RuntimeCheck(DebugInfo, bool, Args&&...) -> RuntimeCheck<Args...>;
+#endif  // JITK_HOST_HALF
 
 // for (auto i : irange(n)) / irange(begin, end): integer ranges without sign mix-ups.
 // Written out rather than std::views::iota: <ranges> adds close to a second to every
@@ -371,6 +408,15 @@ constexpr T max_of(T a, T b) {
   return a < b ? b : a;
 }
 
+// The least power of two at or above `value` (>= 1): std::bit_ceil, whose libcu++ header
+// NVRTC takes a second to read.
+constexpr unsigned pow2_ceil(unsigned value) {
+  unsigned power = 1;
+  while (power < value) power *= 2;
+  return power;
+}
+
+#if JITK_HOST_HALF
 namespace pointer {
 
 // Byte offsets on untyped pointers. Typed pointers are refused so that nobody mistakes a
@@ -388,5 +434,6 @@ template <typename T, std::integral... Offsets>
 void* offset(T* ptr, Offsets... bytes) = delete;
 
 }  // namespace pointer
+#endif
 
 }  // namespace jitk

@@ -71,7 +71,7 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
     suffixes = [f"_{i}" for i in range(len(tunings))] if len(tunings) > 1 else [""]
     module = load_jit(
         name, *args, *(make_cpp_args(*tunings[0]) if len(tunings) == 1 else ()),
-        cuda_files=["rmsnorm.cuh"],
+        cuda_files=["rmsnorm.cuh"], cuda_compiler="auto",
         cuda_wrappers=[wrapper for norm, suffix in zip(norms, suffixes) for wrapper in (
             (f"rmsnorm{suffix}", f"{norm}::run"),
             (f"fused_add_rmsnorm{suffix}", f"{norm}::run_fused_add"))],

@@ -10,22 +10,29 @@
 // by some lanes of a warp or a block, in the widest vectors (<= 16 B) pointers and strides allow.
 //
 // The layout and rules of a width are in rmsnorm_tiling.cuh, the kernels in rmsnorm_kernels.cuh;
-// this file, the one to include, holds the host side.
+// this file, the one to include, holds the host side. It is written in two halves
+// (jitk/nvrtc.cuh), so nvcc builds it as one unit and NVRTC its kernels apart.
 #pragma once
+
+#include <jitk/nvrtc.cuh>
 
 #include "rmsnorm_kernels.cuh"
 #include "rmsnorm_tiling.cuh"
 
 #include <jitk/norm_order.cuh>
 #include <jitk/rows.h>
-#include <jitk/tensor.h>
 #include <jitk/utils.cuh>
+
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
+#include <jitk/tensor.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#endif
 
+#if JITK_HOST_HALF
 namespace jitk::norm {
 
 // ---------------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ struct RMSNorm {
                 "rmsnorm supports float32, float16 and bfloat16");
   static_assert(kHidden >= 1 && kHidden <= kMaxHidden);
   static_assert(std::is_same_v<Tune, DefaultTuning<kHidden, T>> ||
-                    tuning_applies(kHidden, sizeof(T), Tune::kMaxVecBytes, Tune::kTwoVectors),
+                    tuning_applies(kHidden, kElemBytes<T>, Tune::kMaxVecBytes, Tune::kTwoVectors),
                 "this tuning would run the defaults' kernel at this width (tuning_applies)");
 
   // out = rmsnorm(input) * weight; out may be input.
@@ -122,7 +129,7 @@ struct RMSNorm {
   // Whether every access of a kernel of vec_size elements lands on a whole vector.
   static bool vectors_aligned(const Params& p, int vec_size) {
     const auto aligned = [vec_size](const void* ptr) {
-      return reinterpret_cast<uintptr_t>(ptr) % (vec_size * sizeof(T)) == 0;
+      return reinterpret_cast<uintptr_t>(ptr) % (vec_size * kElemBytes<T>) == 0;
     };
     return vec_size > 1 && aligned(p.x) && aligned(p.y) && aligned(p.weight) &&
            p.x_rows.steps_by(vec_size) && p.y_rows.steps_by(vec_size);
@@ -137,8 +144,9 @@ struct RMSNorm {
       if (p.plain_rows != 0 && vectors_aligned(p, Pair::kVecSize)) {
         // A block a row: fewer than 2^31 rows, within the grid's limit.
         return LaunchKernel(dim3(p.plain_rows), dim3(Pair::kThreads), device)
-            .enable_pdl(Tune::kPdl && kPdlOnAllTargets)(
-                rmsnorm_two_vectors_kernel<kHidden, T, kFusedAdd, Tune::kLateTrigger>, p);
+            .enable_pdl(Tune::kPdl && kPdlOnAllTargets)
+            .template launch<rmsnorm_two_vectors_kernel<kHidden, T, kFusedAdd, Tune::kLateTrigger>>(
+                p);
       }
     } else if (p.plain_rows != 0 && vectors_aligned(p, kVec)) {
       return launch_kernel<Tiling<kHidden, T, kVec, typename Tune::Body>, Tune, kFusedAdd, true>(
@@ -163,8 +171,8 @@ struct RMSNorm {
     const int64_t blocks = min_of(div_ceil(p.rows, int64_t{Tiles::kRowsPerBlock}),
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
-        .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)(
-            rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>, p);
+        .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)
+        .template launch<rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>>(p);
   }
 };
 
@@ -201,3 +209,4 @@ inline int rules_row_spread(int hidden, int elem_bytes, int max_vec_bytes, int r
 }
 
 }  // namespace jitk::norm
+#endif  // JITK_HOST_HALF

@@ -11,11 +11,14 @@
 #include <jitk/rows.h>
 #include <jitk/utils.cuh>
 
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
 #include <cstdint>
 #include <type_traits>
+#endif
 
 namespace jitk::norm {
 
+#if JITK_DEVICE_HALF
 // A thread's sum of squares over its slots. With one chain, the order of jitk/norm_order.cuh:
 // each slot's slot_squares, the slots by slots_sum's tree. kChains 2 or 4
 // (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in turn.
@@ -178,6 +181,7 @@ __device__ __forceinline__ void normalize_in_two_passes(
     store_slots<Tiling>(row.output, x, first, lane, row.valid);
   }
 }
+#endif  // JITK_DEVICE_HALF
 
 // The registers a thread plans for: x, the weight and the fused form's residual, row_registers
 // each, and 16.
@@ -216,6 +220,7 @@ inline constexpr int kMinBlocksOf = Tuning::kFillSm ? fill_sm_blocks<Tiling, Tun
                                     : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
                                                            : 1;
 
+#if JITK_DEVICE_HALF
 // A plain call's grid has a block per kRowsPerBlock rows (fewer than 2^31 rows), so a block
 // takes one turn, and a block of one row knows its row is there; its offset comes from
 // blockIdx.x alone (uniform registers), as in SGLang's. With kOneTurn there is no loop either
@@ -272,15 +277,21 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   }
   if constexpr (Tuning::kLateTrigger) device::pdl_launch_dependents();
 }
+#endif  // JITK_DEVICE_HALF
 
 // A kernel of its own for plain rows, which reads no parameter past the first line and needs
 // only its own registers: as one kernel with both bodies, it took the two-run body's (47-56 a
 // thread at 5120 x fp16 on 320 threads, 3 blocks an SM where SGLang's 32 fit 6).
 template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
 __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, Tuning, kFusedAdd>))
-    rmsnorm_kernel(const __grid_constant__ Params p) {
+    rmsnorm_kernel(const __grid_constant__ Params p)
+#if JITK_DEVICE_HALF
+{
   normalize_rows<Tiling, Tuning, kFusedAdd, kPlain>(p, kPlain ? p.plain_rows : p.rows);
 }
+#else
+        ;
+#endif
 
 // ---------------------------------------------------------------------------------------
 // kTwoVectors: a block a row, each thread two 16-byte vectors of it half a row apart (SGLang's
@@ -292,12 +303,13 @@ __global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, T
 // level with SGLang where the tuner's earlier choice trailed (verifying_and_tuning.md). Where a
 // row is a multiple of 1024 bytes up to 32 KiB (kFits), for plain rows of whole vectors.
 template <int kHidden, typename T>
-struct TwoVectors : Access<T, 16 / static_cast<int>(sizeof(T))> {
-  static constexpr int kVecSize = 16 / static_cast<int>(sizeof(T));
+struct TwoVectors : Access<T, 16 / kElemBytes<T>> {
+  static constexpr int kVecSize = 16 / kElemBytes<T>;
   static constexpr int kThreads = kHidden / (2 * kVecSize);
-  static constexpr bool kFits = two_vectors_fit(kHidden, sizeof(T));
+  static constexpr bool kFits = two_vectors_fit(kHidden, kElemBytes<T>);
 };
 
+#if JITK_DEVICE_HALF
 // `sum` plus the squares of a vector's elements, added a pair at a time.
 template <int N>
 __device__ __forceinline__ float add_squares(float sum, const device::Vec<float, N>& f) {
@@ -305,10 +317,13 @@ __device__ __forceinline__ float add_squares(float sum, const device::Vec<float,
   for (int i = 0; i < N; i += 2) sum += f[i] * f[i] + f[i + 1] * f[i + 1];
   return sum;
 }
+#endif  // JITK_DEVICE_HALF
 
 template <int kHidden, typename T, bool kFusedAdd, bool kLateTrigger>
 __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
-    rmsnorm_two_vectors_kernel(const __grid_constant__ Params p) {
+    rmsnorm_two_vectors_kernel(const __grid_constant__ Params p)
+#if JITK_DEVICE_HALF
+{
   using Layout = TwoVectors<kHidden, T>;
   using Pack = typename Layout::Pack;
   constexpr int kThreads = Layout::kThreads;
@@ -352,5 +367,8 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
   out[second] = v[1];
   if constexpr (kLateTrigger) device::pdl_launch_dependents();
 }
+#else
+        ;
+#endif
 
 }  // namespace jitk::norm

@@ -9,9 +9,11 @@
 #include <jitk/rows.h>
 #include <jitk/utils.cuh>
 
+#if JITK_HOST_HALF  // NVRTC: the pieces jitk/utils.h includes
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#endif
 
 namespace jitk::norm {
 
@@ -56,12 +58,14 @@ struct Tuning {
   static constexpr bool kFillSm = kFillSm_;
   static constexpr bool kOneTurn = kOneTurn_;
   static constexpr bool kTwoVectors = kTwoVectors_;
+#if JITK_HOST_HALF
   // The knobs in template order, as ints: what the rules module (rules_default_knob) reports.
   static constexpr std::array kKnobs{kRowRegisters_,     int{kPrefetchWeight_}, int{kPdl_},
                                      kMaxVecBytes_,      int{kRegisterCap_},    int{kBroadcastSum_},
                                      int{kPinOffsets_},  int{kRowFirst_},       kSumChains_,
                                      int{kLateTrigger_}, int{kFillSm_},         int{kOneTurn_},
                                      int{kTwoVectors_}};
+#endif
   // kPdl is a launch attribute only: launches with and without PDL run one kernel.
   using Body = Tuning<kRowRegisters_, kPrefetchWeight_, true, kMaxVecBytes_, kRegisterCap_,
                       kBroadcastSum_, kPinOffsets_, kRowFirst_, kSumChains_, kLateTrigger_,
@@ -73,7 +77,7 @@ struct Tuning {
 template <int kRowRegisters>
 using DefaultTuningWith = Tuning<kRowRegisters, true>;
 template <int kHidden, typename T>
-using DefaultTuning = DefaultTuningWith<default_row_registers(kHidden, sizeof(T))>;
+using DefaultTuning = DefaultTuningWith<default_row_registers(kHidden, kElemBytes<T>)>;
 
 // The widest access (at most max_bytes) whose element count divides the hidden size.
 constexpr int widest_vec_size(int hidden, int elem_bytes, int max_bytes) {
@@ -83,7 +87,7 @@ constexpr int widest_vec_size(int hidden, int elem_bytes, int max_bytes) {
 }
 template <typename T>
 constexpr int widest_vec_size(int hidden, int max_bytes = 16) {
-  return widest_vec_size(hidden, static_cast<int>(sizeof(T)), max_bytes);
+  return widest_vec_size(hidden, kElemBytes<T>, max_bytes);
 }
 
 // Where kTwoVectors' kernel (TwoVectors) fits: a thread two 16-byte vectors, whole warps, at
@@ -107,8 +111,10 @@ constexpr bool tuning_applies(int hidden, int elem_bytes, int max_vec_bytes, boo
 template <typename T, int kVecSize>
 struct Access {
   using Pack = device::Packed<T, kVecSize>;
+#if JITK_DEVICE_HALF
   __device__ static auto unpack(const Pack& p) { return device::unpack<T, kVecSize>(p); }
   __device__ static Pack pack(const auto& f) { return device::pack<T, kVecSize>(f); }
+#endif
 };
 
 template <int kHidden_, typename T_, int kVecSize_, typename Tune>
@@ -118,15 +124,15 @@ struct Tiling : Access<T_, kVecSize_> {
   static constexpr int kVecSize = kVecSize_;
   static_assert(kHidden >= 1 && kHidden % kVecSize == 0);
 
-  static constexpr int kVecBytes = kVecSize * static_cast<int>(sizeof(T));
+  static constexpr int kVecBytes = kVecSize * kElemBytes<T>;
   static constexpr int kVecsPerRow = kHidden / kVecSize;
   // A 16-bit element takes a register of its own; wider vectors one per 4 bytes.
   static constexpr int kVecRegisters = max_of(1, kVecBytes / 4);
   static constexpr int kMaxVecsInRegisters = kMaxRowRegisters / kVecRegisters;
   static constexpr int kThreadsPerRow =
-      threads_per_row(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
+      threads_per_row(kHidden, kElemBytes<T>, kVecSize, Tune::kRowRegisters);
   // Above 1, the default layout's threads spread this many times over (jitk/norm_order.cuh).
-  static constexpr int kSpread = row_spread(kHidden, sizeof(T), kVecSize, Tune::kRowRegisters);
+  static constexpr int kSpread = row_spread(kHidden, kElemBytes<T>, kVecSize, Tune::kRowRegisters);
   // A row that a warp covers is reduced with shuffles alone; a longer one needs a block.
   static constexpr bool kSubWarp = kThreadsPerRow <= kWarpThreads;
   static constexpr int kBlockThreads = kSubWarp ? kShortRowsBlockThreads : kThreadsPerRow;
@@ -161,7 +167,11 @@ struct Params {
   RowStrides x_rows, y_rows;
   int64_t rows;
 };
+#if JITK_HOST_HALF  // (NVRTC has no offsetof; the host half checks the layout both share)
 static_assert(offsetof(Params, split) == 48, "a plain call's parameters fill one line");
+#endif
+
+#if JITK_DEVICE_HALF
 
 // Slot k of a thread is vector lane + k * kThreadsPerRow of its row, or spread_slot's in a
 // spread layout. A slot is live when its row exists and reaches that far; dead slots are
@@ -202,5 +212,6 @@ __device__ __forceinline__ void store_slots(Pack* row, const Pack (&v)[kCount], 
     if (slot_live<Tiling>(lane, k, row_valid)) row[slot_index<Tiling>(lane, k)] = v[i];
   }
 }
+#endif  // JITK_DEVICE_HALF
 
 }  // namespace jitk::norm
