@@ -2,11 +2,14 @@
 developer guide's kernel (docs/developer_guide/example/axpy.cuh).
 
 Per module: the cold build (empty cache, a new process), the warm first load (the entry
-cached, a new process) and nvcc's phases (`nvcc -time`) for the same command line that the
-build ran. Runs without a GPU: the builds target JITK_CUDA_ARCH (default 9.0), and the warm
-figure is the load only, no kernel call.
+cached, a new process) and the build's phases: nvcc's (`nvcc -time`, for the same command line
+that the build ran), or for a file written in two halves built with NVRTC (--compiler, as
+JITK_CUDA_COMPILER) the host half's compile and link and NVRTC's share. Runs without a GPU:
+the builds target JITK_CUDA_ARCH (default 9.0), and the warm figure is the load only, no
+kernel call.
 
     python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy]
+                                       [--compiler auto|nvcc|nvrtc]
 """
 
 from __future__ import annotations
@@ -36,9 +39,19 @@ from pathlib import Path
 target, want_commands = sys.argv[1], sys.argv[2] == "1"
 import jitk.build.jit as jit
 from jitk.build import builder, toolchain
-specs = []
+specs, phases = [], {}
 original = jit.build_and_publish
 jit.build_and_publish = lambda spec: specs.append(spec) or original(spec)
+def timed(name, step):
+    def run(*args):
+        started = time.perf_counter()
+        try:
+            return step(*args)
+        finally:
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+    return run
+builder._run_ninja = timed("host compiler", builder._run_ninja)
+builder._build_device_halves = timed("NVRTC", builder._build_device_halves)
 if target == "axpy":
     sys.path.insert(0, sys.argv[3])
     import torch, axpy
@@ -63,7 +76,7 @@ if want_commands and specs:
             commands[obj] = done.stdout.strip().splitlines()[-1]
     commands["folder"] = str(folder)
 print("JSON" + json.dumps({"seconds": seconds, "built": jit.build_count(),
-                           "commands": commands}))
+                           "commands": commands, "phases": phases}))
 """
 
 
@@ -97,6 +110,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--arch", default="9.0", help="JITK_CUDA_ARCH for the builds")
     parser.add_argument("--only", default="", help="comma-separated: families and/or axpy")
+    parser.add_argument("--compiler", default="auto", choices=("auto", "nvcc", "nvrtc"),
+                        help="JITK_CUDA_COMPILER: what builds files written in two halves")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
@@ -106,20 +121,22 @@ def main() -> None:
         if unknown:
             parser.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {targets}")
         targets = [t for t in targets if t in args.only.split(",")]
-    env = {**os.environ, "JITK_CUDA_ARCH": args.arch,
+    env = {**os.environ, "JITK_CUDA_ARCH": args.arch, "JITK_CUDA_COMPILER": args.compiler,
            "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
-    print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  nvcc phases (ms)")
+    print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  phases (ms)")
     for target in targets:
-        cold, warm, commands = [], [], {}
+        cold, warm, commands, split = [], [], {}, []
         for run in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="bench_compile_cache_") as root:
                 run_env = {**env, "JITK_CACHE_DIR": root}
                 built = child(target, run_env, commands=run == 0)
                 cold.append(built["seconds"])
+                if "NVRTC" in built["phases"]:
+                    split.append({name: 1000 * s for name, s in built["phases"].items()})
                 warm.append(child(target, run_env, commands=False)["seconds"])
                 commands = commands or built["commands"]
-        phases = []
+        phases = split
         if "folder" in commands:  # made by the child for this script: removed here
             if "cuda.o" in commands:
                 phases = [nvcc_phases(commands["cuda.o"], commands["folder"])

@@ -67,8 +67,13 @@ def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, mo
     assert cubins == {name for name in files if name.endswith(".cubin")}
     for cubin in cubins:
         assert (entry / cubin).read_bytes()[:4] == b"\x7fELF"
+    # A fat build keeps its newest target's PTX too, for GPUs newer than every target.
+    ptx = {f"{stem}.{part}.compute_90.ptx" for _, _, part in lines}
+    assert ptx == {name for name in files if name.endswith(".ptx")}
+    for text in ptx:
+        assert b".target sm_90" in (entry / text).read_bytes()
     meta = json.loads((entry / "jitk-meta.json").read_text())
-    assert set(meta["device_code"]) == cubins | {f"{stem}.kernels"}
+    assert set(meta["device_code"]) == cubins | ptx | {f"{stem}.kernels"}
     assert any(name.endswith("include/jitk/nvrtc.cuh") for name in meta["headers"])
 
 

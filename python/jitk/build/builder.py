@@ -166,8 +166,8 @@ def build_file(spec: BuildSpec) -> str:
         # __CUDA_ARCH_LIST__ as nvcc defines it, for what the host side decides by the
         # targets (jitk::kPdlOnAllTargets).
         targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
-        # Hidden by default: each library keeps its own kernel list and device code (jitk/nvrtc.cuh's
-        # statics), where default visibility would bind every library to the first one loaded.
+        # Hidden by default: each library keeps its own kernel list and device code (the statics
+        # of jitk/nvrtc.cuh), where default visibility binds every library to the first loaded.
         half = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *includes,
                 f"-I{toolchain.cuda_home() / 'include'}",
                 *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
@@ -288,9 +288,10 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
 def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     """NVRTC builds the kernels the host half launches (the names it registered) for each
     target, in parts side by side (a program each; ctypes lets the threads run at once):
-    <name>.<part>.sm_XX.cubin, and <name>.kernels, a line "expression<TAB>lowered<TAB>part"
-    a kernel. Written into `staging` and returned (file name -> bytes), for the library to be
-    handed at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch)."""
+    <name>.<part>.sm_XX.cubin (and .compute_XX.ptx, as ptx_arch says), and <name>.kernels, a
+    line "expression<TAB>lowered<TAB>part" a kernel. Written into `staging` and returned (file
+    name -> bytes), for the library to be handed at its load (loader.load_from_fd;
+    jitk/nvrtc.cuh reads them at the first launch)."""
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
         parts = [expressions[i::_nvrtc_parts(len(expressions))]
@@ -311,6 +312,11 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
                               or [str(error)], str(error)) from None
     code = {f"{spec.name}.{index}.{toolchain.sm_name(arch)}.cubin": program.cubin
             for (arch, index), program in zip(jobs, programs)}
+    # As nvcc's fat builds (gencode_flags): the newest generic target's PTX too, which the
+    # driver compiles for a GPU newer than every target.
+    code.update({f"{spec.name}.{index}.{toolchain.sm_name(arch).replace('sm', 'compute')}.ptx":
+                 program.ptx for (arch, index), program in zip(jobs, programs)
+                 if arch == toolchain.ptx_arch(spec.archs)})
     table = {expression: f"{program.lowered[expression]}\t{index}"
              for (_, index), program in zip(jobs, programs) for expression in parts[index]}
     code[f"{spec.name}.kernels"] = "".join(f"{e}\t{table[e]}\n" for e in expressions).encode()

@@ -457,7 +457,8 @@ def load_jit(
             "cuda_wrappers": cuda_exports, **flags,
             "extra_include_paths": build_flags["include_dirs"][1:],
             "build_directory": str(build_dir) if build_dir else None,
-            "min_arch": min_arch, "cuda_compiler": cuda_compiler if cuda_compiler != "nvcc" else None}
+            "min_arch": min_arch,
+            "cuda_compiler": None if cuda_compiler == "nvcc" else cuda_compiler}
     call = {key: value for key, value in call.items() if value}
     module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
     if held:

@@ -76,6 +76,7 @@ class Program:
     cubin: bytes
     lowered: dict[str, str]  # name expression -> the kernel's mangled name in the cubin
     log: str
+    ptx: bytes  # what the cubin was made from, with its terminating NUL
 
 
 def _text(getter: str, size_getter: str, handle: ctypes.c_void_p) -> bytes:
@@ -114,7 +115,7 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
                    f"nvrtcGetLoweredName({expression!r})")
             lowered[expression] = mangled.value.decode()
         cubin = _text("nvrtcGetCUBIN", "nvrtcGetCUBINSize", handle)
-        return Program(cubin, lowered, log)
+        return Program(cubin, lowered, log, _text("nvrtcGetPTX", "nvrtcGetPTXSize", handle))
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(handle))
 

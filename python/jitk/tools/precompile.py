@@ -40,7 +40,7 @@ class PrecompileError(JitkError, RuntimeError):
 # load_jit's keyword parameters, which a recorded call may give (tests/test_cli.py pins them).
 CALL_PARAMETERS = ("cpp_files", "cuda_files", "cpp_wrappers", "cuda_wrappers", "extra_cflags",
                    "extra_cuda_cflags", "extra_ldflags", "extra_include_paths",
-                   "build_directory", "min_arch")
+                   "build_directory", "min_arch", "cuda_compiler")
 CALL_MODULE = "load_jit"  # what a task that replays a recorded call is listed under
 
 

@@ -128,6 +128,19 @@ inline const File* find_file(const char* suffix) {
   return nullptr;
 }
 
+// The handed PTX file whose name holds `part` (".<part>.compute_"), or nullptr.
+inline const File* find_ptx(const char* part) {
+  for (int i = 0; i < files().count; ++i) {
+    const File& file = files().file[i];
+    const std::size_t length = std::strlen(file.name);
+    if (std::strstr(file.name, part) != nullptr && length > 4 &&
+        std::strcmp(file.name + length - 4, ".ptx") == 0) {
+      return &file;
+    }
+  }
+  return nullptr;
+}
+
 // The library's cubins for the current GPU (one a part: NVRTC builds a module's kernels in
 // parts side by side), loaded once, and its kernels found by name.
 inline constexpr int kMaxParts = 64;
@@ -180,10 +193,14 @@ inline Loaded load(DebugInfo where) {
     RuntimeCheck(where, part >= 0, "the module's device code has no kernel ", wanted);
     if (loaded.parts[part] == nullptr) {
       std::snprintf(suffix, sizeof(suffix), ".%d.sm_%d%d.cubin", part, major, minor);
-      const File* cubin = find_file(suffix);
-      RuntimeCheck(where, cubin != nullptr, "no device code for this GPU (sm_", major, minor,
+      const File* code = find_file(suffix);
+      if (code == nullptr) {  // a GPU newer than the targets: the driver compiles the PTX
+        std::snprintf(suffix, sizeof(suffix), ".%d.compute_", part);
+        code = find_ptx(suffix);
+      }
+      RuntimeCheck(where, code != nullptr, "no device code for this GPU (sm_", major, minor,
                    "): the module was built for other architectures");
-      RuntimeDeviceCheck(cudaLibraryLoadData(&loaded.parts[part], cubin->bytes, nullptr, nullptr, 0,
+      RuntimeDeviceCheck(cudaLibraryLoadData(&loaded.parts[part], code->bytes, nullptr, nullptr, 0,
                                              nullptr, nullptr, 0),
                          where);
     }
