@@ -21,11 +21,11 @@ import jitk
 from jitk.build import nvrtc
 from jitk.build.builder import JitCompileError
 
-KERNEL = Path(__file__).resolve().parent / "csrc" / "nvrtc_axpy.cuh"
+# The developer guide's kernel, written in two halves.
+KERNEL = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example" / "axpy.cuh"
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
-WRAPPERS = [("axpy_f32", "nvrtc_axpy::Axpy<fp32_t>::run"),
-            ("axpy_bf16", "nvrtc_axpy::Axpy<bf16_t>::run")]
-EXPRESSIONS = ["&nvrtc_axpy::axpy_kernel<float>", "&nvrtc_axpy::axpy_kernel<__nv_bfloat16>"]
+WRAPPERS = [("axpy_f32", "axpy::Axpy<fp32_t>::run"), ("axpy_bf16", "axpy::Axpy<bf16_t>::run")]
+EXPRESSIONS = ["&axpy::axpy_kernel<float>", "&axpy::axpy_kernel<__nv_bfloat16>"]
 
 
 def _nvrtc_missing() -> str | None:
@@ -61,7 +61,7 @@ def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, mo
     assert "cuda.cu" not in files  # no nvcc unit: the host half is host_half.cpp
     lines = [line.split("\t") for line in (entry / f"{stem}.kernels").read_text().splitlines()]
     assert sorted(expression for expression, _, _ in lines) == sorted(EXPRESSIONS)
-    assert all(lowered.startswith("_ZN10nvrtc_axpy11axpy_kernelI") for _, lowered, _ in lines)
+    assert all(lowered.startswith("_ZN4axpy11axpy_kernelI") for _, lowered, _ in lines)
     # Each kernel's part holds a cubin for each target, and nothing else is device code.
     cubins = {f"{stem}.{part}.{sm}.cubin" for _, _, part in lines for sm in ("sm_80", "sm_90")}
     assert cubins == {name for name in files if name.endswith(".cubin")}
@@ -80,7 +80,7 @@ def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, mo
 def test_the_host_half_checks_its_arguments_and_names_them():
     module = load()
     x, y = torch.ones(8), torch.ones(8)
-    expect_error(lambda: module.axpy_f32(1.0, x, y), "'x'", "nvrtc_axpy.cuh:",
+    expect_error(lambda: module.axpy_f32(1.0, x, y), "'x'", "axpy.cuh:",
                  "expected cuda but got cpu")
     expect_error(lambda: module.axpy_bf16(1.0, x, y), "'x'", "dtype")
 
@@ -145,7 +145,7 @@ def test_bad_arguments_are_refused_before_any_build(tmp_path, monkeypatch):
 def test_two_modules_in_one_process_keep_their_own_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     other = tmp_path / "other_axpy.cuh"
-    other.write_text(KERNEL.read_text().replace("namespace nvrtc_axpy", "namespace other_axpy"))
+    other.write_text(KERNEL.read_text().replace("namespace axpy", "namespace other_axpy"))
     jitk.load_jit("other_axpy", "fp32_t", cuda_files=[other], cuda_compiler="nvrtc",
                   cuda_wrappers=[("axpy_f32", "other_axpy::Axpy<fp32_t>::run")])
     load()  # after the other module's library is loaded in this process

@@ -14,7 +14,7 @@ KERNEL = Path(__file__).resolve().parent / "axpy.cuh"  # or "axpy.cuh" in jitk/k
 @functools.cache
 def _axpy(dtype: torch.dtype):
     args = jitk.make_cpp_args(dtype)
-    return jitk.load_jit("axpy", *args, cuda_files=[KERNEL],
+    return jitk.load_jit("axpy", *args, cuda_files=[KERNEL], cuda_compiler="auto",
                          cuda_wrappers=[("axpy", f"axpy::Axpy<{args}>::run")]).axpy
 
 
