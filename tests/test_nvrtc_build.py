@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import PYTHON_PATH
 from errors import expect_error
 
 import jitk
-from jitk.build import nvrtc
+from jitk.build import nvrtc, toolchain
 from jitk.build.builder import JitCompileError
 
 # The developer guide's kernel, written in two halves.
 KERNEL = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example" / "axpy.cuh"
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 WRAPPERS = [("axpy_f32", "axpy::Axpy<fp32_t>::run"), ("axpy_bf16", "axpy::Axpy<bf16_t>::run")]
 EXPRESSIONS = ["&axpy::axpy_kernel<float>", "&axpy::axpy_kernel<__nv_bfloat16>"]
 
@@ -95,9 +95,8 @@ print(jitk.jit_stats()["disk"]["count"])
 
 
 def _load_in_child(cache: Path, **env) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", LOAD_CACHED, str(Path(__file__).parent)],
-                          env={**os.environ, "JITK_CACHE_DIR": str(cache), "PYTHONPATH": path,
+                          env={**os.environ, "JITK_CACHE_DIR": str(cache), "PYTHONPATH": PYTHON_PATH,
                                **env},
                           capture_output=True, text=True, timeout=300, check=False)
 
@@ -131,6 +130,22 @@ def test_auto_builds_as_the_setting_says(tmp_path, monkeypatch, setting, unit):
     monkeypatch.setenv("JITK_CUDA_COMPILER", setting)
     load("auto")
     assert (entry_of(tmp_path) / unit).is_file()
+
+
+def test_auto_needs_the_toolkits_libcu_headers(tmp_path):
+    """A toolkit without CCCL's headers (a runtime-only wheel, say) gets nvcc, not an NVRTC
+    build that cannot find <cuda/std/...>; one with them, NVRTC."""
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    ask = "from jitk.build import nvrtc; print(nvrtc.choose('auto'), nvrtc.choose('nvrtc'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("JITK_CUDA_COMPILER", "JITK_NVCC")}
+    for home, expected in ((tmp_path, "nvcc nvrtc"), (toolchain.cuda_home(), "nvrtc nvrtc")):
+        done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True,
+                              env={**env, "CUDA_HOME": str(home),
+                                   "PYTHONPATH": PYTHON_PATH}, timeout=120, check=False)
+        assert done.stdout.split() == expected.split(), done.stderr[-2000:]
 
 
 def test_bad_arguments_are_refused_before_any_build(tmp_path, monkeypatch):

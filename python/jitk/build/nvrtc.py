@@ -122,17 +122,25 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
 
 def choose(requested: str) -> str:
     """The compiler of a load_jit(cuda_compiler=requested) call: "auto" is JITK_CUDA_COMPILER's
-    choice, and its own "auto" NVRTC where its library loads, else nvcc."""
+    choice, and its own "auto" NVRTC where its library loads and the toolkit has the headers a
+    device half reads (libcu++'s, under include/cccl), else nvcc."""
     if requested != "auto":
         return requested
     chosen = settings.get("JITK_CUDA_COMPILER")
     if chosen != "auto":
         return chosen
+    return "nvrtc" if _usable() else "nvcc"
+
+
+@functools.cache
+def _usable() -> bool:
+    """Whether NVRTC can build here with the process's toolkit (toolchain.cuda_home, found
+    once a process, as this is asked)."""
     try:
         _lib()
-    except NvrtcError:
-        return "nvcc"
-    return "nvrtc"
+        return (toolchain.cuda_home() / "include" / "cccl" / "cuda" / "std").is_dir()
+    except (NvrtcError, toolchain.ToolchainError):
+        return False
 
 
 def kernel_names(library: Path) -> list[str]:
