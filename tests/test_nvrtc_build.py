@@ -96,8 +96,8 @@ print(jitk.jit_stats()["disk"]["count"])
 
 def _load_in_child(cache: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", LOAD_CACHED, str(Path(__file__).parent)],
-                          env={**os.environ, "JITK_CACHE_DIR": str(cache), "PYTHONPATH": PYTHON_PATH,
-                               **env},
+                          env={**os.environ, "JITK_CACHE_DIR": str(cache),
+                               "PYTHONPATH": PYTHON_PATH, **env},
                           capture_output=True, text=True, timeout=300, check=False)
 
 
