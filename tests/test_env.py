@@ -53,7 +53,9 @@ def test_json_report(tmp_path):
                     "error": None}
     except nvrtc.NvrtcError as error:
         expected = {"path": None, "version": None, "error": str(error)}
-    assert report["nvrtc"] == expected
+    # what load_jit(cuda_compiler="auto") would build with in this process
+    assert report["nvrtc"] == {**expected, "auto_builds_with": nvrtc.choose("auto")}
+    assert f"two-halves files build with: {nvrtc.choose('auto')}" in env.render(report)
     for key, compiler in (("host_compiler", toolchain.host_compiler()),
                           ("nvcc_host_compiler", toolchain.nvcc_host_compiler())):
         assert report[key]["path"] == compiler
@@ -98,7 +100,8 @@ def test_missing_toolkit_and_gpu_are_reported_not_raised(monkeypatch, tmp_path):
     text = env.render(report)
     assert "nvcc:" in text and "error: jitk: could not find the CUDA toolkit" in text
     assert report["nvrtc"] == {"path": None, "version": None,
-                               "error": "jitk: could not load libnvrtc.so.13"}
+                               "error": "jitk: could not load libnvrtc.so.13",
+                               "auto_builds_with": nvrtc.choose("auto")}
     assert "nvrtc:" in text and "not found: jitk: could not load libnvrtc.so.13" in text
 
 

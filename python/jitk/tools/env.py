@@ -18,7 +18,7 @@ KEYS = ("jitk", "python", "torch", "tvm_ffi", "nvcc", "nvrtc", "host_compiler",
         "nvcc_host_compiler", "driver", "gpus", "target_archs", "cache", "remote_cache",
         "settings")
 NVCC_KEYS = ("path", "source", "version", "toolkit", "error")
-NVRTC_KEYS = ("path", "version", "error")
+NVRTC_KEYS = ("path", "version", "error", "auto_builds_with")
 COMPILER_KEYS = ("path", "source", "version", "error")
 GPU_KEYS = ("index", "name", "capability", "sm_count")
 TARGET_KEYS = ("archs", "source", "error")
@@ -46,9 +46,11 @@ def _nvcc() -> dict:
 
 def _nvrtc() -> dict:
     """NVRTC, which compiles device code in the process where it is installed (the `cuda`
-    and `nvrtc` extras): the kernels of files written in two halves (jitk/nvrtc.cuh),
-    built with load_jit(..., cuda_compiler="nvrtc")."""
+    and `nvrtc` extras): the kernels of files written in two halves (jitk/nvrtc.cuh), built
+    with load_jit(..., cuda_compiler="nvrtc"), and with "auto" (the shipped RMSNorm, the
+    guide's axpy) as `auto_builds_with` says."""
     found = dict.fromkeys(NVRTC_KEYS)
+    found["auto_builds_with"] = nvrtc.choose("auto")
     try:
         found["version"] = "{}.{}".format(*nvrtc.version())
         found["path"] = nvrtc.library_path()
@@ -163,8 +165,10 @@ def render(report: dict) -> str:
         ("apache-tvm-ffi", report["tvm_ffi"] or "not installed"),
         ("nvcc", f"{nvcc['path']} ({nvcc['source']}), {nvcc['version']}; toolkit "
                  f"{nvcc['toolkit']}" if not nvcc["error"] else f"error: {nvcc['error']}"),
-        ("nvrtc", f"{found_nvrtc['path']}, {found_nvrtc['version']} (cuda_compiler='nvrtc' builds)"
+        ("nvrtc", f"{found_nvrtc['path']}, {found_nvrtc['version']}"
                   if not found_nvrtc["error"] else f"not found: {found_nvrtc['error']}"),
+        ("two-halves files build with", f"{found_nvrtc['auto_builds_with']} "
+                                        "(cuda_compiler='auto'; JITK_CUDA_COMPILER)"),
         ("host compiler", _compiler_line(report["host_compiler"])),
         ("nvcc's host compiler", _compiler_line(report["nvcc_host_compiler"])),
         ("driver", report["driver"] or "none found"),
