@@ -105,36 +105,24 @@ struct File {
   char* bytes = nullptr;
   std::size_t size = 0;
 };
-inline constexpr int kMaxFiles = 32;  // a cubin per target and the names
 struct Files {
-  File file[kMaxFiles];
+  File* file = nullptr;  // grown as files come: a cubin per part and target, PTX, the names
   int count = 0;
+  int capacity = 0;
 };
 inline Files& files() {
   static Files handed;
   return handed;
 }
 
-// The handed file whose name ends with `suffix`, or nullptr.
-inline const File* find_file(const char* suffix) {
+// The handed file whose name ends with `suffix` and holds `part` (if given), or nullptr.
+inline const File* find_file(const char* suffix, const char* part = "") {
   const std::size_t length = std::strlen(suffix);
   for (int i = 0; i < files().count; ++i) {
     const File& file = files().file[i];
     const std::size_t name_length = std::strlen(file.name);
-    if (name_length >= length && std::strcmp(file.name + name_length - length, suffix) == 0) {
-      return &file;
-    }
-  }
-  return nullptr;
-}
-
-// The handed PTX file whose name holds `part` (".<part>.compute_"), or nullptr.
-inline const File* find_ptx(const char* part) {
-  for (int i = 0; i < files().count; ++i) {
-    const File& file = files().file[i];
-    const std::size_t length = std::strlen(file.name);
-    if (std::strstr(file.name, part) != nullptr && length > 4 &&
-        std::strcmp(file.name + length - 4, ".ptx") == 0) {
+    if (name_length >= length && std::strcmp(file.name + name_length - length, suffix) == 0 &&
+        std::strstr(file.name, part) != nullptr) {
       return &file;
     }
   }
@@ -142,10 +130,9 @@ inline const File* find_ptx(const char* part) {
 }
 
 // The library's cubins for the current GPU (one a part: NVRTC builds a module's kernels in
-// parts side by side), loaded once, and its kernels found by name.
-inline constexpr int kMaxParts = 64;
+// parts side by side, never more parts than kernels), loaded once, and its kernels by name.
 struct Loaded {
-  cudaLibrary_t parts[kMaxParts] = {};
+  cudaLibrary_t parts[kMaxKernels] = {};
   cudaKernel_t kernels[kMaxKernels] = {};
 };
 
@@ -167,7 +154,7 @@ inline int lowered_name(const File& names, const char* wanted, char (&out)[kMaxN
       std::memcpy(out, tab + 1, part - tab - 1);
       out[part - tab - 1] = '\0';
       const int index = std::atoi(part + 1);
-      return index >= 0 && index < kMaxParts ? index : -1;
+      return index >= 0 && index < registry().count ? index : -1;
     }
     line = line_end + 1;
   }
@@ -196,7 +183,7 @@ inline Loaded load(DebugInfo where) {
       const File* code = find_file(suffix);
       if (code == nullptr) {  // a GPU newer than the targets: the driver compiles the PTX
         std::snprintf(suffix, sizeof(suffix), ".%d.compute_", part);
-        code = find_ptx(suffix);
+        code = find_file(".ptx", suffix);
       }
       RuntimeCheck(where, code != nullptr, "no device code for this GPU (sm_", major, minor,
                    "): the module was built for other architectures");
@@ -224,7 +211,7 @@ cudaKernel_t jitk::nvrtc_kernel(DebugInfo where) {
 }
 
 // Keeps a copy of one file of the library's device code (`name`, `size` bytes), unless one
-// of that name is already kept. 0, or -1 when there is no room. Called by the loader, under
+// of that name is already kept. 0, or -1 when memory runs out. Called by the loader, under
 // its lock, before the library's first call.
 extern "C" __attribute__((visibility("default"))) int jitk_nvrtc_adopt(const char* name,
                                                                        const char* bytes,
@@ -233,7 +220,13 @@ extern "C" __attribute__((visibility("default"))) int jitk_nvrtc_adopt(const cha
   for (int i = 0; i < files.count; ++i) {
     if (std::strcmp(files.file[i].name, name) == 0) return 0;
   }
-  if (files.count == jitk::nvrtc::kMaxFiles) return -1;
+  if (files.count == files.capacity) {
+    const int capacity = files.capacity == 0 ? 16 : 2 * files.capacity;
+    void* grown = std::realloc(files.file, capacity * sizeof(jitk::nvrtc::File));
+    if (grown == nullptr) return -1;
+    files.file = static_cast<jitk::nvrtc::File*>(grown);
+    files.capacity = capacity;
+  }
   jitk::nvrtc::File file;
   file.name = static_cast<char*>(std::malloc(std::strlen(name) + 1));
   file.bytes = static_cast<char*>(std::malloc(size + 1));
