@@ -294,8 +294,8 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     jitk/nvrtc.cuh reads them at the first launch)."""
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
-        parts = [expressions[i::_nvrtc_parts(len(expressions))]
-                 for i in range(_nvrtc_parts(len(expressions)))]
+        count = _nvrtc_parts(len(expressions))
+        parts = [expressions[i::count] for i in range(count)]
         source = "".join(f'#include "{path}"\n' for path in spec.device_halves)
         cuda_include = toolchain.cuda_home() / "include"
         # The standard headers as libcu++'s (include/nvrtc_std), then the kernel's folders.
@@ -314,9 +314,10 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
             for (arch, index), program in zip(jobs, programs)}
     # As nvcc's fat builds (gencode_flags): the newest generic target's PTX too, which the
     # driver compiles for a GPU newer than every target.
+    ptx_arch = toolchain.ptx_arch(spec.archs)
     code.update({f"{spec.name}.{index}.{toolchain.sm_name(arch).replace('sm', 'compute')}.ptx":
                  program.ptx for (arch, index), program in zip(jobs, programs)
-                 if arch == toolchain.ptx_arch(spec.archs)})
+                 if arch == ptx_arch})
     table = {expression: f"{program.lowered[expression]}\t{index}"
              for (_, index), program in zip(jobs, programs) for expression in parts[index]}
     code[f"{spec.name}.kernels"] = "".join(f"{e}\t{table[e]}\n" for e in expressions).encode()

@@ -127,22 +127,11 @@ class Lookup:
     device_code: dict[str, bytes] = field(default_factory=dict)  # file name -> checked bytes
 
 
-def _file_name(name: object) -> str | None:
-    """`name` from a record, if it names a file inside the entry."""
+def _open_in_entry(entry: Path, name: object) -> tuple[int | None, str | None]:
+    """The descriptor of the file a record names inside the entry, or why it cannot be used
+    (both None: the entry went)."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
-        return None
-    return name
-
-
-def _library_name(meta: dict) -> str | None:
-    return _file_name(meta.get("library"))
-
-
-def _open_library(entry: Path, meta: dict) -> tuple[int | None, str | None]:
-    """The library's descriptor, or why it cannot be used (both None: the entry went)."""
-    name = _library_name(meta)
-    if name is None:
-        return None, f"its {META_FILE} names {meta.get('library')!r}, not a file in the entry"
+        return None, f"its {META_FILE} names {name!r}, not a file in the entry"
     try:
         return os.open(entry / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), None
     except FileNotFoundError:
@@ -181,7 +170,7 @@ def look_up(entry: Path, key: str) -> Lookup:
         trust.check(entry, "the cache entry")
     except FileNotFoundError:
         return Lookup()  # removed while we looked
-    fd, problem = _open_library(entry, meta)
+    fd, problem = _open_in_entry(entry, meta.get("library"))
     if fd is None:
         return Lookup(problem=problem)
     library = entry / meta["library"]
@@ -192,7 +181,7 @@ def look_up(entry: Path, key: str) -> Lookup:
         else:
             problem = _headers_problem(meta)
         if not problem:
-            device_code, problem = read_device_code(entry, meta)
+            device_code, problem = _read_device_code(entry, meta)
     except BaseException:
         os.close(fd)
         raise
@@ -202,7 +191,7 @@ def look_up(entry: Path, key: str) -> Lookup:
     return Lookup(library=library, fd=fd, device_code=device_code)
 
 
-def read_device_code(entry: Path, meta: dict) -> tuple[dict[str, bytes], str | None]:
+def _read_device_code(entry: Path, meta: dict) -> tuple[dict[str, bytes], str | None]:
     """The device code NVRTC built beside the library (jitk/nvrtc.cuh), read once and checked
     against the recorded digests: these bytes, not the files, are what the library is given
     (loader.load_from_fd), so a file swapped after the check changes nothing. With why
@@ -212,17 +201,11 @@ def read_device_code(entry: Path, meta: dict) -> tuple[dict[str, bytes], str | N
         return {}, f"its {META_FILE} lists its device code wrongly"
     code = {}
     for name, expected in recorded.items():
-        if _file_name(name) is None:
-            return {}, f"its {META_FILE} names {name!r}, not a file in the entry"
-        path = entry / name
+        fd, problem = _open_in_entry(entry, name)
+        if fd is None:
+            return {}, problem or f"{entry} went while it was read"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return {}, f"its device code {name} is missing"
-        except OSError as error:
-            return {}, f"its device code {name} cannot be read: {error.strerror}"
-        try:
-            trust.check(path, "the device code", os.fstat(fd))
+            trust.check(entry / name, "the device code", os.fstat(fd))
             with os.fdopen(fd, "rb", closefd=False) as file:
                 data = file.read()
         finally:
