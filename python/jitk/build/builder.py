@@ -294,6 +294,8 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     jitk/nvrtc.cuh reads them at the first launch)."""
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
+        if not expressions:  # host code only: nothing for NVRTC to build or a launch to find
+            return {}
         count = _nvrtc_parts(len(expressions))
         parts = [expressions[i::count] for i in range(count)]
         source = "".join(f'#include "{path}"\n' for path in spec.device_halves)

@@ -145,11 +145,15 @@ def _usable() -> bool:
 
 def kernel_names(library: Path) -> list[str]:
     """The name expressions of the kernels a built host half launches by name (what its
-    instantiations of LaunchKernel::launch registered, jitk/nvrtc.cuh), from the library."""
+    instantiations of LaunchKernel::launch registered, jitk/nvrtc.cuh), from the library;
+    none for a library without jitk/nvrtc.cuh (host code only)."""
     try:
-        names = ctypes.CDLL(str(library)).jitk_nvrtc_kernel_names
-    except (OSError, AttributeError) as error:
+        loaded = ctypes.CDLL(str(library))
+    except OSError as error:
         raise NvrtcError(f"cannot read the kernels {library.name} launches: {error}") from None
+    names = getattr(loaded, "jitk_nvrtc_kernel_names", None)
+    if names is None:
+        return []
     names.restype = ctypes.c_char_p
     text = names()
     if text is None:

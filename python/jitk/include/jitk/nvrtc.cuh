@@ -70,18 +70,24 @@ inline int add_kernel(const char* type_name) {
 }
 
 // "&" and the kernel's fully qualified name, from the demangled name of Named<&kernel>:
-// "jitk::nvrtc::Named<&(void ns::k<ns::T<1> >(float*, long))>" (a template's return type
-// and its parameters around the name; "Named<&(k(int*))>" for a plain function).
+// "jitk::nvrtc::Named<&(void ns::k<ns::T<1> >(float*, long))>" for a template (its return
+// type and parameters around the name), "jitk::nvrtc::Named<&ns::k>" for a plain function.
 inline void expression(const char* type_name, char (&out)[kMaxName]) {
   int status = 0;
   char* demangled = abi::__cxa_demangle(type_name, nullptr, nullptr, &status);
-  const char* at = demangled != nullptr ? std::strstr(demangled, "<&(") : nullptr;
+  const char* at = demangled != nullptr ? std::strstr(demangled, "<&") : nullptr;
   if (at == nullptr) std::free(demangled);
   RuntimeCheck(at != nullptr, "cannot read a kernel's name from '", type_name, "'");
-  at += 3;
-  if (std::strncmp(at, "void ", 5) == 0) at += 5;
-  std::size_t length = 0;  // up to the parameters: the first '(' outside the template's <>
-  for (int depth = 0; at[length] != '\0' && (depth > 0 || at[length] != '('); ++length) {
+  at += 2;
+  const bool instance = *at == '(';
+  if (instance) {
+    at += 1;
+    if (std::strncmp(at, "void ", 5) == 0) at += 5;
+  }
+  // A template's name ends at the first '(' outside its <>, a plain one at Named's '>'.
+  std::size_t length = 0;
+  for (int depth = 0; at[length] != '\0'; ++length) {
+    if (depth == 0 && (instance ? at[length] == '(' : at[length + 1] == '\0')) break;
     depth += at[length] == '<' ? 1 : at[length] == '>' ? -1 : 0;
   }
   const bool fits = length + 2 <= sizeof(out);

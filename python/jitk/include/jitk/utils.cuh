@@ -243,6 +243,19 @@ class LaunchKernel {
   int device_id_ = -1;
 };
 
+// What the runtime's kernel calls (cudaFuncGetAttributes, cudaFuncSetAttribute) take for
+// kKernel: the kernel itself under nvcc, the kernel NVRTC built (loaded on first use) in a
+// host half the host compiler built alone.
+template <auto kKernel>
+const void* kernel_handle(DebugInfo where = {}) {
+#ifdef __CUDACC__
+  (void)where;
+  return reinterpret_cast<const void*>(kKernel);
+#else
+  return reinterpret_cast<const void*>(nvrtc_kernel<kKernel>(where));
+#endif
+}
+
 #endif  // JITK_HOST_HALF
 
 }  // namespace jitk

@@ -34,7 +34,7 @@ _OWN_STREAM, _REST_STREAM, _OWN_CONTEXT, _REST_CONTEXT, _OWN_SMS, _REST_SMS, _HA
 
 @functools.cache
 def _module():
-    return load_jit("green_context", cuda_files=["green_context.cuh"],
+    return load_jit("green_context", cuda_files=["green_context.cuh"], cuda_compiler="auto",
                     cuda_wrappers=[(name, f"{_NAMESPACE}::{name}") for name in _ENTRY_POINTS])
 
 

@@ -2,15 +2,22 @@
 // SMs (cuDevSmResourceSplitByCount), a group of the SMs asked for and the rest, each with a
 // stream. Contexts made one at a time (torch.cuda.green_contexts) each take their SMs from the
 // whole device, so two of them may share SMs; a split's groups never do.
+// Written in two halves (jitk/nvrtc.cuh): NVRTC may build its one kernel apart.
 #pragma once
 
+#include <jitk/nvrtc.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/driver.cuh>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
 #include <cstdint>
+#endif
 
 namespace jitk::green {
+
+#if JITK_HOST_HALF
 
 struct Api {
   CUresult (*device_get)(CUdevice*, int) = nullptr;
@@ -134,9 +141,13 @@ inline void split(int64_t device, int64_t sms, TensorView handles) {
   out[kRestSms] = rest.sm.smCount;
 }
 
+#endif  // JITK_HOST_HALF
+
 // out[b] = the SM block b ran on; a block spins `cycles` first, so that the blocks of a launch
 // larger than the partition spread over all of its SMs. For tests of a split.
-__global__ void sm_ids_kernel(int32_t* out, int64_t cycles) {
+__global__ void sm_ids_kernel(int32_t* out, int64_t cycles)
+#if JITK_DEVICE_HALF
+{
   if (threadIdx.x != 0) return;
   const int64_t until = static_cast<int64_t>(clock64()) + cycles;
   while (static_cast<int64_t>(clock64()) < until) {
@@ -145,6 +156,11 @@ __global__ void sm_ids_kernel(int32_t* out, int64_t cycles) {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   out[blockIdx.x] = static_cast<int32_t>(sm);
 }
+#else
+    ;
+#endif
+
+#if JITK_HOST_HALF
 
 inline void record_sm_ids(TensorView out, int64_t spin_cycles, int64_t stream) {
   RuntimeCheck(spin_cycles >= 0, "spin_cycles must be >= 0, got ", spin_cycles);
@@ -155,9 +171,10 @@ inline void record_sm_ids(TensorView out, int64_t spin_cycles, int64_t stream) {
                "'out' holds a block's SM each: 1 to 2^31 - 1 elements, got ", blocks.unwrap());
   const DeviceGuard on(device.unwrap().device_id);
   LaunchKernel(static_cast<unsigned>(blocks.unwrap()), kWarpThreads,
-               reinterpret_cast<cudaStream_t>(stream))(
-      sm_ids_kernel, static_cast<int32_t*>(pointer::offset(out.data_ptr(), out.byte_offset())),
-      spin_cycles);
+               reinterpret_cast<cudaStream_t>(stream))
+      .launch<sm_ids_kernel>(
+          static_cast<int32_t*>(pointer::offset(out.data_ptr(), out.byte_offset())), spin_cycles);
 }
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk::green

@@ -15,15 +15,22 @@
 // side is touched, so a bad index never reaches memory outside the caches. The all-layer
 // entry points take base pointers that cannot be checked: there the pointers (and, without
 // slot counts, the upper bound of the indices) are trusted.
+//
+// Written in two halves (jitk/nvrtc.cuh): NVRTC may build the kernel apart.
 #pragma once
+
+#include <jitk/nvrtc.cuh>
 
 #include "hicache_layout.cuh"
 
 #include <jitk/device.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
 #include <cstdint>
+#endif
 
 namespace jitk::hicache {
 
@@ -59,6 +66,8 @@ struct TransferParams {
 
 // ------------------------------------------------------------------------------- device
 namespace kernel {
+
+#if JITK_DEVICE_HALF
 
 template <int kNumCaches>
 struct LayerBases {
@@ -123,10 +132,14 @@ __device__ __forceinline__ VectorMove locate(const TransferParams<Index, kNumCac
   return {valid ? src : nullptr, valid ? dst : nullptr};
 }
 
+#endif  // JITK_DEVICE_HALF
+
 // Grid: x spreads one layer's vectors, y strides over the layers.
 template <int kElementBytes, int kUnroll, bool kAllLayers, typename Index, int kNumCaches>
 __global__ void __launch_bounds__(kThreads<kUnroll>)
-    transfer(const __grid_constant__ TransferParams<Index, kNumCaches> p) {
+    transfer(const __grid_constant__ TransferParams<Index, kNumCaches> p)
+#if JITK_DEVICE_HALF
+{
   constexpr int64_t kVecsPerItem = int64_t{kNumCaches} * (kElementBytes / kVecBytes);
   const int64_t vecs_per_layer = p.num_items * kVecsPerItem;
   const int64_t threads = int64_t{gridDim.x} * kThreads<kUnroll>;
@@ -152,10 +165,14 @@ __global__ void __launch_bounds__(kThreads<kUnroll>)
     }
   }
 }
+#else
+        ;
+#endif
 
 }  // namespace kernel
 
 // --------------------------------------------------------------------------------- host
+#if JITK_HOST_HALF
 namespace host {
 
 // The kernel reads the indices: on the GPU, or in host memory the GPU can reach.
@@ -341,9 +358,11 @@ struct HiCache {
     const int64_t grid_x =
         max_of(min_of(wanted, div_ceil(vecs_per_layer, int64_t{kThreads<kUnroll>})), int64_t{1});
     const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
-    LaunchKernel(grid, kThreads<kUnroll>, gpu)(
-        kernel::transfer<kElementBytes, kUnroll, kAllLayers, Index, kNumCaches>, params);
+    LaunchKernel(grid, kThreads<kUnroll>, gpu)
+        .template launch<kernel::transfer<kElementBytes, kUnroll, kAllLayers, Index, kNumCaches>>(
+            params);
   }
 };
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk::hicache

@@ -20,8 +20,13 @@
 // A batch's copies run in no defined order (nor do the kernel's threads), so a call whose
 // destinations overlap its sources (moves chained inside one cache) is refused before any
 // copy is issued: no order of its copies is the right one.
+//
+// Host code only: device code built apart (NVRTC, jitk/nvrtc.cuh) sees none of it.
 #pragma once
 
+#include <jitk/utils.h>
+
+#if JITK_HOST_HALF
 #include "hicache_copy_list.cuh"
 #include "hicache_layout.cuh"
 
@@ -170,3 +175,4 @@ struct CopyEngine {
 };
 
 }  // namespace jitk::hicache
+#endif  // JITK_HOST_HALF

@@ -1,8 +1,12 @@
 // The copy engine's host side (see hicache_copy.cuh): a call's list of copies, its runs of
 // pages merged, checked for chained moves, and submitted in batches or one at a time.
+// Host code only, as hicache_copy.cuh.
 
 #pragma once
 
+#include <jitk/utils.h>
+
+#if JITK_HOST_HALF
 #include "hicache_layout.cuh"
 
 #include <jitk/tensor.h>
@@ -347,3 +351,4 @@ inline void check_host_readable(const TensorView& t, const char* name, DebugInfo
 
 }  // namespace host
 }  // namespace jitk::hicache
+#endif  // JITK_HOST_HALF

@@ -9,8 +9,13 @@
 // index i of a list names slots i .. i + page_size - 1, and only the first index of each page
 // is read. SGLang's calls (every index a slot) come with page_size 1; Python passes a larger
 // one only for index_granularity="page".
+//
+// Device code (NVRTC, jitk/nvrtc.cuh) sees the layouts; the checks are the host half's.
 #pragma once
 
+#include <jitk/utils.h>
+
+#if JITK_HOST_HALF
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
@@ -18,6 +23,7 @@
 
 #include <cstdint>
 #include <limits>
+#endif
 
 namespace jitk::hicache {
 
@@ -29,7 +35,7 @@ inline constexpr int64_t kMaxElementBytes = int64_t{1} << 20;
 // Python's "not given" for optional integers.
 inline constexpr int64_t kNotGiven = -1;
 // Paged caches and page counts are divided with 32-bit arithmetic.
-inline constexpr int64_t kMaxPagedSlots = std::numeric_limits<int32_t>::max();
+inline constexpr int64_t kMaxPagedSlots = (int64_t{1} << 31) - 1;  // INT32_MAX
 
 // The template arguments Python may ask for; tests pin Python's copy of these rules to them.
 constexpr bool element_bytes_supported(int64_t bytes) {
@@ -88,6 +94,7 @@ struct SlotLayout {
   bool continues_at(int64_t slot) const { return !paged || slot % page_rows.divisor != 0; }
 };
 
+#if JITK_HOST_HALF
 namespace host {
 
 // The caches of one side of a transfer (K and V, or the one MLA cache) and their names.
@@ -425,4 +432,5 @@ struct AllLayerArgs {
 };
 
 }  // namespace host
+#endif  // JITK_HOST_HALF
 }  // namespace jitk::hicache

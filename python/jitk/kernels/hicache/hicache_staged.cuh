@@ -14,16 +14,23 @@
 // pages are read in the kernel, the host's (CPU int64 indices) during the call, where every
 // host page is checked before anything runs. The source pointer tables are trusted (as in
 // every all-layer call): their pages must lie inside the layers they point at.
+//
+// Written in two halves (jitk/nvrtc.cuh): NVRTC may build the gather kernel apart.
 #pragma once
+
+#include <jitk/nvrtc.cuh>
 
 #include "hicache_copy.cuh"
 #include "hicache_layout.cuh"
 
 #include <jitk/device.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
 #include <cstdint>
+#endif
 
 namespace jitk::hicache {
 
@@ -43,7 +50,9 @@ namespace kernel {
 // One 16-byte vector of one cache per thread and step, in the staging buffer's order, so
 // that the writes are coalesced; reads are whole rows of a layer.
 template <typename Index, int kNumCaches>
-__global__ void gather_pages(const __grid_constant__ GatherParams<Index, kNumCaches> p) {
+__global__ void gather_pages(const __grid_constant__ GatherParams<Index, kNumCaches> p)
+#if JITK_DEVICE_HALF
+{
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < p.total_vecs;
        v += step) {
@@ -62,8 +71,13 @@ __global__ void gather_pages(const __grid_constant__ GatherParams<Index, kNumCac
     }
   }
 }
+#else
+    ;
+#endif
 
 }  // namespace kernel
+
+#if JITK_HOST_HALF
 
 struct StagedWriteBack {
   static void lf_pf(TensorView k_ptr_src, TensorView v_ptr_src, TensorView src_indices,
@@ -170,8 +184,8 @@ struct StagedWriteBack {
         params.page_size = page_size;
         params.total_vecs = count * page_bytes / kVecBytes;
         const int64_t blocks = min_of(max_blocks, div_ceil(params.total_vecs, int64_t{kThreads}));
-        LaunchKernel(static_cast<unsigned>(blocks), kThreads, stream)(
-            kernel::gather_pages<Index, kNumCaches>, params);
+        LaunchKernel(static_cast<unsigned>(blocks), kThreads, stream)
+            .template launch<kernel::gather_pages<Index, kNumCaches>>(params);
       });
       host::CopyList& copies = host::copy_list();
       for (int c = 0; c < kNumCaches; ++c) {
@@ -201,5 +215,6 @@ struct StagedWriteBack {
                  "(torch: pin_memory=True) or register it (cudaHostRegister)");
   }
 };
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk::hicache

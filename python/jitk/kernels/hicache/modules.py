@@ -33,7 +33,7 @@ def kernel_module(element_size: int, unroll: int) -> Entries:
     """The kernel for rows of element_size bytes; both checked by the caller."""
     args = make_cpp_args(element_size, unroll)
     entry = f"jitk::hicache::HiCache<{args}>"
-    module = load_jit("hicache", *args, cuda_files=list(KERNEL_FILES),
+    module = load_jit("hicache", *args, cuda_files=list(KERNEL_FILES), cuda_compiler="auto",
                       cuda_wrappers=[(name, f"{entry}::{name}") for name in ENTRY_POINTS])
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return Entries(*(getattr(module, name) for name in ENTRY_POINTS))
@@ -44,7 +44,7 @@ def copy_module():
     """The copy-engine entry points: one module for every element size."""
     names = (*ENTRY_POINTS, "vector_bytes", "element_size_supported", "unroll_supported",
              "pointer_device")
-    return load_jit("hicache_copy", cuda_files=list(COPY_FILES),
+    return load_jit("hicache_copy", cuda_files=list(COPY_FILES), cuda_compiler="auto",
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
                                    for name in names])
 
@@ -52,7 +52,7 @@ def copy_module():
 @functools.cache
 def staged_module():
     """The staged write-back (a gather kernel and the copy engines): every element size."""
-    return load_jit("hicache_staged", cuda_files=list(STAGED_FILES),
+    return load_jit("hicache_staged", cuda_files=list(STAGED_FILES), cuda_compiler="auto",
                     cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
                                    for name in ("lf_pf", "lf_pf_mla")])
 

@@ -145,7 +145,7 @@ class _Kernels(NamedTuple):
 def _kernels() -> _Kernels:
     module = load_jit(
         "wait_value",
-        cuda_files=["wait_value.cuh"],
+        cuda_files=["wait_value.cuh"], cuda_compiler="auto",
         cuda_wrappers=[(name, f"{_NAMESPACE}::{name}") for name in _Kernels._fields],
     )
     # Fetched once: a module attribute lookup goes through the FFI each time.

@@ -4,9 +4,14 @@
 // work; no kernel, no SM, and stream capture records them. The driver is reached through the
 // runtime's entry-point lookup, never linked, so a machine without one builds and loads this.
 // Where the driver or GPU lacks an operation, a one-thread spin kernel does it (the fallback).
+// Written in two halves (jitk/nvrtc.cuh): NVRTC may build the spin kernels apart.
 #pragma once
 
+#include <jitk/nvrtc.cuh>
+
 #include <jitk/device.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/driver.cuh>
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
@@ -16,15 +21,20 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#else
+#include <cuda/std/__type_traits/make_unsigned.h>
+#endif
 
 namespace jitk::wait_value {
 
-// Comparisons, numbered as the driver numbers them (CU_STREAM_WAIT_VALUE_*), wait_value.py too:
+// Comparisons, numbered as the driver numbers them (CU_STREAM_WAIT_VALUE_*, which device code
+// built by NVRTC cannot include; the host half checks the numbers), wait_value.py too:
 //   geq: (signed)(flag - value) >= 0, a greater-or-equal that survives wrap-around
 //   eq:  flag == value
 //   and: (flag & value) != 0
 //   nor: ~(flag | value) != 0, some bit is 0 in both
-inline constexpr int kLastCompare = CU_STREAM_WAIT_VALUE_NOR;
+enum Compare : int { kGeq = 0, kEq = 1, kAnd = 2, kNor = 3 };
+inline constexpr int kLastCompare = kNor;
 inline constexpr int kWrite = -1;  // what enqueue() takes for "write", not "wait"
 
 // How a call ran, returned to Python, which warns once for each reason to fall back.
@@ -45,6 +55,7 @@ enum Path : int32_t {
 inline constexpr unsigned kFirstSleepNs = 32;
 inline constexpr unsigned kMaxSleepNs = 512;
 
+#if JITK_DEVICE_HALF
 // The acquire orders every later read of this thread (and of the kernels after it on the
 // stream) after the flag's value; the release publishes everything before it on the stream.
 template <typename T>
@@ -70,27 +81,54 @@ template <typename T>
 __device__ __forceinline__ bool passes(T flag, T value, int compare) {
   using Bits = std::make_unsigned_t<T>;
   switch (compare) {
-    case CU_STREAM_WAIT_VALUE_GEQ:
-      return static_cast<T>(static_cast<Bits>(flag) - static_cast<Bits>(value)) >= 0;
-    case CU_STREAM_WAIT_VALUE_EQ: return flag == value;
-    case CU_STREAM_WAIT_VALUE_AND: return (flag & value) != 0;
+    case kGeq: return static_cast<T>(static_cast<Bits>(flag) - static_cast<Bits>(value)) >= 0;
+    case kEq: return flag == value;
+    case kAnd: return (flag & value) != 0;
     default: return ~(flag | value) != 0;
   }
 }
 
+#endif  // JITK_DEVICE_HALF
+
 template <typename T>
-__global__ void wait_kernel(const T* flag, T value, int compare) {
+__global__ void wait_kernel(const T* flag, T value, int compare)
+#if JITK_DEVICE_HALF
+{
   unsigned sleep_ns = kFirstSleepNs;
   while (!passes(load_acquire_system(flag), value, compare)) {
     device::pause_ns(sleep_ns);
     sleep_ns = min(2 * sleep_ns, kMaxSleepNs);
   }
 }
+#else
+    ;
+#endif
 
 template <typename T>
-__global__ void write_kernel(T* flag, T value) {
+__global__ void write_kernel(T* flag, T value)
+#if JITK_DEVICE_HALF
+{
   store_release_system(flag, value);
 }
+#else
+    ;
+#endif
+
+// Under CUDA_MODULE_LOADING=EAGER, code loaded at start is readied by the first kernel launch,
+// which waits for the GPU's work: behind a pending wait it never ran (H100, driver 580). So
+// there, a device's first memory operation, before any wait of jitk's is pending, launches a
+// kernel that does nothing (a spin kernel is such a launch itself); a captured call leaves it
+// to a later one. Under lazy loading nothing is launched, so nothing needs loading.
+__global__ void settle_kernel()
+#if JITK_DEVICE_HALF
+    {}
+#else
+    ;
+#endif
+
+#if JITK_HOST_HALF
+static_assert(kGeq == CU_STREAM_WAIT_VALUE_GEQ && kEq == CU_STREAM_WAIT_VALUE_EQ &&
+              kAnd == CU_STREAM_WAIT_VALUE_AND && kNor == CU_STREAM_WAIT_VALUE_NOR);
 
 // ---------------------------------------------------------------------------------------
 // Host side: the flag.
@@ -244,19 +282,12 @@ inline void load_spin_kernels_once(int device) {
   if (loaded.done(device)) return;
   const RelaxedCaptureMode relaxed;
   cudaFuncAttributes attributes;
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int32_t>));
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, wait_kernel<int64_t>));
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int32_t>));
-  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, write_kernel<int64_t>));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, kernel_handle<wait_kernel<int32_t>>()));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, kernel_handle<wait_kernel<int64_t>>()));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, kernel_handle<write_kernel<int32_t>>()));
+  RuntimeDeviceCheck(cudaFuncGetAttributes(&attributes, kernel_handle<write_kernel<int64_t>>()));
   loaded.mark(device);
 }
-
-// Under CUDA_MODULE_LOADING=EAGER, code loaded at start is readied by the first kernel launch,
-// which waits for the GPU's work: behind a pending wait it never ran (H100, driver 580). So
-// there, a device's first memory operation, before any wait of jitk's is pending, launches a
-// kernel that does nothing (a spin kernel is such a launch itself); a captured call leaves it
-// to a later one. Under lazy loading nothing is launched, so nothing needs loading.
-__global__ void settle_kernel() {}
 
 inline bool modules_load_eagerly() {
   static const bool eager = [] {
@@ -271,7 +302,7 @@ inline bool modules_load_eagerly() {
 inline void settle_once(int device, cudaStream_t stream) {
   static OncePerDevice settled;
   if (settled.done(device) || !modules_load_eagerly() || is_capturing(stream)) return;
-  LaunchKernel(1, 1, stream)(settle_kernel);
+  LaunchKernel(1, 1, stream).launch<settle_kernel>();
   settled.mark(device);
 }
 
@@ -283,7 +314,7 @@ Path choose_path(int device, int compare, bool spin) {
   if (!(can & kMemoryOperations)) return kSpinNoDriverEntryPoints;
   if (can & kRefusedByDriver) return kSpinRefusedByDriver;
   if (sizeof(T) == 8 && !(can & k64BitOperations)) return kSpinNo64BitOperations;
-  if (compare == CU_STREAM_WAIT_VALUE_NOR && !(can & kNorWait)) return kSpinNoNorWait;
+  if (compare == kNor && !(can & kNorWait)) return kSpinNoNorWait;
   return kMemoryOperation;
 }
 
@@ -326,9 +357,9 @@ int32_t enqueue(int device, cudaStream_t stream, T* flag, T target, int compare,
   }
   load_spin_kernels_once(device);
   if (compare >= 0) {
-    LaunchKernel(1, 1, stream)(wait_kernel<T>, flag, target, compare);
+    LaunchKernel(1, 1, stream).launch<wait_kernel<T>>(flag, target, compare);
   } else {
-    LaunchKernel(1, 1, stream)(write_kernel<T>, flag, target);
+    LaunchKernel(1, 1, stream).launch<write_kernel<T>>(flag, target);
   }
   return path;
 }
@@ -417,5 +448,7 @@ int64_t stream_memory_operations(int64_t device) {
                "device must be a cuda device index, got ", device);
   return capabilities(static_cast<int>(device));
 }
+
+#endif  // JITK_HOST_HALF
 
 }  // namespace jitk::wait_value
