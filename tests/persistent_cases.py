@@ -49,7 +49,7 @@ def test_worker(**kwargs) -> Worker:
 
 
 def chain_worker(**kwargs) -> Worker:
-    return Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, **kwargs)
+    return Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS, cuda_compiler="auto", **kwargs)
 
 
 def aligned_ring(capacity: int) -> torch.Tensor:

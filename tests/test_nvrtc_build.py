@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from child_env import PYTHON_PATH
 from errors import expect_error
 
 import jitk
-from jitk.build import nvrtc, toolchain
+from jitk.build import cache, nvrtc, pch, toolchain
 from jitk.build.builder import JitCompileError
 
 # The developer guide's kernel, written in two halves.
@@ -207,3 +208,45 @@ def test_both_builds_compute_axpy_alike(dtype):
                                    else 1e-5)
         results.append(out)
     assert torch.equal(results[0], results[1])
+
+
+def _wait_for_preludes(timeout: float = 120.0) -> None:
+    for thread in [t for t in threading.enumerate() if t.name == "jitk-prelude"]:
+        thread.join(timeout)
+        assert not thread.is_alive(), "the prelude's build did not end"
+
+
+def test_builds_after_the_first_read_the_precompiled_prelude(tmp_path, monkeypatch):
+    """The first build starts the prelude and goes without it; the next build reads it, and
+    its record still names the headers inside it (an edit of one rebuilds the entry)."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    other = tmp_path / "src" / "other_axpy.cuh"
+    other.parent.mkdir()
+    other.write_text(KERNEL.read_text().replace("namespace axpy", "namespace other_axpy"))
+    load()
+    assert "-include" not in (entry_of(tmp_path) / "build.ninja").read_text()
+    _wait_for_preludes()
+    (prelude,) = (tmp_path / pch.FOLDER).glob("*/prelude.h.gch")
+    module = jitk.load_jit("other_axpy", "fp32_t", cuda_files=[other], cuda_compiler="nvrtc",
+                           cuda_wrappers=[("axpy_f32", "other_axpy::Axpy<fp32_t>::run")])
+    x, y = torch.ones(3), torch.zeros(3)
+    expect_error(lambda: module.axpy_f32(1.0, x, y), "'x'", "cuda")  # its checks still run
+    (entry,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("other_axpy_")]
+    assert f"-include {prelude.parent / 'prelude.h'}" in (entry / "build.ninja").read_text()
+    own = (entry / "host_half.o.d").read_text()
+    assert "jitk/tensor.h" not in own  # read from the prelude, not parsed again
+    meta = json.loads((entry / "jitk-meta.json").read_text())
+    assert any(name.endswith("include/jitk/tensor.h") for name in meta["headers"])
+    assert not any(pch.FOLDER in name for name in meta["headers"])
+    assert {e.path.name for e in cache.list_entries(tmp_path)} == {entry.name,
+                                                                   entry_of(tmp_path).name}
+
+
+def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    (tmp_path / pch.FOLDER).write_text("not a folder")  # nothing can be made under it
+    assert pch.build(toolchain.host_compiler(), ["-std=c++20"]) is None
+    load()
+    _wait_for_preludes()
+    assert (tmp_path / pch.FOLDER).read_text() == "not a folder"
+    assert "-include" not in (entry_of(tmp_path) / "build.ninja").read_text()

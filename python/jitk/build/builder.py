@@ -37,7 +37,7 @@ import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, nvrtc, toolchain
+from jitk.build import cache, loader, nvrtc, pch, toolchain
 from jitk.build.lock import lock_timeout
 from jitk.build.staging import new_staging, old_stagings
 
@@ -138,11 +138,24 @@ def include_flags(include_dirs: list[str | Path]) -> list[str]:
         [*map(str, include_dirs), find_include_path(), find_dlpack_include_path()])]
 
 
-def build_file(spec: BuildSpec) -> str:
+def host_half_flags(spec: BuildSpec) -> list[str]:
+    """The host compiler's flags for a host half: the level nvcc gives a host side
+    (jit.DEFAULT_CUDA_CFLAGS), and __CUDA_ARCH_LIST__ as nvcc defines it, for what the host
+    side decides by the targets (jitk::kPdlOnAllTargets). Hidden by default: each library
+    keeps its own kernel list and device code (the statics of jitk/nvrtc.cuh), where default
+    visibility binds every library to the first loaded."""
+    targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
+    return ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden",
+            *include_flags(spec.flags["include_dirs"]), f"-I{toolchain.cuda_home() / 'include'}",
+            *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
+
+
+def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
     """build.ninja for `spec`: the sources are compiled to objects and linked into
-    `<name>.so`. Build statements name only generated files, relative to the build folder
-    (nvcc hands its input's path to a shell unescaped); every outside path is in a variable,
-    quoted for the shell and escaped for ninja."""
+    `<name>.so`; a host half reads the precompiled `prelude` first, if given. Build
+    statements name only generated files, relative to the build folder (nvcc hands its
+    input's path to a shell unescaped); every outside path is in a variable, quoted for the
+    shell and escaped for ninja."""
     flags = spec.flags
     includes = include_flags(flags["include_dirs"])
     tvm_ffi_lib = Path(find_libtvm_ffi())
@@ -162,15 +175,8 @@ def build_file(spec: BuildSpec) -> str:
         rules += ["rule compile_cuda",
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
-    if HOST_HALF in spec.sources:  # the level nvcc gives a host side (jit.DEFAULT_CUDA_CFLAGS)
-        # __CUDA_ARCH_LIST__ as nvcc defines it, for what the host side decides by the
-        # targets (jitk::kPdlOnAllTargets).
-        targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
-        # Hidden by default: each library keeps its own kernel list and device code (the statics
-        # of jitk/nvrtc.cuh), where default visibility binds every library to the first loaded.
-        half = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *includes,
-                f"-I{toolchain.cuda_home() / 'include'}",
-                *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
+    if HOST_HALF in spec.sources:
+        half = [*host_half_flags(spec), *(prelude.flags() if prelude else [])]
         lines.append(f"host_half_flags = {_arguments(*half)}")
         rules += ["rule compile_host_half",
                   "  command = $cxx -MMD -MF $out.d $host_half_flags -c $in -o $out", ""]
@@ -208,7 +214,8 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
     """Folders whose headers the cache key covers by a version in it (tvm-ffi's, the CUDA
     toolkit's, the host compiler's), and the build folder (its sources are in the key), as
     path prefixes, both as given and with links resolved."""
-    roots = [staging, Path(find_include_path()), Path(find_dlpack_include_path())]
+    roots = [staging, Path(find_include_path()), Path(find_dlpack_include_path()),
+             cache.cache_root() / pch.FOLDER]  # a prelude's own file: its key covers it
     for compiler in toolchain.compilers(cuda=bool(spec.archs)):
         roots += toolchain.system_include_dirs(compiler)
     if spec.archs:
@@ -219,10 +226,15 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
 
 def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
     """The files each compiler read, from the make-style dependency file it wrote beside
-    its object: a backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
+    its object (and for a host half, the precompiled prelude's, copied beside it): a
+    backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
     paths = []
-    for source in sources:
-        text = (staging / f"{_object(source)}.d").read_text().replace("\\\n", " ")
+    depfiles = [(source, staging / f"{_object(source)}.d") for source in sources]
+    prelude = staging / f"{_object(HOST_HALF)}.prelude.d"
+    if prelude.is_file():
+        depfiles.append((HOST_HALF, prelude))
+    for source, depfile in depfiles:
+        text = depfile.read_text().replace("\\\n", " ")
         words = re.findall(r"(?:\\.|[^\s\\])+", text.partition(":")[2])
         for word in words:
             path = re.sub(r"\\([ #])", r"\1", word)
@@ -255,7 +267,12 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     staging = new_staging(spec.entry)
     for file_name, text in spec.sources.items():
         (staging / file_name).write_text(text)
-    (staging / "build.ninja").write_text(build_file(spec))
+    prelude = None
+    if HOST_HALF in spec.sources:
+        prelude = pch.prelude(toolchain.host_compiler(), host_half_flags(spec))
+        if prelude:  # what it read is what the host half read (package_headers)
+            shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
+    (staging / "build.ninja").write_text(build_file(spec, prelude))
     started = time.perf_counter()
     _run_ninja(spec.name, staging)
     library = staging / f"{spec.name}.so"

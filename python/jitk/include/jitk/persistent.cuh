@@ -44,8 +44,14 @@
 // The parts, in the order they build on each other: persistent_queue.cuh (layout, ordered
 // access), persistent_worker.cuh (claims and the worker kernel), persistent_host.cuh (the
 // host's side). Including this header includes them all.
+//
+// An op file may be written in two halves (jitk/nvrtc.cuh), its ops' run() under
+// JITK_DEVICE_HALF, as persistent_chain.cuh is: Worker(..., cuda_compiler="auto") then builds
+// it with NVRTC. One that is not builds with nvcc, the default.
 
 #pragma once
+
+#include <jitk/nvrtc.cuh>
 
 #include <jitk/persistent_host.cuh>
 #include <jitk/persistent_queue.cuh>

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <jitk/persistent_worker.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/tensor.h>
 #include <jitk/utils.cuh>
 
@@ -149,8 +151,6 @@ struct Worker {
   static_assert((std::is_trivially_copyable_v<typename Ops::Args> && ...),
                 "an op's Args must be trivially copyable (pointers, integers, doubles)");
 
-  static constexpr auto kernel = worker_kernel<Ops...>;
-
   static int64_t arg_bytes(int64_t op) {
     const int64_t sizes[] = {sizeof(typename Ops::Args)...};
     RuntimeCheck(op >= 0 && op < static_cast<int64_t>(sizeof...(Ops)), "op must be 0 to ",
@@ -163,8 +163,8 @@ struct Worker {
   static int64_t max_blocks(int64_t device) {
     const DeviceGuard on(static_cast<int>(device));
     int per_sm = 0, sms = 0;
-    RuntimeDeviceCheck(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+    RuntimeDeviceCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, kernel_handle<worker_kernel<Ops...>>(), kBlockThreads, 0));
     RuntimeDeviceCheck(
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, static_cast<int>(device)));
     return static_cast<int64_t>(per_sm) * sms;
@@ -198,8 +198,10 @@ struct Worker {
                   idle_sleep_ns};
     const DeviceGuard on(state.device().device_id);
     LaunchKernel(static_cast<unsigned>(blocks), kBlockThreads,
-                 reinterpret_cast<cudaStream_t>(stream))(kernel, q);
+                 reinterpret_cast<cudaStream_t>(stream))
+        .template launch<worker_kernel<Ops...>>(q);
   }
 };
 
 }  // namespace jitk::persistent
+#endif  // JITK_HOST_HALF

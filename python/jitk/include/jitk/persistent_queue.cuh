@@ -5,11 +5,14 @@
 #pragma once
 
 #include <jitk/device.cuh>
+
+#if JITK_HOST_HALF
 #include <jitk/utils.cuh>
 
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#endif
 
 namespace jitk::persistent {
 
@@ -27,9 +30,12 @@ struct alignas(128) Item {
   uint64_t args[kArgWords];
   int64_t unused;
 };
-static_assert(sizeof(Item) == kItemWords * 8 && std::is_trivially_copyable_v<Item>);
+static_assert(sizeof(Item) == kItemWords * 8);
+#if JITK_HOST_HALF  // the layout persistent.py packs items in (layout())
+static_assert(std::is_trivially_copyable_v<Item>);
 static_assert(offsetof(Item, ticket) == 0 && offsetof(Item, op) == 8 &&
               offsetof(Item, after) == 16 && offsetof(Item, args) == 24);
+#endif
 
 // Words of the pinned host block (host_words): the host writes kStop, the worker the rest.
 enum HostWord : int { kStop = 0, kError = 1, kErrorTicket = 2, kErrorDetail = 3, kHostWords = 8 };
@@ -67,8 +73,17 @@ struct Queue {
   int64_t idle_sleep_ns;   // the longest sleep between an idle block's looks for work
 };
 
+// Polls back off from kFirstSleepNs, doubling to a bound: an item already there costs one
+// read, a new one is seen at most about the bound (plus a PCIe read) late. Dependency and
+// ring waits use kMaxSleepNs; an idle block's search for work uses Queue::idle_sleep_ns,
+// since each of its looks is a PCIe read that other kernels' memory traffic shares.
+inline constexpr unsigned kFirstSleepNs = 32;
+inline constexpr unsigned kMaxSleepNs = 256;
+
 // ---------------------------------------------------------------------------------------
-// Device side: loads and stores with explicit order and scope.
+// Device side: loads and stores with explicit order and scope. (A host half built by the
+// host compiler alone, jitk/nvrtc.cuh, sees only the layout above.)
+#if JITK_DEVICE_HALF
 
 // Polls are relaxed loads, acquired with a fence only once a poll sees what it waits for (a
 // relaxed read, then fence.acq_rel, is an acquire pattern in PTX; a fence before a strong
@@ -167,12 +182,6 @@ struct BulkArrival {
 
 using device::now_ns;
 
-// Polls back off from kFirstSleepNs, doubling to a bound: an item already there costs one
-// read, a new one is seen at most about the bound (plus a PCIe read) late. Dependency and
-// ring waits use kMaxSleepNs; an idle block's search for work uses Queue::idle_sleep_ns,
-// since each of its looks is a PCIe read that other kernels' memory traffic shares.
-inline constexpr unsigned kFirstSleepNs = 32;
-inline constexpr unsigned kMaxSleepNs = 256;
 struct Backoff {
   unsigned ns = kFirstSleepNs;
   unsigned bound = kMaxSleepNs;
@@ -216,5 +225,7 @@ __device__ inline bool wait_for(const Queue& q, int64_t ticket) {
   fence_acq_rel_gpu();  // an acquire, with the read that saw the ticket done
   return true;
 }
+
+#endif  // JITK_DEVICE_HALF
 
 }  // namespace jitk::persistent

@@ -5,10 +5,14 @@
 
 #include <jitk/persistent_queue.cuh>
 
+#if JITK_HOST_HALF
 #include <cstdint>
 #include <type_traits>
+#endif
 
 namespace jitk::persistent {
+
+#if JITK_DEVICE_HALF
 
 // ---------------------------------------------------------------------------------------
 // What an op's run() is given.
@@ -251,8 +255,16 @@ __device__ inline void complete_run(const Queue& q, int64_t first, int count) {
     store_relaxed(done + ((t0 + i) & q.mask), t0 + i);
 }
 
+#else   // what an op file's host half names: the types its ops' run() declarations take
+class BlockContext;
 template <typename... Ops>
-__global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
+class TableContext;
+#endif  // JITK_DEVICE_HALF
+
+template <typename... Ops>
+__global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q)
+#if JITK_DEVICE_HALF
+{
   __shared__ Item items[kMaxRun];
   __shared__ int count;
   __shared__ uint64_t arrived;
@@ -289,5 +301,8 @@ __global__ void __launch_bounds__(kBlockThreads) worker_kernel(const Queue q) {
     complete_run(q, first, found);
   }
 }
+#else
+    ;
+#endif
 
 }  // namespace jitk::persistent

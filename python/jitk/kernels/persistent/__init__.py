@@ -1,7 +1,8 @@
 """A persistent worker: thread blocks launched once that run work items pushed from the host.
 
     from jitk.persistent import Worker, Op, TensorArg, IntArg, FloatArg, CHAIN_OPS
-    worker = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS)   # builds once per op table
+    worker = Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS,   # builds once per op table
+                    cuda_compiler="auto")                           # NVRTC: two halves
     worker.start(blocks=8)                                          # one launch, 8 SMs
     t = worker.push("scale", x=a, y=b, factor=0.5)                  # returns a ticket
     u = worker.push("add", x=b, b=c, y=d, after=t)                  # runs after item t
@@ -14,6 +15,8 @@ an int (int64_t) or a float (double). Every argument is checked on the host befo
 reaches the queue (dtype, device, shape, contiguity), and the worker checks at build time that
 each op's `Args` is as large as its declaration. A shape entry is an int (exact size), a str
 (a size shared by the item's tensors, e.g. "n"; an IntArg of that name defaults to it) or None.
+`cuda_compiler` is load_jit's: "auto" builds op files written in two halves (jitk/nvrtc.cuh;
+persistent_chain.cuh is) with NVRTC; the default, "nvcc", builds any op file.
 
 Pushing: `push` and `push_many` write items into a ring in pinned host memory and publish them
 with one release (the memory-model notes are in persistent.cuh); no CUDA call is made. Tickets
@@ -114,16 +117,18 @@ _EXPORTS = {"launch": "::launch", "max_blocks": "::max_blocks", "arg_bytes": "::
 
 
 @functools.cache
-def _module(name: str, files: tuple[str, ...], table: str):
+def _module(name: str, files: tuple[str, ...], table: str, cuda_compiler: str):
     wrappers = [(e, table + c if c.startswith("::") else c) for e, c in _EXPORTS.items()]
-    return load_jit("persistent", name, cuda_files=list(files), cuda_wrappers=wrappers)
+    return load_jit("persistent", name, cuda_files=list(files), cuda_wrappers=wrappers,
+                    cuda_compiler=cuda_compiler)
 
 
 class Worker:
     """A worker over one op table; see the module docstring."""
 
     def __init__(self, name: str, cuda_files: Sequence[str], ops: Sequence[Op], *,
-                 capacity: int = 1024, device: torch.device | str | int = "cuda") -> None:
+                 capacity: int = 1024, device: torch.device | str | int = "cuda",
+                 cuda_compiler: str = "nvcc") -> None:
         if not isinstance(capacity, int) or capacity < 16 or capacity & (capacity - 1):
             raise ArgumentError(f"capacity must be a power of two >= 16, got {capacity!r}")
         ops = tuple(ops)
@@ -133,7 +138,7 @@ class Worker:
         self.capacity = capacity
         self._table = OpTable(ops)
         table = f"jitk::persistent::Worker<{', '.join(op.cpp for op in ops)}>"
-        self._kernels = _module(name, tuple(map(str, cuda_files)), table)
+        self._kernels = _module(name, tuple(map(str, cuda_files)), table, cuda_compiler)
         layout = tuple(self._kernels.layout(i) for i in range(len(LAYOUT)))
         if layout != LAYOUT:
             raise RuntimeError(f"persistent.cuh's item layout {layout} is not persistent.py's "

@@ -2,21 +2,26 @@
 // benchmarks/bench_persistent.py times and the GPU tests check. Each runs on one block of
 // kBlockThreads threads, in 16-byte vectors of 8 elements where the row length and the
 // pointers allow (else element by element); persistent.py checks that tensors are contiguous.
+// Written in two halves (jitk/nvrtc.cuh): the ops' code is device code, their Args are
+// what the host half sees.
 #pragma once
+
+#include <jitk/persistent.cuh>
 
 #include <jitk/device.cuh>
 #include <jitk/norm_order.cuh>
-#include <jitk/persistent.cuh>
 
-#include <cuda_bf16.h>
-
+#if JITK_HOST_HALF
 #include <cstdint>
+#endif
 
 namespace jitk::persistent::chain {
 
 inline constexpr int kThreads = kBlockThreads;
 inline constexpr int kVec = 8;
 using Vec = device::Vec<bf16_t, kVec>;
+
+#if JITK_DEVICE_HALF
 
 template <typename... Pointers>
 __device__ __forceinline__ bool vectorizable(int64_t n, const Pointers*... p) {
@@ -30,6 +35,8 @@ __device__ __forceinline__ void for_each_vec(int64_t n, F&& f) {
 #pragma unroll 2
   for (int64_t v = threadIdx.x; v < n / kVec; v += kThreads) f(v);
 }
+
+#endif  // JITK_DEVICE_HALF
 
 // y = rmsnorm(x) * w over one row of n. Where the row's threads in jitk.rmsnorm's order
 // (jitk/norm_order.cuh, at the default tuning) fit this block, it adds the row in that order,
@@ -46,6 +53,7 @@ struct RMSNorm {
     int64_t n;
     double eps;
   };
+#if JITK_DEVICE_HALF
   static __device__ void run(const Args& a, BlockContext&) {
     __shared__ alignas(16) float scratch[kThreads / kWarpThreads];
     if (vectorizable(a.n, a.x, a.w, a.y)) {
@@ -134,8 +142,10 @@ struct RMSNorm {
       ys[v] = y;
     }
   }
+#endif  // JITK_DEVICE_HALF
 };
 
+#if JITK_DEVICE_HALF
 // y[i] = f(x[i], b[i]) elementwise in float32, b optional (null for a one-input op).
 template <typename F>
 __device__ __forceinline__ void elementwise(const bf16_t* x, const bf16_t* b, bf16_t* y, int64_t n,
@@ -161,6 +171,7 @@ __device__ __forceinline__ void elementwise(const bf16_t* x, const bf16_t* b, bf
     }
   }
 }
+#endif  // JITK_DEVICE_HALF
 
 // y = x * factor.
 struct Scale {
@@ -170,10 +181,12 @@ struct Scale {
     int64_t n;
     double factor;
   };
+#if JITK_DEVICE_HALF
   static __device__ void run(const Args& a, BlockContext&) {
     const float factor = static_cast<float>(a.factor);
     elementwise(a.x, nullptr, a.y, a.n, [&](float x, float) { return x * factor; });
   }
+#endif
 };
 
 // y = x + b.
@@ -184,9 +197,11 @@ struct Add {
     bf16_t* y;
     int64_t n;
   };
+#if JITK_DEVICE_HALF
   static __device__ void run(const Args& a, BlockContext&) {
     elementwise(a.x, a.b, a.y, a.n, [](float x, float b) { return x + b; });
   }
+#endif
 };
 
 }  // namespace jitk::persistent::chain

@@ -1,0 +1,129 @@
+"""The host halves' precompiled header: jitk/host_prelude.h (jitk's host headers, tvm-ffi's,
+the CUDA runtime's and the standard ones that every host half reads first) compiled once per
+host compiler, flags and header set, and given to every host half with -include, so that no
+build parses those headers again. A compiler that cannot use the precompiled file reads the
+prelude as text instead: the same code, the old speed. The first build that wants a prelude
+does not wait for it: it starts the prelude's build beside its own, on a thread, and goes
+without; the builds after it use it.
+
+A prelude lives in the cache at .pch/<key>/ (a dot folder, which the entry listing, prune and
+clear never take for an entry). The key covers the compiler's version line, the flags, the
+tvm-ffi version and the bytes of every header jitk ships and of the CUDA runtime's version
+header, so a folder, once there, never changes: it is built in a private folder under a lock
+and renamed into place. The headers its build read (its dependency file) join the record of
+every entry built with it (builder.package_headers), so a header edit still rebuilds exactly
+the entries that read it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm_ffi
+
+from jitk.build import cache, toolchain
+from jitk.build.lock import JitLockError, build_lock, lock_timeout
+
+logger = logging.getLogger("jitk")
+
+FOLDER = ".pch"
+HEADER = "prelude.h"
+_INCLUDE = Path(__file__).resolve().parents[1] / "include"
+
+
+@dataclass(frozen=True)
+class Prelude:
+    header: Path  # what -include names; its precompiled form (.gch) sits beside it
+    depfile: Path  # the headers the precompiled build read, make-style
+
+    def flags(self) -> list[str]:
+        return ["-include", str(self.header)]
+
+
+def _key(compiler: str, flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    runtime = toolchain.cuda_home() / "include" / "cuda_runtime_api.h"
+    material = {"compiler": toolchain.compiler_versions([compiler]), "flags": flags,
+                "tvm_ffi": tvm_ffi.__version__, "cuda": cache.digest(runtime)}
+    digest.update(json.dumps(material, sort_keys=True).encode())
+    for path in sorted(p for p in _INCLUDE.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(_INCLUDE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_started: set[str] = set()  # the keys this process has begun to build
+_started_lock = threading.Lock()
+
+
+def prelude(compiler: str, flags: list[str]) -> Prelude | None:
+    """The precompiled prelude for host halves built by `compiler` with `flags` if it is
+    built; else None, and its build starts on a thread (once a process) for later builds."""
+    folder = cache.cache_root() / FOLDER / _key(compiler, flags)
+    if (folder / f"{HEADER}.gch").is_file():
+        return Prelude(folder / HEADER, folder / "prelude.d")
+    with _started_lock:
+        if folder.name in _started:
+            return None
+        _started.add(folder.name)
+    threading.Thread(target=build, args=(compiler, flags), name="jitk-prelude",
+                     daemon=True).start()
+    return None
+
+
+def build(compiler: str, flags: list[str]) -> Prelude | None:
+    """The prelude for `compiler` and `flags`, built now if it is not there; None when it
+    cannot be built (a read-only cache, a compiler without precompiled headers): builds
+    then go on without it."""
+    folder = cache.cache_root() / FOLDER / _key(compiler, flags)
+    try:
+        return _build(compiler, flags, folder)
+    except (OSError, JitLockError) as error:
+        logger.info("jitk: no host prelude (%s); building without it", error)
+        return None
+
+
+def _build(compiler: str, flags: list[str], folder: Path) -> Prelude | None:
+    key = folder.name
+    found = Prelude(folder / HEADER, folder / "prelude.d")
+    if (folder / f"{HEADER}.gch").is_file():
+        return found
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder.parent / f"{key}.lock", folder):
+        if (folder / f"{HEADER}.gch").is_file():  # another process built it meanwhile
+            return found
+        # Under the lock no one else builds this key: a private folder of it is abandoned.
+        for stale in folder.parent.glob(f".tmp-{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        private = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=folder.parent))
+        if not _compile(compiler, flags, private):
+            shutil.rmtree(private, ignore_errors=True)
+            return None
+        os.rename(private, folder)
+    return found
+
+
+def _compile(compiler: str, flags: list[str], folder: Path) -> bool:
+    (folder / HEADER).write_text("#include <jitk/host_prelude.h>\n")
+    command = [compiler, *flags, "-x", "c++-header", HEADER, "-o", f"{HEADER}.gch", "-MMD",
+               "-MF", "prelude.d"]
+    try:
+        done = subprocess.run(command, cwd=folder, capture_output=True, text=True,
+                              errors="replace", timeout=lock_timeout(), check=False)
+    except subprocess.TimeoutExpired:
+        logger.info("jitk: the host prelude took over %g s to build; building without it",
+                    lock_timeout())
+        return False
+    if done.returncode != 0:
+        logger.info("jitk: the host prelude did not build (%s); building without it:\n%s",
+                    compiler, done.stderr[-2000:])
+        return False
+    return True
