@@ -4,12 +4,13 @@ developer guide's kernel (docs/developer_guide/example/axpy.cuh).
 Per module: the cold build (empty cache, a new process), the warm first load (the entry
 cached, a new process) and the build's phases: nvcc's (`nvcc -time`, for the same command line
 that the build ran), or for a file written in two halves built with NVRTC (--compiler, as
-JITK_CUDA_COMPILER) the host half's compile and link and NVRTC's share. Runs without a GPU:
-the builds target JITK_CUDA_ARCH (default 9.0), and the warm figure is the load only, no
-kernel call.
+JITK_CUDA_COMPILER) the host half's compile and link and NVRTC's share. A host half reads the
+precompiled prelude (jitk/build/pch.py), built before the timed runs unless --prelude fresh.
+Runs without a GPU: the builds target JITK_CUDA_ARCH (default 9.0), and the warm figure is
+the load only, no kernel call.
 
     python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy]
-                                       [--compiler auto|nvcc|nvrtc]
+                                       [--compiler auto|nvcc|nvrtc] [--prelude ready|fresh]
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ else:
 started = time.perf_counter()
 thunk()
 seconds = time.perf_counter() - started
+import threading  # a host prelude begun beside this build, finished for the next (untimed)
+for thread in [t for t in threading.enumerate() if t.name == "jitk-prelude"]:
+    thread.join(600)
 commands = {}
 if want_commands and specs:
     folder = Path(tempfile.mkdtemp(prefix="bench_compile_"))
@@ -112,6 +116,10 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated: families and/or axpy")
     parser.add_argument("--compiler", default="auto", choices=("auto", "nvcc", "nvrtc"),
                         help="JITK_CUDA_COMPILER: what builds files written in two halves")
+    parser.add_argument("--prelude", default="ready", choices=("ready", "fresh"),
+                        help="ready: the host halves' precompiled prelude is built before the "
+                        "timed builds, as for every build but a machine's first; fresh: "
+                        "each cold build starts without it (it is then built beside it)")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
@@ -125,10 +133,17 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
     print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  phases (ms)")
+    preludes = Path(tempfile.mkdtemp(prefix="bench_compile_prelude_"))
     for target in targets:
         cold, warm, commands, split = [], [], {}, []
+        if args.prelude == "ready":  # an untimed build that leaves the prelude built
+            with tempfile.TemporaryDirectory(prefix="bench_compile_cache_") as root:
+                (Path(root) / ".pch").symlink_to(preludes)
+                child(target, {**env, "JITK_CACHE_DIR": root}, commands=False)
         for run in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="bench_compile_cache_") as root:
+                if args.prelude == "ready":
+                    (Path(root) / ".pch").symlink_to(preludes)
                 run_env = {**env, "JITK_CACHE_DIR": root}
                 built = child(target, run_env, commands=run == 0)
                 cold.append(built["seconds"])
@@ -147,6 +162,7 @@ def main() -> None:
                           for n in names)
         print(f"{target:<12}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
               f"  {shown}", flush=True)
+    shutil.rmtree(preludes)
 
 
 if __name__ == "__main__":

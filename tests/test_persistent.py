@@ -20,6 +20,7 @@ import torch
 from errors import expect_error
 
 from jitk.base.errors import ArgumentError, ArgumentTypeError
+from jitk.build import nvrtc
 from jitk.build.jit import JitCompileError
 from jitk.persistent import (
     CHAIN_OPS,
@@ -130,6 +131,24 @@ def test_declaration_must_match_args():
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], [short]),
                  "declares 2 arguments (16 bytes), but jitk::persistent::chain::Scale::Args is "
                  "32 bytes", kind=ArgumentError)
+
+
+def test_the_chain_ops_build_in_two_halves_for_the_fleet(tmp_path, monkeypatch):
+    """persistent_chain.cuh is written in two halves: NVRTC builds its worker kernel for each
+    target from sm_90 on, which its TMA copies need (nvcc builds the same file in
+    test_declaration_must_match_args)."""
+    try:
+        nvrtc.version()
+    except nvrtc.NvrtcError as error:
+        pytest.skip(f"no NVRTC here: {error}")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITK_CUDA_ARCH", "9.0;10.0;12.0")
+    Worker("fleet_chain", ["persistent_chain.cuh"], CHAIN_OPS, cuda_compiler="nvrtc")
+    (names,) = tmp_path.glob("*/*.kernels")
+    ops = ", ".join(op.cpp for op in CHAIN_OPS)
+    assert names.read_text().split("\t")[0] == f"&jitk::persistent::worker_kernel<{ops}>"
+    cubins = {path.name.split(".")[-2] for path in names.parent.glob("*.cubin")}
+    assert cubins == {"sm_90", "sm_100", "sm_120"}
 
 
 # ------------------------------------------------------------------------------ host checks

@@ -11,6 +11,9 @@
 #include <jitk/device.cuh>
 #include <jitk/norm_order.cuh>
 
+#if JITK_DEVICE_HALF
+#include <cuda_bf16.h>
+#endif
 #if JITK_HOST_HALF
 #include <cstdint>
 #endif
