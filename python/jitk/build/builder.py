@@ -345,9 +345,14 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     return code
 
 
+# NVRTC programs of one module side by side: each re-reads the front end, and in one process
+# more than two ran slower than two, even on 16 cores (debugging_and_performance.md).
+_MAX_NVRTC_PARTS = 2
+
+
 def _nvrtc_parts(kernels: int) -> int:
-    """How many NVRTC programs build a module's kernels: one a core, at most one a kernel."""
-    return max(1, min(kernels, os.cpu_count() or 1))
+    """How many NVRTC programs build a module's kernels: at most one a core and a kernel."""
+    return max(1, min(kernels, os.cpu_count() or 1, _MAX_NVRTC_PARTS))
 
 
 def _load_copy(library: Path, sha256: str, device_code: dict[str, bytes]) -> tvm_ffi.Module:

@@ -60,7 +60,7 @@ def _key(compiler: str, flags: list[str]) -> str:
     return digest.hexdigest()
 
 
-_started: set[str] = set()  # the keys this process has begun to build
+_started: set[Path] = set()  # the preludes this process has begun to build
 _started_lock = threading.Lock()
 
 
@@ -71,9 +71,9 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
     if (folder / f"{HEADER}.gch").is_file():
         return Prelude(folder / HEADER, folder / "prelude.d")
     with _started_lock:
-        if folder.name in _started:
+        if folder in _started:
             return None
-        _started.add(folder.name)
+        _started.add(folder)
     threading.Thread(target=build, args=(compiler, flags), name="jitk-prelude",
                      daemon=True).start()
     return None
