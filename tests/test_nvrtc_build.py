@@ -22,7 +22,8 @@ from errors import expect_error
 
 import jitk
 from jitk.build import cache, nvrtc, pch, toolchain
-from jitk.build.builder import JitCompileError
+from jitk.build.builder import JitCompileError, include_flags
+from jitk.build.jit import PACKAGE_DIR
 
 # The developer guide's kernel, written in two halves.
 KERNEL = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example" / "axpy.cuh"
@@ -250,3 +251,16 @@ def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
     _wait_for_preludes()
     assert (tmp_path / pch.FOLDER).read_text() == "not a folder"
     assert "-include" not in (entry_of(tmp_path) / "build.ninja").read_text()
+
+
+def test_a_prelude_others_could_have_written_is_not_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    flags = ["-std=c++20", *include_flags([PACKAGE_DIR / "include"]),
+             f"-I{toolchain.cuda_home() / 'include'}"]
+    built = pch.build(toolchain.host_compiler(), flags)
+    assert built is not None and pch.prelude(toolchain.host_compiler(), flags) == built
+    gch = built.header.with_name(built.header.name + ".gch")
+    gch.chmod(0o666)  # anyone could have replaced its code
+    assert pch.prelude(toolchain.host_compiler(), flags) is None
+    gch.chmod(0o644)
+    assert pch.prelude(toolchain.host_compiler(), flags) == built

@@ -7,12 +7,13 @@ does not wait for it: it starts the prelude's build beside its own, on a thread,
 without; the builds after it use it.
 
 A prelude lives in the cache at .pch/<key>/ (a dot folder, which the entry listing, prune and
-clear never take for an entry). The key covers the compiler's version line, the flags, the
-tvm-ffi version and the bytes of every header jitk ships and of the CUDA runtime's version
-header, so a folder, once there, never changes: it is built in a private folder under a lock
-and renamed into place. The headers its build read (its dependency file) join the record of
-every entry built with it (builder.package_headers), so a header edit still rebuilds exactly
-the entries that read it."""
+clear never take for an entry), and is used only where nobody but the user (and whom they
+trust, jitk/build/trust.py) could have written it. The key covers the compiler's version line,
+the flags, the tvm-ffi version and the bytes of every header jitk ships and of the CUDA
+runtime's version header, so a folder, once there, never changes: it is built in a private
+folder under a lock and renamed into place. The headers its build read (its dependency file)
+join the record of every entry built with it (builder.package_headers), so a header edit still
+rebuilds exactly the entries that read it."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import tvm_ffi
 
-from jitk.build import cache, toolchain
+from jitk.build import cache, toolchain, trust
 from jitk.build.lock import JitLockError, build_lock, lock_timeout
 
 logger = logging.getLogger("jitk")
@@ -69,6 +70,15 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
     built; else None, and its build starts on a thread (once a process) for later builds."""
     folder = cache.cache_root() / FOLDER / _key(compiler, flags)
     if (folder / f"{HEADER}.gch").is_file():
+        # The compiler reads it as code: only one that others could not have written.
+        for path in (folder.parent, folder, folder / HEADER, folder / f"{HEADER}.gch"):
+            try:
+                reason = trust.problem(os.stat(path))
+            except OSError as error:
+                reason = str(error)
+            if reason:
+                logger.warning("jitk: not using the host prelude %s: %s", path, reason)
+                return None
         return Prelude(folder / HEADER, folder / "prelude.d")
     with _started_lock:
         if folder in _started:
