@@ -138,15 +138,18 @@ def include_flags(include_dirs: list[str | Path]) -> list[str]:
         [*map(str, include_dirs), find_include_path(), find_dlpack_include_path()])]
 
 
-def host_half_flags(spec: BuildSpec) -> list[str]:
+def host_half_flags(spec: BuildSpec, prelude: bool = False) -> list[str]:
     """The host compiler's flags for a host half: the level nvcc gives a host side
     (jit.DEFAULT_CUDA_CFLAGS), and __CUDA_ARCH_LIST__ as nvcc defines it, for what the host
     side decides by the targets (jitk::kPdlOnAllTargets). Hidden by default: each library
     keeps its own kernel list and device code (the statics of jitk/nvrtc.cuh), where default
-    visibility binds every library to the first loaded."""
+    visibility binds every library to the first loaded. For the `prelude`, only the package's
+    include folder: it reads jitk's headers alone, so one serves every module (gcc takes a
+    precompiled header whatever -I folders the unit adds)."""
     targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
-    return ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden",
-            *include_flags(spec.flags["include_dirs"]), f"-I{toolchain.cuda_home() / 'include'}",
+    folders = spec.flags["include_dirs"][:1] if prelude else spec.flags["include_dirs"]
+    return ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *include_flags(folders),
+            f"-I{toolchain.cuda_home() / 'include'}",
             *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
 
 
@@ -269,7 +272,7 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
         (staging / file_name).write_text(text)
     prelude = None
     if HOST_HALF in spec.sources:
-        prelude = pch.prelude(toolchain.host_compiler(), host_half_flags(spec))
+        prelude = pch.prelude(toolchain.host_compiler(), host_half_flags(spec, prelude=True))
         if prelude:  # what it read is what the host half read (package_headers)
             shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
     (staging / "build.ninja").write_text(build_file(spec, prelude))
