@@ -130,6 +130,7 @@ def main() -> None:
             parser.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {targets}")
         targets = [t for t in targets if t in args.only.split(",")]
     env = {**os.environ, "JITK_CUDA_ARCH": args.arch, "JITK_CUDA_COMPILER": args.compiler,
+           "JITK_HOST_PRELUDE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
     print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  phases (ms)")

@@ -52,6 +52,9 @@ SETTINGS = _declare(
             "what builds files written in two halves when load_jit is given "
             "cuda_compiler='auto' (the shipped kernels): auto (NVRTC where it loads), nvrtc "
             "or nvcc", ("auto", "nvrtc", "nvcc")),
+    Setting("JITK_HOST_PRELUDE", "flag", True,
+            "precompile jitk's host headers once (the cache's .pch folder) for the host halves "
+            "built after; off: every build parses them"),
     Setting("JITK_DISABLE_JIT", "flag", False,
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),

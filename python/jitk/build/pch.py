@@ -30,6 +30,7 @@ from pathlib import Path
 
 import tvm_ffi
 
+from jitk.base import settings
 from jitk.build import cache, toolchain, trust
 from jitk.build.lock import JitLockError, build_lock, lock_timeout
 
@@ -67,7 +68,10 @@ _started_lock = threading.Lock()
 
 def prelude(compiler: str, flags: list[str]) -> Prelude | None:
     """The precompiled prelude for host halves built by `compiler` with `flags` if it is
-    built; else None, and its build starts on a thread (once a process) for later builds."""
+    built; else None, and its build starts on a thread (once a process) for later builds.
+    None under JITK_HOST_PRELUDE=0."""
+    if not settings.flag("JITK_HOST_PRELUDE"):
+        return None
     folder = cache.cache_root() / FOLDER / _key(compiler, flags)
     if (folder / f"{HEADER}.gch").is_file():
         # The compiler reads it as code: only one that others could not have written.
