@@ -14,10 +14,6 @@ HAS_GPU = torch.cuda.is_available()
 
 if not HAS_GPU:
     os.environ.setdefault("JITK_CUDA_ARCH", "9.0")
-# The host prelude (jitk/build/pch.py) is built beside the first build in each cache, and the
-# tests make many caches, many in child processes that exit before it is done: CPU spent on
-# nothing a test checks. Its own tests turn it on.
-os.environ.setdefault("JITK_HOST_PRELUDE", "0")
 # One cache for the session, so each module is built once however many tests load it, and
 # one folder for its builds (a failed one stays there for inspection). The session removes
 # the folders it made here, and only those.

@@ -220,7 +220,7 @@ def _wait_for_preludes(timeout: float = 120.0) -> None:
 def test_builds_after_the_first_read_the_precompiled_prelude(tmp_path, monkeypatch):
     """The first build starts the prelude and goes without it; the next build reads it, and
     its record still names the headers inside it (an edit of one rebuilds the entry)."""
-    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")  # off for the other tests (conftest)
+    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     other = tmp_path / "src" / "other_axpy.cuh"
     other.parent.mkdir()
@@ -245,7 +245,7 @@ def test_builds_after_the_first_read_the_precompiled_prelude(tmp_path, monkeypat
 
 
 def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
-    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")  # off for the other tests (conftest)
+    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     (tmp_path / pch.FOLDER).write_text("not a folder")  # nothing can be made under it
     assert pch.build(toolchain.host_compiler(), ["-std=c++20"]) is None
@@ -256,7 +256,7 @@ def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
 
 
 def test_a_prelude_others_could_have_written_is_not_read(tmp_path, monkeypatch):
-    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")  # off for the other tests (conftest)
+    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     flags = ["-std=c++20", *include_flags([PACKAGE_DIR / "include"]),
              f"-I{toolchain.cuda_home() / 'include'}"]
