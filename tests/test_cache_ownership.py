@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from jitk.base.errors import JitkError, SettingError
-from jitk.build import cache, names, staging
+from jitk.build import cache, names, pch, staging, toolchain
+from jitk.build.builder import include_flags
+from jitk.build.jit import PACKAGE_DIR
 
 DAY = 86400
 
@@ -169,3 +171,35 @@ def test_a_damaged_neighbour_entry_is_passed_over_by_the_covering_lookup(tmp_pat
     (damaged / "jitk-meta.json").write_text(json.dumps({"archs": 5, "built_at": "yesterday"}))
     spec = SimpleNamespace(name="mod", entry=tmp_path / f"{prefix}_sm90", archs=("9.0",))
     assert jit._covering_entries(spec, key) == []
+
+
+def test_the_host_prelude_removes_only_its_own_abandoned_folders(tmp_path, monkeypatch):
+    """Building a host prelude (jitk/build/pch.py) clears .pch of its own private folders
+    whose builder has ended, and nothing else: a user's folder, another program's lock, a
+    look-alike name, and a private folder of a builder still alive all stay."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
+    flags = ["-std=c++20", *include_flags([PACKAGE_DIR / "include"]),
+             f"-I{toolchain.cuda_home() / 'include'}"]
+    built = pch.build(toolchain.host_compiler(), flags)
+    assert built is not None
+    folder = built.header.parent
+    kept = built.depfile.read_text()
+    gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+    host = names.host()
+    dead = folder.parent / f"{folder.name}.{host}-{gone_pid}-1"  # a killed builder's
+    alive = folder.parent / f"{folder.name}.{host}-{os.getpid()}-2"  # this process's
+    lookalike = folder.parent / f"{folder.name}-{host}-{gone_pid}-3"  # not a name jitk gives
+    for made in (dead, alive, lookalike):
+        made.mkdir()
+        (made / "prelude.h").write_text("// half a build\n")
+    foreign = plant_foreign(folder.parent)
+    for path in folder.iterdir():  # the prelude itself, so that the next call builds again
+        path.unlink()
+    folder.rmdir()
+    again = pch.build(toolchain.host_compiler(), flags)
+    assert again == built and again.depfile.read_text() == kept
+    assert not dead.exists()
+    assert alive.is_dir() and lookalike.is_dir()
+    assert all(path.exists() for path in foreign)

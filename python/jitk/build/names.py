@@ -3,6 +3,7 @@ what these names and an entry's record prove it made (jitk/build/cache.py).
 
     <module>_<16 hex>[_<archs tag>]   an entry's folder (jitk/build/jit.py names it)
     <entry>.<host>-<pid>-<n>          a private copy of an entry, in .staging or .trash
+    .pch/<64 hex>[.<host>-<pid>-<n>]  a host prelude (jitk/build/pch.py), and one being built
 
 A folder in the cache that is not named like an entry, or holds no record, is someone
 else's and stays, as do lock files of other names."""
@@ -63,6 +64,12 @@ def is_private_name(name: str) -> bool:
     """Whether `name` is one private_name gives a copy of an entry."""
     found = PRIVATE_NAME.fullmatch(name)
     return found is not None and is_entry_name(found["entry"])
+
+
+def is_private_copy_of(name: str, folder: Path) -> bool:
+    """Whether `name` is one private_name gives a copy of `folder` (any jitk folder)."""
+    found = PRIVATE_NAME.fullmatch(name)
+    return found is not None and found["entry"] == folder.name
 
 
 def abandoned(private: Path) -> bool:

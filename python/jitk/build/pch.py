@@ -13,7 +13,8 @@ the flags, the tvm-ffi version and the bytes of every header jitk ships and of t
 runtime's version header, so a folder, once there, never changes: it is built in a private
 folder under a lock and renamed into place. The headers its build read (its dependency file)
 join the record of every entry built with it (builder.package_headers), so a header edit still
-rebuilds exactly the entries that read it."""
+rebuilds exactly the entries that read it. Of what is in .pch, jitk removes only its own
+private folders whose builder is gone (jitk/build/names.py); nothing removes a prelude."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,8 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.build import cache, toolchain, trust
-from jitk.build.lock import JitLockError, build_lock, lock_timeout
+from jitk.build.lock import JitLockError, build_lock, lock_path, lock_timeout
+from jitk.build.names import abandoned, is_private_copy_of, private_name
 
 logger = logging.getLogger("jitk")
 
@@ -50,7 +51,8 @@ class Prelude:
         return ["-include", str(self.header)]
 
 
-def _key(compiler: str, flags: list[str]) -> str:
+def _folder(compiler: str, flags: list[str]) -> Path:
+    """Where the prelude for `compiler` and `flags` is: .pch/<key> in the cache."""
     digest = hashlib.sha256()
     runtime = toolchain.cuda_home() / "include" / "cuda_runtime_api.h"
     material = {"compiler": toolchain.compiler_versions([compiler]), "flags": flags,
@@ -59,7 +61,7 @@ def _key(compiler: str, flags: list[str]) -> str:
     for path in sorted(p for p in _INCLUDE.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(_INCLUDE)).encode())
         digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return cache.cache_root() / FOLDER / digest.hexdigest()
 
 
 _started: set[Path] = set()  # the preludes this process has begun to build
@@ -72,7 +74,7 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
     None under JITK_HOST_PRELUDE=0."""
     if not settings.flag("JITK_HOST_PRELUDE"):
         return None
-    folder = cache.cache_root() / FOLDER / _key(compiler, flags)
+    folder = _folder(compiler, flags)
     if (folder / f"{HEADER}.gch").is_file():
         # The compiler reads it as code: only one that others could not have written.
         for path in (folder.parent, folder, folder / HEADER, folder / f"{HEADER}.gch"):
@@ -88,8 +90,8 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
         if folder in _started:
             return None
         _started.add(folder)
-    threading.Thread(target=build, args=(compiler, flags), name="jitk-prelude",
-                     daemon=True).start()
+    threading.Thread(target=_build_or_none, args=(compiler, flags, folder),
+                     name="jitk-prelude", daemon=True).start()
     return None
 
 
@@ -97,7 +99,10 @@ def build(compiler: str, flags: list[str]) -> Prelude | None:
     """The prelude for `compiler` and `flags`, built now if it is not there; None when it
     cannot be built (a read-only cache, a compiler without precompiled headers): builds
     then go on without it."""
-    folder = cache.cache_root() / FOLDER / _key(compiler, flags)
+    return _build_or_none(compiler, flags, _folder(compiler, flags))
+
+
+def _build_or_none(compiler: str, flags: list[str], folder: Path) -> Prelude | None:
     try:
         return _build(compiler, flags, folder)
     except (OSError, JitLockError) as error:
@@ -106,18 +111,18 @@ def build(compiler: str, flags: list[str]) -> Prelude | None:
 
 
 def _build(compiler: str, flags: list[str], folder: Path) -> Prelude | None:
-    key = folder.name
     found = Prelude(folder / HEADER, folder / "prelude.d")
     if (folder / f"{HEADER}.gch").is_file():
         return found
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(folder.parent / f"{key}.lock", folder):
+    cache.make_folder(folder.parent)
+    with build_lock(lock_path(folder), folder):
         if (folder / f"{HEADER}.gch").is_file():  # another process built it meanwhile
             return found
-        # Under the lock no one else builds this key: a private folder of it is abandoned.
-        for stale in folder.parent.glob(f".tmp-{key}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        private = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=folder.parent))
+        for stale in folder.parent.iterdir():  # jitk's, by name, whose builder has ended
+            if is_private_copy_of(stale.name, folder) and abandoned(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        private = folder.parent / private_name(folder)
+        private.mkdir(mode=trust.folder_mode())
         if not _compile(compiler, flags, private):
             shutil.rmtree(private, ignore_errors=True)
             return None

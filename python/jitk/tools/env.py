@@ -47,7 +47,7 @@ def _nvcc() -> dict:
 def _nvrtc() -> dict:
     """NVRTC, which compiles device code in the process where it is installed (the `cuda`
     and `nvrtc` extras): the kernels of files written in two halves (jitk/nvrtc.cuh), built
-    with load_jit(..., cuda_compiler="nvrtc"), and with "auto" (the shipped RMSNorm, the
+    with load_jit(..., cuda_compiler="nvrtc"), and with "auto" (every shipped kernel, the
     guide's axpy) as `auto_builds_with` says."""
     found = dict.fromkeys(NVRTC_KEYS)
     found["auto_builds_with"] = nvrtc.choose("auto")
