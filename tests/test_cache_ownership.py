@@ -162,15 +162,15 @@ def test_a_damaged_neighbour_entry_is_passed_over_by_the_covering_lookup(tmp_pat
     import json
     from types import SimpleNamespace
 
-    from jitk.build import jit
+    from jitk.build import entries as lookup
 
     key = "a" * 64
-    prefix = jit._folder_name("mod", key, ())
+    prefix = lookup.folder_name("mod", key, ())
     damaged = tmp_path / f"{prefix}_sm80"
     damaged.mkdir()
     (damaged / "jitk-meta.json").write_text(json.dumps({"archs": 5, "built_at": "yesterday"}))
     spec = SimpleNamespace(name="mod", entry=tmp_path / f"{prefix}_sm90", archs=("9.0",))
-    assert jit._covering_entries(spec, key) == []
+    assert lookup.covering_entries(spec, key) == []
 
 
 def test_the_host_prelude_removes_only_its_own_abandoned_folders(tmp_path, monkeypatch):

@@ -151,6 +151,61 @@ def test_auto_needs_the_toolkits_libcu_headers(tmp_path):
         assert done.stdout.split() == expected.split(), done.stderr[-2000:]
 
 
+def test_auto_finds_nvrtcs_entry_without_asking_the_toolkit(tmp_path, monkeypatch):
+    """A warm load of "auto" neither loads libnvrtc nor looks for the toolkit: a new process
+    whose CUDA_HOME is no toolkit at all still loads the NVRTC entry from the cache."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("JITK_CUDA_COMPILER", raising=False)
+    load("auto")
+    entry = entry_of(tmp_path)
+    ask = ("import sys; sys.path.insert(0, sys.argv[1]); import test_nvrtc_build as t, jitk\n"
+           "def nvrtc_mapped(): return 'libnvrtc.so' in open('/proc/self/maps').read()\n"
+           "before = nvrtc_mapped(); t.load('auto')\n"
+           "s = jitk.jit_stats(); print(s['disk']['count'], s['build']['count'],"
+           " nvrtc_mapped() and not before)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JITK_CUDA_COMPILER", "JITK_NVCC")}
+    done = subprocess.run([sys.executable, "-c", ask, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**env, "CUDA_HOME": str(tmp_path / "no-toolkit"),
+                               "PYTHONPATH": PYTHON_PATH})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "0", "False"], done.stdout
+    assert [p for p in tmp_path.iterdir() if p.is_dir() and p.name[0] != "."] == [entry]
+
+
+def test_auto_builds_with_nvcc_where_nvrtc_cannot_build(tmp_path, monkeypatch):
+    """A miss asks whether NVRTC can build here; where it cannot, "auto" finds or builds
+    nvcc's entry, and an NVRTC entry already cached is still used."""
+    monkeypatch.delenv("JITK_CUDA_COMPILER", raising=False)
+    empty, cached = tmp_path / "empty", tmp_path / "cached"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(cached))
+    load("nvrtc")
+    monkeypatch.setattr(nvrtc, "builds_here", lambda: False)
+    for folder, unit in ((empty, "cuda.cu"), (cached, "host_half.cpp")):
+        monkeypatch.setenv("JITK_CACHE_DIR", str(folder))
+        load("auto")
+        assert (entry_of(folder) / unit).is_file()
+
+
+def test_nvrtcs_version_is_its_builtins_and_the_library_must_agree(tmp_path, monkeypatch):
+    """The key's NVRTC version is read beside the library, without loading it; a library
+    whose builtins are of another version is refused at a build, not used."""
+    real = nvrtc.version()
+    (tmp_path / "libnvrtc.so.13").write_bytes(b"")
+    (tmp_path / "libnvrtc-builtins.so.12.9").write_bytes(b"")
+    monkeypatch.setattr(nvrtc, "library_path", lambda: str(tmp_path / "libnvrtc.so.13"))
+    nvrtc.version.cache_clear()
+    try:
+        assert nvrtc.version() == (12, 9)
+        if real != (12, 9):
+            expect_error(lambda: nvrtc.compile_cubin("__global__ void k() {}", "k.cu", [],
+                                                     ["-arch=sm_90"]),
+                         "is version", "builtins beside it are (12, 9)", "reinstall",
+                         kind=nvrtc.NvrtcError)
+    finally:
+        nvrtc.version.cache_clear()
+
+
 def test_bad_arguments_are_refused_before_any_build(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     expect_error(lambda: load("clang"), "cuda_compiler", "'nvcc', 'nvrtc' or 'auto'", "'clang'",

@@ -23,14 +23,14 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import JitkError
-from jitk.build import cache, events, loader, names, nvrtc, remote, toolchain, trust
+from jitk.build import cache, entries, events, nvrtc, remote, toolchain
 from jitk.build.builder import HOST_HALF, BuildSpec, JitCompileError, build_and_publish
 from jitk.build.lock import build_lock, lock_timeout
 
@@ -53,6 +53,9 @@ DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
 DISABLE_ENV = "JITK_DISABLE_JIT"
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
+# load_jit's other build for a call, asked only when the first is not cached: its spec, call
+# and build key, or None to build the first.
+Fallback = Callable[[], "tuple[BuildSpec, dict, str | None] | None"] | None
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _state_lock = threading.Lock()
 _disabled_depth = 0  # how many disable_jit() blocks are open, in any thread
@@ -239,99 +242,37 @@ def _miss_error(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
         "configurations, `python -m jitk precompile`).")
 
 
-def _look_up_entry(entry: Path, key: str) -> cache.Lookup:
-    found = cache.look_up(entry, key)
-    if found.problem:  # perhaps read while another process replaced the entry: look again
-        found = cache.look_up(entry, key)
-    return found
-
-
-def _look_up(spec: BuildSpec) -> cache.Lookup:
-    """The entry's checked library, after checking who may have written the cache."""
-    root = spec.entry if spec.in_place else spec.entry.parent
-    if root.exists():
-        trust.check(root, "the build directory" if spec.in_place else "the cache")
-    return _look_up_entry(spec.entry, spec.key)
-
-
-def _entry_key(build_key: str, archs: tuple[str, ...]) -> str:
-    """The key an entry records: its build's (which leaves the architectures out) with the
-    architectures it was built for, so that a build_directory rebuilt for others is stale."""
-    return hashlib.sha256(f"{build_key}:{';'.join(archs)}".encode()).hexdigest()
-
-
-def _folder_name(name: str, build_key: str, archs: tuple[str, ...]) -> str:
-    """An entry's folder: the module, the build key's first 16 digits, the architectures."""
-    return f"{name}_{build_key[:16]}" + (f"_{toolchain.archs_tag(archs)}" if archs else "")
-
-
-def _covering_entries(spec: BuildSpec, build_key: str) -> list[tuple[Path, tuple[str, ...]]]:
-    """Entries of the same build for other sets of architectures (the same folder name up
-    to the architectures' tag) that serve every architecture of `spec`, those with machine
-    code for all of them first. Read only when the exact entry is missing."""
-    prefix = _folder_name(spec.name, build_key, ()) + "_"
-    try:
-        others = sorted(name for name in os.listdir(spec.entry.parent)
-                        if name.startswith(prefix) and "." not in name
-                        and name != spec.entry.name)
-    except OSError:
-        return []
-    ranked = []
-    for name in others:
-        folder = spec.entry.parent / name
-        meta = cache.read_meta(folder) or {}
-        if names.record_problem(folder, meta):
-            continue  # a damaged record (a field of the wrong type, say) serves nothing
-        try:
-            built = toolchain.parse_archs(";".join(map(str, meta.get("archs") or ())))
-        except toolchain.ToolchainError:
-            continue  # not an entry of this build; its key check would refuse it anyway
-        ways = [toolchain.serves(built, wanted) for wanted in spec.archs]
-        if all(ways):
-            ranked.append(("ptx" in ways, name, built))
-    return [(spec.entry.parent / name, built) for _, name, built in sorted(ranked)]
-
-
-def _load_cached(spec: BuildSpec, build_key: str | None
-                 ) -> tuple[tvm_ffi.Module | None, tuple[str, ...], str | None]:
-    """The module from the exact entry, else (given the build's key, in the shared cache)
-    from an entry for more architectures that covers these; with the architectures it holds,
-    or why the exact entry cannot be used."""
-    found = _look_up(spec)
-    if found.fd is not None:
-        return loader.load_from_fd(found.fd, found.device_code), spec.archs, None
-    for entry, built in _covering_entries(spec, build_key) if build_key and spec.archs else ():
-        other = _look_up_entry(entry, _entry_key(build_key, built))
-        if other.fd is not None:
-            logger.info("jitk: %s for %s served by %s", spec.name, ", ".join(spec.archs), entry)
-            return loader.load_from_fd(other.fd, other.device_code), built, None
-    return None, spec.archs, found.problem
-
-
 def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
-                    build_key: str | None) -> tuple[tvm_ffi.Module, tuple[str, ...]]:
+                    build_key: str | None, fallback: Fallback = None
+                    ) -> tuple[tvm_ffi.Module, tuple[str, ...]]:
     """The module of `spec` and the architectures it holds code for, as one event
-    (jitk/build/events.py): a failure after the lookup is a "miss"."""
+    (jitk/build/events.py): a failure after the lookup is a "miss". Where `spec` is not
+    cached, `fallback` may give another build to find or make instead."""
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
     started, source = time.perf_counter(), "miss"
     try:
-        module, archs, source = _find_or_make(spec, template_args, call, build_key, disabled)
+        module, archs, problem = entries.load_cached(spec, build_key)
+        if not module and fallback and (instead := fallback()):
+            spec, call, build_key = instead
+            module, archs, problem = entries.load_cached(spec, build_key)
+        if module:
+            source = "disk"
+        else:
+            module, archs, source = _find_or_make(spec, template_args, call, build_key,
+                                                  disabled, problem)
     finally:
         events.record(spec.name, build_key or spec.key, source, started)
     return module, archs
 
 
 def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
-                  build_key: str | None, disabled: bool
+                  build_key: str | None, disabled: bool, problem: str | None
                   ) -> tuple[tvm_ffi.Module, tuple[str, ...], str]:
-    """The module, its architectures and where it came from ("disk", "remote" or "build").
-    A complete, intact entry (or, given `build_key`, one for more architectures) is loaded
-    without a lock or a write; anything else is fetched from the remote cache, where one is
-    set (jitk/build/remote.py), or built, under the entry's lock."""
-    module, archs, problem = _load_cached(spec, build_key)
-    if module:
-        return module, archs, "disk"
+    """The module, its architectures and where it came from ("disk", "remote" or "build"),
+    after a reader found no complete, intact entry (or, given `build_key`, one for more
+    architectures) for the reason `problem`: fetched from the remote cache, where one is set
+    (jitk/build/remote.py), or built, under the entry's lock."""
     shared = not spec.in_place and remote.configured() is not None
     if disabled and not shared:
         raise _miss_error(spec, template_args, call, problem)
@@ -339,12 +280,12 @@ def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict
         toolchain.check_buildable(spec.archs)
     with build_lock(cache.build_lock_path(spec.entry, spec.in_place), spec.entry):
         # another process may have built (or fetched) it meanwhile
-        module, archs, problem = _load_cached(spec, build_key)
+        module, archs, problem = entries.load_cached(spec, build_key)
         if module:
             return module, archs, "disk"
         missed = remote.fetch(spec.entry, spec.key, spec.archs) if shared else None
         if shared and not missed:  # fetched, verified and published
-            module, archs, problem = _load_cached(spec, build_key)
+            module, archs, problem = entries.load_cached(spec, build_key)
             if module:
                 return module, archs, "remote"
         if disabled:
@@ -410,7 +351,8 @@ def load_jit(
     if cuda_compiler not in ("nvcc", "nvrtc", "auto"):
         raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc', 'nvrtc' or 'auto', got "
                          f"{cuda_compiler!r}")
-    split = nvrtc.choose(cuda_compiler) == "nvrtc"
+    wanted = nvrtc.preferred(cuda_compiler)
+    split = wanted == "nvrtc" or (wanted == "auto" and nvrtc.installed())
     if split and flags["extra_cuda_cflags"]:
         raise ValueError(f"load_jit('{name}'): extra_cuda_cflags are nvcc's; with "
                          "cuda_compiler='nvrtc' there is no nvcc to give them to")
@@ -424,43 +366,53 @@ def load_jit(
     archs = toolchain.canonical_archs(toolchain.target_archs()) if has_cuda else ()
     if archs and min_arch is not None:
         toolchain.check_min_arch(name, archs, min_arch)
-    sources = {}  # generated file name -> text: main.cpp for the host compiler, cuda.cu for nvcc
-    if has_cpp:
-        sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
-    if has_cuda:  # nvcc's unit, or the host half of one that NVRTC completes
-        sources[HOST_HALF if split else "cuda.cu"] = _render_source(name, cuda_paths,
-                                                                    cuda_exports, True)
-    build_flags = {
-        "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
-        "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
-        "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
-        "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
-    }
-    compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda and not split))
-    if split and has_cuda:
-        compilers.append("nvrtc {}.{} {}".format(*nvrtc.version(), nvrtc.OPTIONS))
-    kernel_files = cpp_paths + cuda_paths
-    # The architectures are not in the build's key but in the folder's name, after it, so
-    # that a process can find an entry built for more architectures than it asks for.
-    build_key = _cache_key({"name": name, "compilers": compilers,
-                            "tvm_ffi": tvm_ffi.__version__, "sources": sources,
-                            "flags": build_flags}, kernel_files)
-    entry = build_dir or cache.cache_root().expanduser().resolve() / _folder_name(
-        name, build_key, archs)
-    spec = BuildSpec(name, entry, _entry_key(build_key, archs), build_dir is not None, archs,
-                     sources, tuple(kernel_files), build_flags,
-                     tuple(cuda_paths) if split else ())
-    # The call as `python -m jitk precompile --call` replays it: the arguments given, with
-    # include folders made absolute (a kernel file's relative name is the package's own).
-    call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
-            "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
-            "cuda_wrappers": cuda_exports, **flags,
-            "extra_include_paths": build_flags["include_dirs"][1:],
-            "build_directory": str(build_dir) if build_dir else None,
-            "min_arch": min_arch,
-            "cuda_compiler": None if cuda_compiler == "nvcc" else cuda_compiler}
-    call = {key: value for key, value in call.items() if value}
-    module, held = _build_and_load(spec, name_parts[1:], call, None if build_dir else build_key)
+
+    def plan(split: bool) -> tuple[BuildSpec, dict, str | None]:
+        """The build of this call, with the host half and NVRTC (`split`) or with nvcc."""
+        sources = {}  # file name -> text: main.cpp for the host compiler, cuda.cu for nvcc
+        if has_cpp:
+            sources["main.cpp"] = _render_source(name, cpp_paths, cpp_exports, False)
+        if has_cuda:  # nvcc's unit, or the host half of one that NVRTC completes
+            sources[HOST_HALF if split else "cuda.cu"] = _render_source(name, cuda_paths,
+                                                                        cuda_exports, True)
+        build_flags = {
+            "cflags": [*DEFAULT_CFLAGS, *flags["extra_cflags"]],
+            "cuda_cflags": [*DEFAULT_CUDA_CFLAGS, *flags["extra_cuda_cflags"]],
+            "ldflags": [*DEFAULT_LDFLAGS, *flags["extra_ldflags"]],
+            "include_dirs": [str(INCLUDE_DIR), *(str(Path(p).resolve()) for p in includes)],
+        }
+        compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda and not split))
+        if split and has_cuda:
+            compilers.append("nvrtc {}.{} {}".format(*nvrtc.version(), nvrtc.OPTIONS))
+        kernel_files = cpp_paths + cuda_paths
+        # The architectures are not in the build's key but in the folder's name, after it, so
+        # that a process can find an entry built for more architectures than it asks for.
+        build_key = _cache_key({"name": name, "compilers": compilers,
+                                "tvm_ffi": tvm_ffi.__version__, "sources": sources,
+                                "flags": build_flags}, kernel_files)
+        entry = build_dir or cache.cache_root().expanduser().resolve() / entries.folder_name(
+            name, build_key, archs)
+        spec = BuildSpec(name, entry, entries.entry_key(build_key, archs), build_dir is not None,
+                         archs, sources, tuple(kernel_files), build_flags,
+                         tuple(cuda_paths) if split else ())
+        # The call as `python -m jitk precompile --call` replays it: the arguments given, with
+        # include folders made absolute (a kernel file's relative name is the package's own).
+        call = {"name_parts": list(name_parts), "cpp_files": list(map(_as_given, cpp_paths)),
+                "cuda_files": list(map(_as_given, cuda_paths)), "cpp_wrappers": cpp_exports,
+                "cuda_wrappers": cuda_exports, **flags,
+                "extra_include_paths": build_flags["include_dirs"][1:],
+                "build_directory": str(build_dir) if build_dir else None,
+                "min_arch": min_arch,
+                "cuda_compiler": None if cuda_compiler == "nvcc" else cuda_compiler}
+        call = {key: value for key, value in call.items() if value}
+        return spec, call, None if build_dir else build_key
+
+    spec, call, build_key = plan(split)
+    # "auto" looks for NVRTC's build first: only a miss asks whether NVRTC can build here
+    # (finding the toolkit may run nvcc), and where it cannot, nvcc's build is used.
+    fallback = ((lambda: None if nvrtc.builds_here() else plan(False))
+                if split and wanted == "auto" else None)
+    module, held = _build_and_load(spec, name_parts[1:], call, build_key, fallback)
     if held:
         toolchain.check_runs_on_current_gpu(name, held)
     return module

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,8 @@ from jitk.base import settings
 from jitk.base.errors import ArgumentError, JitkError
 from jitk.build import toolchain
 
-__all__ = ["OPTIONS", "NvrtcError", "Program", "choose", "compile_cubin", "kernel_names",
-           "library_path", "version"]
+__all__ = ["OPTIONS", "NvrtcError", "Program", "builds_here", "choose", "compile_cubin",
+           "installed", "kernel_names", "library_path", "preferred", "version"]
 
 _SONAME = "libnvrtc.so.13"
 # What every build of a device half passes, besides its architecture and include folders.
@@ -65,7 +66,23 @@ def _check(result: int, call: str, log: str = "") -> None:
         raise NvrtcError(f"NVRTC {call} failed: {what}" + (f"\n{log}" if log else ""))
 
 
+@functools.cache
 def version() -> tuple[int, int]:
+    """NVRTC's major and minor version, part of every key it builds. Beside a library found by
+    path, it is the builtins library's (libnvrtc-builtins.so.<major>.<minor>, which libnvrtc
+    opens by its own version), so a warm load opens no library; compile_cubin checks that
+    libnvrtc agrees."""
+    if Path(library_path()).is_absolute():
+        found = [re.fullmatch(r"libnvrtc-builtins\.so\.(\d+)\.(\d+)", path.name)
+                 for path in Path(library_path()).parent.iterdir()]
+        found = {(int(match[1]), int(match[2])) for match in found if match}
+        if len(found) == 1:
+            return found.pop()
+    return _loaded_version()
+
+
+@functools.cache
+def _loaded_version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(_lib().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return major.value, minor.value
@@ -95,6 +112,9 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
         raise ArgumentError(f"compile_cubin(options=...): a cubin needs a real architecture, "
                             f"e.g. -arch=sm_90; got {options}")
     lib = _lib()
+    if _loaded_version() != version():
+        raise NvrtcError(f"NVRTC: {library_path()} is version {_loaded_version()}, but its "
+                         f"builtins beside it are {version()}; reinstall nvidia-cuda-nvrtc")
     handle = ctypes.c_void_p()
     _check(lib.nvrtcCreateProgram(ctypes.byref(handle), source.encode(), name.encode(), 0,
                                   None, None), "nvrtcCreateProgram")
@@ -120,22 +140,39 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
         lib.nvrtcDestroyProgram(ctypes.byref(handle))
 
 
+def preferred(requested: str) -> str:
+    """What a load_jit(cuda_compiler=requested) call asks for: "nvcc", "nvrtc", or "auto"
+    (NVRTC where it builds, see choose), through JITK_CUDA_COMPILER when `requested` is
+    "auto"."""
+    return settings.get("JITK_CUDA_COMPILER") if requested == "auto" else requested
+
+
 def choose(requested: str) -> str:
-    """The compiler of a load_jit(cuda_compiler=requested) call: "auto" is JITK_CUDA_COMPILER's
-    choice, and its own "auto" NVRTC where its library loads and the toolkit has the headers a
-    device half reads (libcu++'s, under include/cccl), else nvcc."""
-    if requested != "auto":
-        return requested
-    chosen = settings.get("JITK_CUDA_COMPILER")
-    if chosen != "auto":
-        return chosen
-    return "nvrtc" if _usable() else "nvcc"
+    """The compiler that builds a load_jit(cuda_compiler=requested) call's files written in
+    two halves: `preferred`'s answer, with "auto" made NVRTC where its library loads and the
+    toolkit has the headers a device half reads (libcu++'s, under include/cccl), else nvcc."""
+    wanted = preferred(requested)
+    if wanted != "auto":
+        return wanted
+    return "nvrtc" if builds_here() else "nvcc"
+
+
+def installed() -> bool:
+    """Whether libnvrtc is here, without loading it when the wheel installed it: what "auto"
+    looks up first, as only a build needs to know that NVRTC can build (builds_here)."""
+    if Path(library_path()).is_absolute():
+        return True
+    try:
+        _lib()
+    except NvrtcError:
+        return False
+    return True
 
 
 @functools.cache
-def _usable() -> bool:
+def builds_here() -> bool:
     """Whether NVRTC can build here with the process's toolkit (toolchain.cuda_home, found
-    once a process, as this is asked)."""
+    once a process, as this is asked; finding it may run nvcc)."""
     try:
         _lib()
         return (toolchain.cuda_home() / "include" / "cccl" / "cuda" / "std").is_dir()

@@ -4,7 +4,7 @@ verified before a byte of it reaches the cache.
 
     JITK_REMOTE_CACHE=oci://host:port/repo     the registry and repository (off when unset)
     tag e-<entry key>                          one entry: the key names the build and its
-                                               architectures (jit.py _entry_key)
+                                               architectures (entries.entry_key)
     config blob                                the signed statement: entry folder, key,
                                                architectures, jitk version, layer digest
     one layer                                  the entry's files as a flat tar
