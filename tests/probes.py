@@ -4,6 +4,7 @@ import functools
 from pathlib import Path
 
 import jitk
+from jitk.build import builder, toolchain
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 HEADER_PROBE = CSRC / "header_probe.cuh"
@@ -18,10 +19,15 @@ HEADER_PROBE_FUNCTIONS = (
 
 @functools.cache
 def header_probe(compiler: str):
-    """The header probe built by g++ ("cpp") or by nvcc ("cuda")."""
+    """The header probe built by g++ ("cpp"), by nvcc ("cuda"), or as a host half that links
+    jitk's host runtime from beside the precompiled prelude ("runtime", jitk/build/pch.py)."""
     wrappers = [(f, f"probe::{f}") for f in HEADER_PROBE_FUNCTIONS]
     if compiler == "cpp":
         return jitk.load_jit("header_probe", "cpp", cpp_files=[HEADER_PROBE], cpp_wrappers=wrappers)
+    if compiler == "runtime":
+        builder.build_prelude(toolchain.canonical_archs(toolchain.target_archs()))
+        return jitk.load_jit("header_probe", "runtime", cuda_files=[HEADER_PROBE],
+                             cuda_wrappers=wrappers, cuda_compiler="nvrtc")
     return jitk.load_jit("header_probe", "cuda", cuda_files=[HEADER_PROBE], cuda_wrappers=wrappers)
 
 

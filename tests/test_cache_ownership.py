@@ -183,7 +183,7 @@ def test_the_host_prelude_removes_only_its_own_abandoned_folders(tmp_path, monke
              f"-I{toolchain.cuda_home() / 'include'}"]
     built = pch.build(toolchain.host_compiler(), flags)
     assert built is not None
-    folder = built.header.parent
+    folder = built.folder
     kept = built.depfile.read_text()
     gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, timeout=60).stdout.strip()

@@ -1,5 +1,6 @@
 """Every TensorMatcher rule and every utils.h facility, through a probe module built with
-g++ and with nvcc, called with CPU tensors from torch and numpy."""
+g++, with nvcc, and as a host half linking jitk's host runtime (JITK_RUNTIME), called with CPU
+tensors from torch and numpy."""
 
 import functools
 import re
@@ -11,9 +12,10 @@ from errors import expect_error
 from probes import CSRC, HEADER_PROBE, LAUNCH_PROBE, header_probe, line_of
 
 import jitk
+from jitk.build.jit import INCLUDE_DIR, KERNEL_DIR
 
 
-@pytest.fixture(params=["cpp", "cuda"], scope="module")
+@pytest.fixture(params=["cpp", "cuda", "runtime"], scope="module")
 def probe(request):
     return header_probe(request.param)
 
@@ -211,7 +213,7 @@ def tvm_ffi_probe(compiler):
                          cuda_wrappers=wrappers)
 
 
-@pytest.fixture(params=["cpp", "cuda"], scope="module")
+@pytest.fixture(params=["cpp", "cuda", "runtime"], scope="module")
 def tvm_probe(request):
     return tvm_ffi_probe(request.param)
 
@@ -279,3 +281,21 @@ def test_only_modules_that_include_tvm_ffi_parse_its_headers(tmp_path):
     assert "tvm/ffi/type_traits.h" not in plain and "tvm/ffi/c_api.h" in plain
     with_tvm_ffi = headers_read("with_tvm_ffi", TVM_FFI_PROBE, "tvm_ffi_probe::AddOne::run")
     assert "tvm/ffi/type_traits.h" in with_tvm_ffi
+
+
+def test_only_the_preludes_headers_hold_runtime_functions():
+    """A host half built with the prelude links the runtime compiled from jitk/host_prelude.h
+    alone: a JITK_RUNTIME function in any header it does not include (or in a kernel file)
+    would be declared there and defined nowhere."""
+    include = INCLUDE_DIR
+    reached, todo = set(), [include / "jitk" / "host_prelude.h"]
+    while todo:
+        header = todo.pop()
+        if header not in reached:
+            reached.add(header)
+            todo += [include / name for name in
+                     re.findall(r"#include <(jitk/[\w.]+)>", header.read_text())]
+    users = {path for folder in (include, KERNEL_DIR) for path in folder.rglob("*")
+             if path.suffix in (".h", ".cuh") and "JITK_RUNTIME_BODY" in path.read_text()}
+    assert {p.name for p in users} >= {"nvrtc.cuh", "tensor.h", "export.h", "rows.h"}
+    assert users - {include / "jitk" / "utils.h"} <= reached

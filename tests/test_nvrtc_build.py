@@ -289,7 +289,12 @@ def test_builds_after_the_first_read_the_precompiled_prelude(tmp_path, monkeypat
     x, y = torch.ones(3), torch.zeros(3)
     expect_error(lambda: module.axpy_f32(1.0, x, y), "'x'", "cuda")  # its checks still run
     (entry,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("other_axpy_")]
-    assert f"-include {prelude.parent / 'prelude.h'}" in (entry / "build.ninja").read_text()
+    ninja = (entry / "build.ninja").read_text()
+    assert f"-include {prelude.parent / 'prelude.h'}" in ninja
+    assert str(prelude.parent / pch.RUNTIME) in ninja  # the runtime, linked, not compiled again
+    defined = subprocess.run(["nm", "--defined-only", "-C", str(entry / "host_half.o")],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "TensorMatcher::verify" not in defined and "jitk_nvrtc_kernel_names" not in defined
     own = (entry / "host_half.o.d").read_text()
     assert "jitk/tensor.h" not in own  # read from the prelude, not parsed again
     meta = json.loads((entry / "jitk-meta.json").read_text())
@@ -313,14 +318,14 @@ def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
 def test_a_prelude_others_could_have_written_is_not_read(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    flags = ["-std=c++20", *include_flags([PACKAGE_DIR / "include"]),
+    flags = ["-std=c++20", "-fPIC", *include_flags([PACKAGE_DIR / "include"]),
              f"-I{toolchain.cuda_home() / 'include'}"]
     built = pch.build(toolchain.host_compiler(), flags)
     assert built is not None and pch.prelude(toolchain.host_compiler(), flags) == built
-    gch = built.header.with_name(built.header.name + ".gch")
-    gch.chmod(0o666)  # anyone could have replaced its code
-    assert pch.prelude(toolchain.host_compiler(), flags) is None
-    gch.chmod(0o644)
-    assert pch.prelude(toolchain.host_compiler(), flags) == built
+    for name in ("prelude.h.gch", pch.RUNTIME):  # code the compiler and the linker take
+        (built.folder / name).chmod(0o666)  # anyone could have replaced it
+        assert pch.prelude(toolchain.host_compiler(), flags) is None
+        (built.folder / name).chmod(0o644)
+        assert pch.prelude(toolchain.host_compiler(), flags) == built
     monkeypatch.setenv("JITK_HOST_PRELUDE", "0")
     assert pch.prelude(toolchain.host_compiler(), flags) is None

@@ -36,6 +36,7 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
+from jitk.base import settings
 from jitk.base.errors import JitkError
 from jitk.build import cache, loader, nvrtc, pch, toolchain
 from jitk.build.lock import lock_timeout
@@ -138,19 +139,31 @@ def include_flags(include_dirs: list[str | Path]) -> list[str]:
         [*map(str, include_dirs), find_include_path(), find_dlpack_include_path()])]
 
 
-def host_half_flags(spec: BuildSpec, prelude: bool = False) -> list[str]:
+def host_half_flags(archs: tuple[str, ...], include_dirs: list[str]) -> list[str]:
     """The host compiler's flags for a host half: the level nvcc gives a host side
     (jit.DEFAULT_CUDA_CFLAGS), and __CUDA_ARCH_LIST__ as nvcc defines it, for what the host
     side decides by the targets (jitk::kPdlOnAllTargets). Hidden by default: each library
     keeps its own kernel list and device code (the statics of jitk/nvrtc.cuh), where default
-    visibility binds every library to the first loaded. For the `prelude`, only the package's
-    include folder: it reads jitk's headers alone, so one serves every module (gcc takes a
-    precompiled header whatever -I folders the unit adds)."""
-    targets = ",".join(str(toolchain.arch_number(arch)) for arch in spec.archs)
-    folders = spec.flags["include_dirs"][:1] if prelude else spec.flags["include_dirs"]
-    return ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *include_flags(folders),
+    visibility binds every library to the first loaded."""
+    targets = ",".join(str(toolchain.arch_number(arch)) for arch in archs)
+    return ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", *include_flags(include_dirs),
             f"-I{toolchain.cuda_home() / 'include'}",
             *([f"-D__CUDA_ARCH_LIST__={targets}"] if targets else [])]
+
+
+def _prelude(archs: tuple[str, ...], build: bool = False) -> pch.Prelude | None:
+    """The host prelude of host halves for `archs` (pch.prelude; built now if `build`). It is
+    compiled with the package's include folder alone, as it reads jitk's headers alone, so
+    one serves every module (gcc takes a precompiled header whatever -I folders a unit adds)."""
+    flags = host_half_flags(archs, [str(pch.INCLUDE)])
+    return (pch.build if build else pch.prelude)(toolchain.host_compiler(), flags)
+
+
+def build_prelude(archs: tuple[str, ...]) -> None:
+    """Builds the host prelude for `archs` now, where the setting has it and it is not there:
+    what a batch of builds does first (precompile), so that none of them goes without it."""
+    if settings.flag("JITK_HOST_PRELUDE"):
+        _prelude(archs, build=True)
 
 
 def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
@@ -179,12 +192,15 @@ def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
     if HOST_HALF in spec.sources:
-        half = [*host_half_flags(spec), *(prelude.flags() if prelude else [])]
+        half = [*host_half_flags(spec.archs, flags["include_dirs"]),
+                *(prelude.flags() if prelude else [])]
         lines.append(f"host_half_flags = {_arguments(*half)}")
         rules += ["rule compile_host_half",
                   "  command = $cxx -MMD -MF $out.d $host_half_flags -c $in -o $out", ""]
     if spec.archs:
         ldflags += toolchain.cudart_link_flags()
+    if prelude and HOST_HALF in spec.sources:
+        ldflags = [*prelude.link_inputs(), *ldflags]
     lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}
@@ -272,7 +288,7 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
         (staging / file_name).write_text(text)
     prelude = None
     if HOST_HALF in spec.sources:
-        prelude = pch.prelude(toolchain.host_compiler(), host_half_flags(spec, prelude=True))
+        prelude = _prelude(spec.archs)
         if prelude:  # what it read is what the host half read (package_headers)
             shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
     (staging / "build.ninja").write_text(build_file(spec, prelude))

@@ -2,7 +2,10 @@
 the CUDA runtime's and the standard ones that every host half reads first) compiled once per
 host compiler, flags and header set, and given to every host half with -include, so that no
 build parses those headers again. A compiler that cannot use the precompiled file reads the
-prelude as text instead: the same code, the old speed. The first build that wants a prelude
+prelude as text instead: the same code, the old speed. Beside it, jitk's host runtime
+(JITK_RUNTIME in jitk/utils.h: the argument checks and NVRTC loading that every module would
+otherwise compile anew) is compiled once into an object that every library built with the
+prelude links, so no build generates that code again. The first build that wants a prelude
 does not wait for it: it starts the prelude's build beside its own, on a thread, and goes
 without; the builds after it use it.
 
@@ -25,6 +28,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +43,33 @@ logger = logging.getLogger("jitk")
 
 FOLDER = ".pch"
 HEADER = "prelude.h"
-_INCLUDE = Path(__file__).resolve().parents[1] / "include"
+RUNTIME = "runtime.o"
+# Only a host half built with the prelude declares the runtime without defining it, so the
+# two are made and used together.
+_LINKED = "#define JITK_RUNTIME_LINKED 1\n#include <jitk/host_prelude.h>\n"
+_BUILT = (f"{HEADER}.gch", RUNTIME)  # a prelude is there once both are
+INCLUDE = Path(__file__).resolve().parents[1] / "include"  # the package's headers
 
 
 @dataclass(frozen=True)
 class Prelude:
-    header: Path  # what -include names; its precompiled form (.gch) sits beside it
-    depfile: Path  # the headers the precompiled build read, make-style
+    folder: Path
+
+    @property
+    def depfile(self) -> Path:  # the headers the precompiled build read, make-style
+        return self.folder / "prelude.d"
 
     def flags(self) -> list[str]:
-        return ["-include", str(self.header)]
+        """The host half's: -include names the header; its .gch sits beside it."""
+        return ["-include", str(self.folder / HEADER)]
+
+    def link_inputs(self) -> list[str]:
+        """The link's: the runtime object that the host half only declares."""
+        return [str(self.folder / RUNTIME)]
+
+
+def _built(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _BUILT)
 
 
 def _folder(compiler: str, flags: list[str]) -> Path:
@@ -58,8 +79,8 @@ def _folder(compiler: str, flags: list[str]) -> Path:
     material = {"compiler": toolchain.compiler_versions([compiler]), "flags": flags,
                 "tvm_ffi": tvm_ffi.__version__, "cuda": cache.digest(runtime)}
     digest.update(json.dumps(material, sort_keys=True).encode())
-    for path in sorted(p for p in _INCLUDE.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(_INCLUDE)).encode())
+    for path in sorted(p for p in INCLUDE.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(INCLUDE)).encode())
         digest.update(path.read_bytes())
     return cache.cache_root() / FOLDER / digest.hexdigest()
 
@@ -75,9 +96,9 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
     if not settings.flag("JITK_HOST_PRELUDE"):
         return None
     folder = _folder(compiler, flags)
-    if (folder / f"{HEADER}.gch").is_file():
-        # The compiler reads it as code: only one that others could not have written.
-        for path in (folder.parent, folder, folder / HEADER, folder / f"{HEADER}.gch"):
+    if _built(folder):
+        # The compiler and linker read it as code: only one that others could not have written.
+        for path in (folder.parent, folder, folder / HEADER, *(folder / n for n in _BUILT)):
             try:
                 reason = trust.problem(os.stat(path))
             except OSError as error:
@@ -85,7 +106,7 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
             if reason:
                 logger.warning("jitk: not using the host prelude %s: %s", path, reason)
                 return None
-        return Prelude(folder / HEADER, folder / "prelude.d")
+        return Prelude(folder)
     with _started_lock:
         if folder in _started:
             return None
@@ -111,12 +132,12 @@ def _build_or_none(compiler: str, flags: list[str], folder: Path) -> Prelude | N
 
 
 def _build(compiler: str, flags: list[str], folder: Path) -> Prelude | None:
-    found = Prelude(folder / HEADER, folder / "prelude.d")
-    if (folder / f"{HEADER}.gch").is_file():
+    found = Prelude(folder)
+    if _built(folder):
         return found
     cache.make_folder(folder.parent)
     with build_lock(lock_path(folder), folder):
-        if (folder / f"{HEADER}.gch").is_file():  # another process built it meanwhile
+        if _built(folder):  # another process built it meanwhile
             return found
         for stale in folder.parent.iterdir():  # jitk's, by name, whose builder has ended
             if is_private_copy_of(stale.name, folder) and abandoned(stale):
@@ -131,18 +152,27 @@ def _build(compiler: str, flags: list[str], folder: Path) -> Prelude | None:
 
 
 def _compile(compiler: str, flags: list[str], folder: Path) -> bool:
-    (folder / HEADER).write_text("#include <jitk/host_prelude.h>\n")
-    command = [compiler, *flags, "-x", "c++-header", HEADER, "-o", f"{HEADER}.gch", "-MMD",
-               "-MF", "prelude.d"]
-    try:
-        done = subprocess.run(command, cwd=folder, capture_output=True, text=True,
-                              errors="replace", timeout=lock_timeout(), check=False)
-    except subprocess.TimeoutExpired:
-        logger.info("jitk: the host prelude took over %g s to build; building without it",
-                    lock_timeout())
-        return False
-    if done.returncode != 0:
-        logger.info("jitk: the host prelude did not build (%s); building without it:\n%s",
-                    compiler, done.stderr[-2000:])
-        return False
-    return True
+    """The precompiled header and the runtime object, compiled side by side in `folder`."""
+    (folder / HEADER).write_text(_LINKED)
+    (folder / "runtime.cpp").write_text("#define JITK_RUNTIME_DEFINE 1\n" + _LINKED)
+    commands = [[compiler, *flags, "-x", "c++-header", HEADER, "-o", f"{HEADER}.gch", "-MMD",
+                 "-MF", "prelude.d"],
+                [compiler, *flags, "-c", "runtime.cpp", "-o", RUNTIME]]
+    running = [subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+               for command in commands]
+    deadline = time.monotonic() + lock_timeout()
+    failed = None
+    for command, process in zip(commands, running):  # every started compile is reaped
+        try:
+            _, err = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            failed = failed or f"it took over {lock_timeout():g} s"
+            continue
+        if process.returncode != 0:
+            failed = failed or f"{' '.join(command[-4:])} failed:\n{err[-2000:]}"
+    if failed:
+        logger.info("jitk: no host prelude (%s): %s; building without it", compiler, failed)
+    return failed is None

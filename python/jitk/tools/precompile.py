@@ -25,7 +25,7 @@ from jitk.base import settings
 from jitk.base.errors import JitkError
 
 # The kernel modules shipped with jitk, as they declare themselves.
-from jitk.build import toolchain
+from jitk.build import builder, toolchain
 from jitk.runtime import registry
 
 KERNEL_MODULES = tuple(registry.kernel_modules())
@@ -252,6 +252,8 @@ def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list
     context = multiprocessing.get_context("spawn")
     for arch in dict.fromkeys(task.arch for task in tasks):
         group = [task for task in tasks if task.arch == arch]
+        if arch and len(group) > 1:  # every build reads the host prelude, none goes without
+            builder.build_prelude(toolchain.canonical_archs(toolchain.parse_archs(arch)))
         with workers_see_no_gpu(), ProcessPoolExecutor(
                 max_workers=min(jobs, len(group)), mp_context=context,
                 initializer=init_worker, initargs=(arch,)) as pool:

@@ -35,10 +35,14 @@ inline const char* any_type_name(int32_t type_index) {
   }
 }
 
-[[noreturn]] inline void wrong_argument(int index, const char* expected, const TVMFFIAny& got) {
+[[noreturn]] JITK_RUNTIME void wrong_argument(int index, const char* expected,
+                                              const TVMFFIAny& got);
+#if JITK_RUNTIME_BODY
+JITK_RUNTIME void wrong_argument(int index, const char* expected, const TVMFFIAny& got) {
   raise("TypeError", concat("argument ", index, ": expected ", expected, ", got ",
                             any_type_name(got.type_index)));
 }
+#endif
 
 // The parameter types jitk converts itself. Others (tvm-ffi's own types) are taught to
 // FromAny and ToAny by jitk/tvm_ffi_types.h, which load_jit includes after the kernel.

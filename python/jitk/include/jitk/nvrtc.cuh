@@ -57,11 +57,57 @@ struct Registry {
   const char* type_name[kMaxKernels];  // Named<&kernel>'s, mangled
   int count = 0;
 };
-inline Registry& registry() {
+
+// The device code the loader handed over: each file's name and bytes, kept for the process.
+struct File {
+  char* name = nullptr;
+  char* bytes = nullptr;
+  std::size_t size = 0;
+};
+struct Files {
+  File* file = nullptr;  // grown as files come: a cubin per part and target, PTX, the names
+  int count = 0;
+  int capacity = 0;
+};
+
+// The library's cubins for the current GPU (one a part: NVRTC builds a module's kernels in
+// parts side by side, never more parts than kernels), loaded once, and its kernels by name.
+struct Loaded {
+  cudaLibrary_t parts[kMaxKernels] = {};
+  cudaKernel_t kernels[kMaxKernels] = {};
+};
+
+// The runtime's part (JITK_RUNTIME, jitk/utils.h): defined below, or once beside the prelude.
+JITK_RUNTIME Registry& registry();
+JITK_RUNTIME int add_kernel(const char* type_name);
+JITK_RUNTIME void expression(const char* type_name, char (&out)[kMaxName]);
+JITK_RUNTIME Files& files();
+// The handed file whose name ends with `suffix` and holds `part` (if given), or nullptr.
+JITK_RUNTIME const File* find_file(const char* suffix, const char* part = "");
+// Once a library, at its first launch (thread-safe; a failed load is tried again next time).
+JITK_RUNTIME const Loaded& loaded(DebugInfo where);
+
+template <auto kKernel>
+struct Named {
+  static inline const int index = add_kernel(typeid(Named).name());
+};
+
+}  // namespace jitk::nvrtc
+
+template <auto kKernel>
+cudaKernel_t jitk::nvrtc_kernel(DebugInfo where) {
+  return nvrtc::loaded(where).kernels[nvrtc::Named<kKernel>::index];
+}
+
+#if JITK_RUNTIME_BODY
+namespace jitk::nvrtc {
+
+JITK_RUNTIME Registry& registry() {
   static Registry kernels;
   return kernels;
 }
-inline int add_kernel(const char* type_name) {
+
+JITK_RUNTIME int add_kernel(const char* type_name) {
   Registry& kernels = registry();
   RuntimeCheck(kernels.count < kMaxKernels, "a module launches more than ", kMaxKernels,
                " kernels by name");
@@ -72,7 +118,7 @@ inline int add_kernel(const char* type_name) {
 // "&" and the kernel's fully qualified name, from the demangled name of Named<&kernel>:
 // "jitk::nvrtc::Named<&(void ns::k<ns::T<1> >(float*, long))>" for a template (its return
 // type and parameters around the name), "jitk::nvrtc::Named<&ns::k>" for a plain function.
-inline void expression(const char* type_name, char (&out)[kMaxName]) {
+JITK_RUNTIME void expression(const char* type_name, char (&out)[kMaxName]) {
   int status = 0;
   char* demangled = abi::__cxa_demangle(type_name, nullptr, nullptr, &status);
   const char* at = demangled != nullptr ? std::strstr(demangled, "<&") : nullptr;
@@ -100,29 +146,12 @@ inline void expression(const char* type_name, char (&out)[kMaxName]) {
   RuntimeCheck(fits, "a kernel's name is longer than ", kMaxName, " bytes");
 }
 
-template <auto kKernel>
-struct Named {
-  static inline const int index = add_kernel(typeid(Named).name());
-};
-
-// The device code the loader handed over: each file's name and bytes, kept for the process.
-struct File {
-  char* name = nullptr;
-  char* bytes = nullptr;
-  std::size_t size = 0;
-};
-struct Files {
-  File* file = nullptr;  // grown as files come: a cubin per part and target, PTX, the names
-  int count = 0;
-  int capacity = 0;
-};
-inline Files& files() {
+JITK_RUNTIME Files& files() {
   static Files handed;
   return handed;
 }
 
-// The handed file whose name ends with `suffix` and holds `part` (if given), or nullptr.
-inline const File* find_file(const char* suffix, const char* part = "") {
+JITK_RUNTIME const File* find_file(const char* suffix, const char* part) {
   const std::size_t length = std::strlen(suffix);
   for (int i = 0; i < files().count; ++i) {
     const File& file = files().file[i];
@@ -135,16 +164,9 @@ inline const File* find_file(const char* suffix, const char* part = "") {
   return nullptr;
 }
 
-// The library's cubins for the current GPU (one a part: NVRTC builds a module's kernels in
-// parts side by side, never more parts than kernels), loaded once, and its kernels by name.
-struct Loaded {
-  cudaLibrary_t parts[kMaxKernels] = {};
-  cudaKernel_t kernels[kMaxKernels] = {};
-};
-
 // The part and lowered name of `wanted` in the names file ("expression<TAB>lowered<TAB>part"
 // lines), the name copied into `out`; the part is -1 if the file has no such kernel.
-inline int lowered_name(const File& names, const char* wanted, char (&out)[kMaxName]) {
+JITK_RUNTIME int lowered_name(const File& names, const char* wanted, char (&out)[kMaxName]) {
   const std::size_t wanted_length = std::strlen(wanted);
   const char* line = names.bytes;
   const char* end = names.bytes + names.size;
@@ -167,7 +189,7 @@ inline int lowered_name(const File& names, const char* wanted, char (&out)[kMaxN
   return -1;
 }
 
-inline Loaded load(DebugInfo where) {
+JITK_RUNTIME Loaded load(DebugInfo where) {
   int device = 0, major = 0, minor = 0;
   RuntimeDeviceCheck(cudaGetDevice(&device), where);
   RuntimeDeviceCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
@@ -203,18 +225,12 @@ inline Loaded load(DebugInfo where) {
   return loaded;
 }
 
-// Once a library, at its first launch (thread-safe; a failed load is tried again next time).
-inline const Loaded& loaded(DebugInfo where) {
+JITK_RUNTIME const Loaded& loaded(DebugInfo where) {
   static const Loaded library = load(where);
   return library;
 }
 
 }  // namespace jitk::nvrtc
-
-template <auto kKernel>
-cudaKernel_t jitk::nvrtc_kernel(DebugInfo where) {
-  return nvrtc::loaded(where).kernels[nvrtc::Named<kKernel>::index];
-}
 
 // Keeps a copy of one file of the library's device code (`name`, `size` bytes), unless one
 // of that name is already kept. 0, or -1 when memory runs out. Called by the loader, under
@@ -269,4 +285,5 @@ extern "C" __attribute__((visibility("default"))) const char* jitk_nvrtc_kernel_
 } catch (...) {  // nothing escapes to the build that asks: no names, which it reports
   return nullptr;
 }
+#endif  // JITK_RUNTIME_BODY
 #endif

@@ -89,36 +89,7 @@ struct RowStrides {
 // which must outlive it, as for any view.
 class RowView {
  public:
-  RowView(const TensorView& t, const char* name, DebugInfo where = {}) : tensor_(t), name_(name) {
-    RuntimeCheck(where, t.ndim() >= 1, "'", name, "' must have at least one dimension (the ",
-                 "row's elements), got ", PrintTensor{t});
-    const int last = t.ndim() - 1;
-    matrix_shape_[1] = t.size(last);
-    matrix_strides_[1] = t.stride(last);
-    int runs = 0;            // runs found so far, innermost first
-    int64_t continuing = 0;  // the stride at which the next dimension would continue the run
-    int broken = -1;         // the dimension that would start a third run
-    for (int i = last - 1; i >= 0; --i) {
-      rows_ *= t.size(i);
-      if (t.size(i) == 1) continue;  // never stepped over
-      if (runs == 0 || t.stride(i) != continuing) {
-        if (runs == 2) {
-          if (broken < 0) broken = i;
-          continue;
-        }
-        ++runs;
-        (runs == 1 ? inner_stride_ : outer_stride_) = t.stride(i);
-      }
-      if (broken < 0) (runs == 1 ? inner_rows_ : outer_rows_) *= t.size(i);
-      if (broken < 0) continuing = t.stride(i) * t.size(i);
-    }
-    RuntimeCheck(where, broken < 0 || rows_ == 0, "'", name, "' ", PrintTensor{t},
-                 " cannot be read as rows of its last dimension: its leading dimensions do not ",
-                 "collapse into two row strides (stride#", broken, " is ",
-                 broken < 0 ? 0 : t.stride(broken), ", not ", continuing, ")");
-    matrix_shape_[0] = rows_;
-    matrix_strides_[0] = inner_stride_;
-  }
+  RowView(const TensorView& t, const char* name, DebugInfo where = {});
 
   const char* name() const { return name_; }
   int64_t rows() const { return rows_; }
@@ -175,7 +146,43 @@ class RowView {
 
 // The one split under which every view finds its rows: that of the views with two runs,
 // which must agree, or a single run when none has two. The views must have as many rows.
-inline RowSplit shared_split(std::initializer_list<const RowView*> views, DebugInfo where = {}) {
+JITK_RUNTIME RowSplit shared_split(std::initializer_list<const RowView*> views,
+                                   DebugInfo where = {});
+
+#if JITK_RUNTIME_BODY
+JITK_RUNTIME RowView::RowView(const TensorView& t, const char* name, DebugInfo where)
+    : tensor_(t), name_(name) {
+  RuntimeCheck(where, t.ndim() >= 1, "'", name, "' must have at least one dimension (the ",
+               "row's elements), got ", PrintTensor{t});
+  const int last = t.ndim() - 1;
+  matrix_shape_[1] = t.size(last);
+  matrix_strides_[1] = t.stride(last);
+  int runs = 0;            // runs found so far, innermost first
+  int64_t continuing = 0;  // the stride at which the next dimension would continue the run
+  int broken = -1;         // the dimension that would start a third run
+  for (int i = last - 1; i >= 0; --i) {
+    rows_ *= t.size(i);
+    if (t.size(i) == 1) continue;  // never stepped over
+    if (runs == 0 || t.stride(i) != continuing) {
+      if (runs == 2) {
+        if (broken < 0) broken = i;
+        continue;
+      }
+      ++runs;
+      (runs == 1 ? inner_stride_ : outer_stride_) = t.stride(i);
+    }
+    if (broken < 0) (runs == 1 ? inner_rows_ : outer_rows_) *= t.size(i);
+    if (broken < 0) continuing = t.stride(i) * t.size(i);
+  }
+  RuntimeCheck(where, broken < 0 || rows_ == 0, "'", name, "' ", PrintTensor{t},
+               " cannot be read as rows of its last dimension: its leading dimensions do not ",
+               "collapse into two row strides (stride#", broken, " is ",
+               broken < 0 ? 0 : t.stride(broken), ", not ", continuing, ")");
+  matrix_shape_[0] = rows_;
+  matrix_strides_[0] = inner_stride_;
+}
+
+JITK_RUNTIME RowSplit shared_split(std::initializer_list<const RowView*> views, DebugInfo where) {
   const RowView* owner = nullptr;
   for (const RowView* view : views) {
     if (!view->two_runs()) continue;
@@ -189,6 +196,7 @@ inline RowSplit shared_split(std::initializer_list<const RowView*> views, DebugI
   }
   return owner == nullptr ? RowSplit() : RowSplit(owner->inner_rows(), owner->rows());
 }
+#endif  // JITK_RUNTIME_BODY
 
 #endif  // JITK_HOST_HALF
 

@@ -259,13 +259,7 @@ class TensorMatcher {
   // Checks `t` and binds the symbols it is the first to see. `name` is how the error
   // refers to the tensor (the Python argument's name, say).
   const TensorMatcher& verify(const TensorView& t, const char* name = "",
-                              DebugInfo where = {}) const {
-    Text cause;
-    if (!matches(t, cause)) [[unlikely]] {
-      fail(t, name, cause, where);
-    }
-    return *this;
-  }
+                              DebugInfo where = {}) const;
   // The same check of a tvm::ffi::TensorView or Tensor (SGLang's kernels pass those).
   template <DLPackViewLike View>
     requires(!std::same_as<View, TensorView>)
@@ -390,5 +384,16 @@ class TensorMatcher {
   SymbolicDevice* device_ = nullptr;
   SymbolicDevice own_device_;
 };
+
+#if JITK_RUNTIME_BODY
+JITK_RUNTIME const TensorMatcher& TensorMatcher::verify(const TensorView& t, const char* name,
+                                                        DebugInfo where) const {
+  Text cause;
+  if (!matches(t, cause)) [[unlikely]] {
+    fail(t, name, cause, where);
+  }
+  return *this;
+}
+#endif
 
 }  // namespace jitk

@@ -64,6 +64,23 @@ using namespace cuda::std;
 #define JITK_HOST_DEVICE inline
 #endif
 
+// jitk's host runtime: the host functions of jitk's headers that every module would otherwise
+// compile anew (argument checks, NVRTC loading), marked JITK_RUNTIME. A header defines them
+// inline, as usual, except in a host half built with the precompiled prelude, which defines
+// JITK_RUNTIME_LINKED (jitk/build/pch.py): there they are only declared, and the runtime
+// object built beside the prelude (JITK_RUNTIME_DEFINE) defines them once for every library
+// that links it. Only headers that jitk/host_prelude.h includes may use it.
+#if defined(JITK_RUNTIME_LINKED) && !defined(JITK_RUNTIME_DEFINE)
+#define JITK_RUNTIME_BODY 0
+#else
+#define JITK_RUNTIME_BODY 1
+#endif
+#if defined(JITK_RUNTIME_LINKED)
+#define JITK_RUNTIME
+#else
+#define JITK_RUNTIME inline
+#endif
+
 namespace jitk {
 
 #if JITK_HOST_HALF

@@ -126,8 +126,8 @@ __global__ void settle_kernel()
 #endif
 
 #if JITK_HOST_HALF
-static_assert(kGeq == CU_STREAM_WAIT_VALUE_GEQ && kEq == CU_STREAM_WAIT_VALUE_EQ &&
-              kAnd == CU_STREAM_WAIT_VALUE_AND && kNor == CU_STREAM_WAIT_VALUE_NOR);
+static_assert(int{kGeq} == CU_STREAM_WAIT_VALUE_GEQ && int{kEq} == CU_STREAM_WAIT_VALUE_EQ &&
+              int{kAnd} == CU_STREAM_WAIT_VALUE_AND && int{kNor} == CU_STREAM_WAIT_VALUE_NOR);
 
 // ---------------------------------------------------------------------------------------
 // Host side: the flag.
