@@ -235,7 +235,8 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
     path prefixes, both as given and with links resolved."""
     roots = [staging, Path(find_include_path()), Path(find_dlpack_include_path()),
              cache.cache_root() / pch.FOLDER]  # a prelude's own file: its key covers it
-    for compiler in toolchain.compilers(cuda=bool(spec.archs)):
+    # nvcc's, where nvcc builds; a host half is the host compiler's alone
+    for compiler in toolchain.compilers(cuda=bool(spec.archs) and not spec.device_halves):
         roots += toolchain.system_include_dirs(compiler)
     if spec.archs:
         roots.append(toolchain.cuda_home())

@@ -25,7 +25,7 @@ from jitk.base import settings
 from jitk.base.errors import JitkError
 
 # The kernel modules shipped with jitk, as they declare themselves.
-from jitk.build import builder, toolchain
+from jitk.build import toolchain
 from jitk.runtime import registry
 
 KERNEL_MODULES = tuple(registry.kernel_modules())
@@ -248,6 +248,8 @@ def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list
     One pool per architecture, since a worker's loaders cache their modules: a worker
     that built a configuration for one architecture would return it for another. Workers
     are spawned, not forked, so that none inherits a CUDA context from this process."""
+    from jitk.build import builder  # tvm-ffi, and with it torch: only when building
+
     outcomes = []
     context = multiprocessing.get_context("spawn")
     for arch in dict.fromkeys(task.arch for task in tasks):
