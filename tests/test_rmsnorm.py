@@ -16,6 +16,7 @@ import torch
 import tvm_ffi
 
 import jitk
+from jitk.build import cache
 from jitk.kernels import norm
 from jitk.kernels.norm import tuning
 
@@ -397,8 +398,27 @@ def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypa
     autotune.record([{"op": "jitk::rmsnorm", "bucket": [5120, "float16", 16, "in place"],
                       "environment": autotune.environment(), "config": knobs}])
     tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
-    assert [(loader.func, loader.args) for loader in tuned] == [(norm._kernels_with,
+    assert [(loader.func, loader.args) for loader in tuned] == [(norm._chosen_kernels,
                                                                  (bucket, knobs))]
+
+
+def test_a_call_builds_its_choice_alone_not_the_tuners_candidates(tmp_path, monkeypatch,
+                                                                  no_shipped_table):
+    """A recorded choice that is one of the tuner's candidates is built as a module of its
+    own for calls (one instantiation), not as the candidates' shared module (every
+    candidate of the width, several times the build)."""
+    from jitk import autotune
+
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    bucket = (4096, torch.bfloat16, 16)
+    knobs = tuning.candidates(4096, torch.bfloat16, True, False)[1]
+    assert knobs != norm._default_knobs(bucket)
+    autotune.record([{"op": "jitk::rmsnorm", "bucket": [4096, "bfloat16", 16],
+                      "environment": autotune.environment(), "config": knobs}])
+    norm._RMSNORM_SPACE.forget()
+    assert callable(norm._RMSNORM_SPACE.lookup(bucket))
+    built = sorted(entry.path.name.rsplit("_", 2)[0] for entry in cache.list_entries(tmp_path))
+    assert len(built) == 1 and built[0].startswith("rmsnorm_tuned_4096_bf16_t"), built
 
 
 # ---------------------------------------------------------------------------------------

@@ -86,6 +86,9 @@ class TuningSpace:
              (e.g. (hidden, "bfloat16", rows rounded up to a power of two)).
     default: bucket -> today's knob values (a dict over every knob).
     build:   (bucket, knob values) -> a function of the op's arguments that runs them.
+    use:     the same for what a lookup chose, where a call should build something other
+             than what tuning builds (one choice's module rather than the candidates'
+             shared one, quicker to build); default: build.
     allowed: (bucket, knob values) -> whether to try that combination (default: all).
     outputs: the op's parameters it only writes, poisoned before each candidate's check.
     calls:   a cache the op's body may keep by any exact key (e.g. (shape, dtype)) -> what
@@ -110,6 +113,7 @@ class TuningSpace:
     bucket: Callable[..., tuple]
     default: Callable[[tuple], dict]
     build: Callable[[tuple, dict], Callable]
+    use: Callable[[tuple, dict], Callable] | None = None
     allowed: Callable[[tuple, dict], bool] = lambda bucket, config: True
     outputs: tuple[str, ...] = ()
     sample: Callable[[tuple, torch.dtype, torch.device], tuple | list] | None = None
@@ -174,7 +178,8 @@ class TuningSpace:
             config = self._recorded_config(bucket)
             if config is None and autotune_requested() and torch.cuda.is_available():
                 return self._tuned_at_first_call(bucket)
-            chosen = self._chosen[bucket] = self.build(bucket, config or self.default(bucket))
+            use = self.use or self.build
+            chosen = self._chosen[bucket] = use(bucket, config or self.default(bucket))
         return chosen
 
     def _recorded_config(self, bucket: tuple) -> dict | None:

@@ -143,6 +143,18 @@ def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
     return _tuned_kernels(hidden, dtype, tuning.knob_values(knobs))
 
 
+def _chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
+    """What a call runs for the choice a lookup made: the default's module, or a module of
+    that one choice. Not the tuner's candidates module, which holds every candidate of the
+    width and takes several times as long to build; the kernel is the same instantiation in
+    either, so are its bits."""
+    _check_applies(bucket, knobs)
+    hidden, dtype = bucket[:2]
+    if knobs == _default_knobs(bucket):
+        return _kernels(hidden, dtype)
+    return _tuned_kernels(hidden, dtype, tuning.knob_values(knobs))
+
+
 def _module_key(bucket: tuple, knobs: dict) -> tuple:
     """What _kernels_with builds: a module a hidden size and dtype for the default, one for
     the tuner's candidates with PDL and one for those without, one for any other choice;
@@ -305,6 +317,7 @@ def _space(entry: str) -> TuningSpace:
 
     return TuningSpace(tuning.KNOBS, bucket, _default_knobs,
                        lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
+                       use=lambda bucket, knobs: getattr(_chosen_kernels(bucket, knobs), entry),
                        allowed=tuning.tried, module_key=_module_key, neighbour=neighbour,
                        beside_knobs=tuning.BESIDE_KNOBS, tables=TABLES,
                        outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
@@ -382,13 +395,20 @@ def instantiation(function: str, hidden: int, dtype: torch.dtype, rows: int) -> 
 
 def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     """Common model widths in bfloat16 (each module holds both entry points), plus the
-    head dimension that q/k norms use; then every choice the tuning file records."""
+    head dimension that q/k norms use; then the module a call uses for each choice the
+    tuning file (or the shipped table) records, once: one choice often serves many row
+    counts, and a configuration that only waits for another's build holds a worker."""
     defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
                  functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
+    modules = {(hidden, dtype, "default") for hidden, dtype in COMMON_SIZES}
     tuned = {}
     for space in (_RMSNORM_SPACE, _FUSED_SPACE):
         for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
             bucket = (hidden, getattr(torch, dtype), *rest)
-            label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
-            tuned[label] = functools.partial(_kernels_with, bucket, knobs)
+            module = (*bucket[:2], "default" if knobs == _default_knobs(bucket) else
+                      tuning.knob_values(knobs))  # what _chosen_kernels builds
+            if module not in modules:
+                modules.add(module)
+                label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
+                tuned[label] = functools.partial(_chosen_kernels, bucket, knobs)
     return [*defaults, *tuned.items()]
