@@ -201,6 +201,11 @@ def test_construction_refusals():
                  "Worker(device=...) must be a CUDA device", "got 'cpu'", kind=ValueError)
     expect_error(lambda: Worker("chain", ["persistent_chain.cuh"], []),
                  "ops must be a non-empty sequence", kind=ArgumentTypeError)
+    for compiler in ("clang", ["nvcc"]):  # named as Worker's, before any build
+        expect_error(lambda c=compiler: Worker("chain", ["persistent_chain.cuh"], CHAIN_OPS,
+                                               cuda_compiler=c),
+                     "Worker(cuda_compiler=...): one of nvcc, nvrtc, auto", repr(compiler),
+                     kind=ArgumentError)
     expect_error(lambda: Op("x", "X", (IntArg("a"), IntArg("a"))), "argument names repeat",
                  kind=ArgumentError)
 

@@ -51,6 +51,7 @@ DEFAULT_CUDA_CFLAGS = ("-std=c++20", "-O1", "--expt-relaxed-constexpr", "-Xcompi
 # rather than killing the process at the first call that needs it.
 DEFAULT_LDFLAGS = ("-shared", "-Wl,-z,now")
 DISABLE_ENV = "JITK_DISABLE_JIT"
+CUDA_COMPILERS = ("nvcc", "nvrtc", "auto")  # what load_jit(cuda_compiler=...) takes
 _MAX_NAME = 200  # a module name becomes a folder name, with a key after it
 
 # load_jit's other build for a call, asked only when the first is not cached: its spec, call
@@ -348,7 +349,7 @@ def load_jit(
     includes = _listed(extra_include_paths, "extra_include_paths", (str, os.PathLike),
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
-    if cuda_compiler not in ("nvcc", "nvrtc", "auto"):
+    if not isinstance(cuda_compiler, str) or cuda_compiler not in CUDA_COMPILERS:
         raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc', 'nvrtc' or 'auto', got "
                          f"{cuda_compiler!r}")
     wanted = nvrtc.preferred(cuda_compiler)

@@ -158,11 +158,15 @@ def _compile(compiler: str, flags: list[str], folder: Path) -> bool:
     commands = [[compiler, *flags, "-x", "c++-header", HEADER, "-o", f"{HEADER}.gch", "-MMD",
                  "-MF", "prelude.d"],
                 [compiler, *flags, "-c", "runtime.cpp", "-o", RUNTIME]]
-    running = [subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
-               for command in commands]
+    running, failed = [], None
+    for command in commands:
+        try:
+            running.append(subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, text=True, errors="replace"))
+        except OSError as error:
+            failed = f"cannot run {compiler}: {error.strerror}"
+            break
     deadline = time.monotonic() + lock_timeout()
-    failed = None
     for command, process in zip(commands, running):  # every started compile is reaped
         try:
             _, err = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))

@@ -63,7 +63,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
-from jitk.build.jit import load_jit
+from jitk.build.jit import CUDA_COMPILERS, load_jit
 from jitk.kernels.persistent.items import Batch, OpTable
 from jitk.kernels.persistent.ops import (
     ARG_WORDS,
@@ -131,6 +131,9 @@ class Worker:
                  cuda_compiler: str = "nvcc") -> None:
         if not isinstance(capacity, int) or capacity < 16 or capacity & (capacity - 1):
             raise ArgumentError(f"capacity must be a power of two >= 16, got {capacity!r}")
+        if not isinstance(cuda_compiler, str) or cuda_compiler not in CUDA_COMPILERS:
+            raise ArgumentError(f"Worker(cuda_compiler=...): one of {', '.join(CUDA_COMPILERS)}, "
+                                f"got {cuda_compiler!r}")
         ops = tuple(ops)
         if not ops or not all(isinstance(op, Op) for op in ops):
             raise ArgumentTypeError("ops must be a non-empty sequence of jitk.persistent.Op")
