@@ -50,11 +50,12 @@ SETTINGS = _declare(
             "the architectures to build for, e.g. '9.0' or '8.0;9.0' (default: the GPU's)"),
     Setting("JITK_CUDA_COMPILER", "choice", "auto",
             "what builds files written in two halves when load_jit is given "
-            "cuda_compiler='auto' (the shipped kernels): auto (NVRTC where it loads), nvrtc "
-            "or nvcc", ("auto", "nvrtc", "nvcc")),
+            "cuda_compiler='auto' (the shipped kernels): auto (NVRTC where it can build, and "
+            "a cached NVRTC build wherever libnvrtc is installed), nvrtc or nvcc",
+            ("auto", "nvrtc", "nvcc")),
     Setting("JITK_HOST_PRELUDE", "flag", True,
-            "precompile jitk's host headers once (the cache's .pch folder) for the host halves "
-            "built after; off: every build parses them"),
+            "precompile jitk's host headers, and compile its host runtime, once (the cache's "
+            ".pch folder) for the host halves built after; off: every build parses them"),
     Setting("JITK_DISABLE_JIT", "flag", False,
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),
