@@ -11,8 +11,8 @@
 
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdint>
+#include <ctime>
 
 namespace jitk::persistent {
 
@@ -105,15 +105,23 @@ inline int64_t load_word(int64_t address) {
 // 1 once the counter reaches the ticket and the error word (host address `error`) is clear, -1
 // once the error word is set, 0 when spin_ns passed first. Acquire loads, so what the item
 // wrote is visible once it returns 1.
+// Nanoseconds on the monotonic clock, as std::chrono::steady_clock reads it on Linux
+// (<chrono> costs the host compiler more to read than the rest of this header).
+inline int64_t monotonic_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec;
+}
+
 inline int64_t poll_done(int64_t counter, int64_t ticket, int64_t error, int64_t spin_ns) {
   const int64_t* done = host_address<const int64_t>(counter, "counter");
   const int64_t* failed = host_address<const int64_t>(error, "error");
   RuntimeCheck(spin_ns >= 0 && spin_ns <= 1'000'000'000, "spin_ns must be 0 to 1e9, got ", spin_ns);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  const int64_t deadline = monotonic_ns() + spin_ns;
   for (unsigned looks = 0;; ++looks) {
     if (__atomic_load_n(failed, __ATOMIC_ACQUIRE) != 0) return -1;
     if (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= ticket) return 1;
-    if (looks % 16 == 15 && std::chrono::steady_clock::now() > deadline) return 0;
+    if (looks % 16 == 15 && monotonic_ns() > deadline) return 0;
   }
 }
 

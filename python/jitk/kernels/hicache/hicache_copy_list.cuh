@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -255,14 +254,17 @@ class CopyList {
   // One non-blocking stream per device, made at its first use and kept for the process.
   static cudaStream_t batch_stream(int device, DebugInfo where) {
     constexpr int kMaxDevices = 64;
-    static std::atomic<cudaStream_t> streams[kMaxDevices];
+    // Read and set with the compiler's atomic builtins: <atomic> is among the costliest
+    // headers for the host compiler to read.
+    static cudaStream_t streams[kMaxDevices];
     RuntimeCheck(where, device >= 0 && device < kMaxDevices, "device ", device, " is past the ",
                  kMaxDevices, " devices the copy engines keep a stream for");
-    cudaStream_t stream = streams[device].load(std::memory_order_acquire);
+    cudaStream_t stream = __atomic_load_n(&streams[device], __ATOMIC_ACQUIRE);
     if (stream != nullptr) return stream;
     cudaStream_t made = nullptr;
     RuntimeDeviceCheck(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking), where);
-    if (streams[device].compare_exchange_strong(stream, made, std::memory_order_acq_rel)) {
+    if (__atomic_compare_exchange_n(&streams[device], &stream, made, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
       return made;
     }
     cudaStreamDestroy(made);  // another thread's stream came first
