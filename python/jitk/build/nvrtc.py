@@ -158,12 +158,11 @@ def choose(requested: str) -> str:
 
 
 def installed() -> bool:
-    """Whether libnvrtc is here, without loading it when the wheel installed it: what "auto"
-    looks up first, as only a build needs to know that NVRTC can build (builds_here)."""
-    if Path(library_path()).is_absolute():
-        return True
+    """Whether libnvrtc is here with a version to key on, without loading it where the wheel
+    installed it (version): what "auto" looks up first, as only a build needs to know that
+    NVRTC can build (builds_here)."""
     try:
-        _lib()
+        version()
     except NvrtcError:
         return False
     return True
