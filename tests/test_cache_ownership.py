@@ -17,8 +17,7 @@ import pytest
 
 from jitk.base.errors import JitkError, SettingError
 from jitk.build import cache, names, pch, staging, toolchain
-from jitk.build.builder import include_flags
-from jitk.build.jit import PACKAGE_DIR
+from jitk.build.builder import host_half_flags
 
 DAY = 86400
 
@@ -179,8 +178,7 @@ def test_the_host_prelude_removes_only_its_own_abandoned_folders(tmp_path, monke
     look-alike name, and a private folder of a builder still alive all stay."""
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
-    flags = ["-std=c++20", *include_flags([PACKAGE_DIR / "include"]),
-             f"-I{toolchain.cuda_home() / 'include'}"]
+    flags = host_half_flags(("9.0",), [str(pch.INCLUDE)])  # a host half's, as builds use
     built = pch.build(toolchain.host_compiler(), flags)
     assert built is not None
     folder = built.folder

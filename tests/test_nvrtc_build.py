@@ -22,8 +22,7 @@ from errors import expect_error
 
 import jitk
 from jitk.build import cache, nvrtc, pch, toolchain
-from jitk.build.builder import JitCompileError, include_flags
-from jitk.build.jit import PACKAGE_DIR
+from jitk.build.builder import JitCompileError, host_half_flags
 
 # The developer guide's kernel, written in two halves.
 KERNEL = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example" / "axpy.cuh"
@@ -318,8 +317,7 @@ def test_a_prelude_that_cannot_be_built_costs_only_time(tmp_path, monkeypatch):
 def test_a_prelude_others_could_have_written_is_not_read(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    flags = ["-std=c++20", "-fPIC", *include_flags([PACKAGE_DIR / "include"]),
-             f"-I{toolchain.cuda_home() / 'include'}"]
+    flags = host_half_flags(("9.0",), [str(pch.INCLUDE)])  # a host half's, as builds use
     built = pch.build(toolchain.host_compiler(), flags)
     assert built is not None and pch.prelude(toolchain.host_compiler(), flags) == built
     for name in ("prelude.h.gch", pch.RUNTIME):  # code the compiler and the linker take

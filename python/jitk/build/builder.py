@@ -36,7 +36,6 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from jitk.base import settings
 from jitk.base.errors import JitkError
 from jitk.build import cache, loader, nvrtc, pch, toolchain
 from jitk.build.lock import lock_timeout
@@ -162,8 +161,7 @@ def _prelude(archs: tuple[str, ...], build: bool = False) -> pch.Prelude | None:
 def build_prelude(archs: tuple[str, ...]) -> None:
     """Builds the host prelude for `archs` now, where the setting has it and it is not there:
     what a batch of builds does first (precompile), so that none of them goes without it."""
-    if settings.flag("JITK_HOST_PRELUDE"):
-        _prelude(archs, build=True)
+    _prelude(archs, build=True)
 
 
 def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:

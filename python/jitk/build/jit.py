@@ -350,8 +350,8 @@ def load_jit(
                        "paths (str or os.PathLike)")
     build_dir = _check_build_directory(build_directory)
     if not isinstance(cuda_compiler, str) or cuda_compiler not in CUDA_COMPILERS:
-        raise ValueError(f"load_jit(cuda_compiler=...): 'nvcc', 'nvrtc' or 'auto', got "
-                         f"{cuda_compiler!r}")
+        listed = ", ".join(map(repr, CUDA_COMPILERS[:-1])) + f" or {CUDA_COMPILERS[-1]!r}"
+        raise ValueError(f"load_jit(cuda_compiler=...): {listed}, got {cuda_compiler!r}")
     wanted = nvrtc.preferred(cuda_compiler)
     split = wanted == "nvrtc" or (wanted == "auto" and nvrtc.installed())
     if split and flags["extra_cuda_cflags"]:

@@ -119,7 +119,9 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
 def build(compiler: str, flags: list[str]) -> Prelude | None:
     """The prelude for `compiler` and `flags`, built now if it is not there; None when it
     cannot be built (a read-only cache, a compiler without precompiled headers): builds
-    then go on without it."""
+    then go on without it. None under JITK_HOST_PRELUDE=0."""
+    if not settings.flag("JITK_HOST_PRELUDE"):
+        return None
     return _build_or_none(compiler, flags, _folder(compiler, flags))
 
 

@@ -133,26 +133,30 @@ def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
 
 
 def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
+    """What tuning builds for a choice: a candidate's from the candidates' shared module,
+    any other as a call would (_chosen_kernels)."""
     _check_applies(bucket, knobs)
+    index = None if knobs == _default_knobs(bucket) else _candidate_index(bucket, knobs)
+    if index is None:
+        return _chosen_kernels(bucket, knobs)
     hidden, dtype = bucket[:2]
-    if knobs == _default_knobs(bucket):
-        return _kernels(hidden, dtype)
-    index = _candidate_index(bucket, knobs)
-    if index is not None:
-        return _candidate_kernels(hidden, dtype, knobs["pdl"], tuning.unstable_allowed())[index]
-    return _tuned_kernels(hidden, dtype, tuning.knob_values(knobs))
+    return _candidate_kernels(hidden, dtype, knobs["pdl"], tuning.unstable_allowed())[index]
+
+
+def _chosen_module(bucket: tuple, knobs: dict) -> tuple:
+    """Which module a call uses for a choice: (hidden, dtype, None) for the default's, else
+    (hidden, dtype, the choice's knob values) for a module of that one choice."""
+    default = knobs == _default_knobs(bucket)
+    return (*bucket[:2], None if default else tuning.knob_values(knobs))
 
 
 def _chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
-    """What a call runs for the choice a lookup made: the default's module, or a module of
-    that one choice. Not the tuner's candidates module, which holds every candidate of the
-    width and takes several times as long to build; the kernel is the same instantiation in
-    either, so are its bits."""
+    """What a call runs for the choice a lookup made (_chosen_module). Not the tuner's
+    candidates module, which holds every candidate of the width and takes several times as
+    long to build; the kernel is the same instantiation in either, so are its bits."""
     _check_applies(bucket, knobs)
-    hidden, dtype = bucket[:2]
-    if knobs == _default_knobs(bucket):
-        return _kernels(hidden, dtype)
-    return _tuned_kernels(hidden, dtype, tuning.knob_values(knobs))
+    hidden, dtype, values = _chosen_module(bucket, knobs)
+    return _kernels(hidden, dtype) if values is None else _tuned_kernels(hidden, dtype, values)
 
 
 def _module_key(bucket: tuple, knobs: dict) -> tuple:
@@ -400,14 +404,12 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     counts, and a configuration that only waits for another's build holds a worker."""
     defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
                  functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
-    modules = {(hidden, dtype, "default") for hidden, dtype in COMMON_SIZES}
+    modules = {(hidden, dtype, None) for hidden, dtype in COMMON_SIZES}
     tuned = {}
     for space in (_RMSNORM_SPACE, _FUSED_SPACE):
         for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
             bucket = (hidden, getattr(torch, dtype), *rest)
-            module = (*bucket[:2], "default" if knobs == _default_knobs(bucket) else
-                      tuning.knob_values(knobs))  # what _chosen_kernels builds
-            if module not in modules:
+            if (module := _chosen_module(bucket, knobs)) not in modules:
                 modules.add(module)
                 label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
                 tuned[label] = functools.partial(_chosen_kernels, bucket, knobs)
