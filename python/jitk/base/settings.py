@@ -56,6 +56,10 @@ SETTINGS = _declare(
     Setting("JITK_HOST_PRELUDE", "flag", True,
             "precompile jitk's host headers, and compile its host runtime, once (the cache's "
             ".pch folder) for the host halves built after; off: every build parses them"),
+    Setting("JITK_DEVICE_PRELUDE", "flag", True,
+            "have NVRTC precompile jitk's device headers once per version and options (the "
+            "cache's .pch folder) for the device halves built after; off: every build parses "
+            "them"),
     Setting("JITK_DISABLE_JIT", "flag", False,
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),

@@ -37,7 +37,7 @@ import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
 from jitk.base.errors import JitkError
-from jitk.build import cache, loader, nvrtc, pch, toolchain
+from jitk.build import cache, device_prelude, loader, nvrtc, pch, toolchain
 from jitk.build.lock import lock_timeout
 from jitk.build.staging import new_staging, old_stagings
 
@@ -46,6 +46,7 @@ logger = logging.getLogger("jitk")
 # The generated unit of a module whose CUDA files are written in two halves (jitk/nvrtc.cuh):
 # the host compiler builds it alone, NVRTC the kernels it launches (device_halves).
 HOST_HALF = "host_half.cpp"
+DEVICE_HEADERS = "device_half.headers"  # the files NVRTC read, one a line
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
 # The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
@@ -199,7 +200,8 @@ def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
         ldflags += toolchain.cudart_link_flags()
     if prelude and HOST_HALF in spec.sources:
         ldflags = [*prelude.link_inputs(), *ldflags]
-    lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
+    ldflags = [*toolchain.linker_flags(), *ldflags, *flags["ldflags"]]  # the user's last
+    lines.append(f"ldflags = {_arguments(*ldflags)}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}
     rule = {HOST_HALF: "compile_host_half"}
@@ -243,10 +245,11 @@ def _covered_by_key(spec: BuildSpec, staging: Path) -> tuple[str, ...]:
 
 
 def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
-    """The files each compiler read, from the make-style dependency file it wrote beside
-    its object (and for a host half, the precompiled prelude's, copied beside it): a
-    backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
-    paths = []
+    """The files each compiler read: NVRTC's list, and the make-style dependency file each
+    other compiler wrote beside its object (and for a host half, the precompiled prelude's,
+    copied beside it): a backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
+    device_half = staging / DEVICE_HEADERS  # NVRTC's, one a line (_build_device_halves)
+    paths = device_half.read_text().splitlines() if device_half.is_file() else []
     depfiles = [(source, staging / f"{_object(source)}.d") for source in sources]
     prelude = staging / f"{_object(HOST_HALF)}.prelude.d"
     if prelude.is_file():
@@ -292,6 +295,8 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
             shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
     (staging / "build.ninja").write_text(build_file(spec, prelude))
     started = time.perf_counter()
+    for options in _device_options(spec).values():  # made beside the host compile
+        device_prelude.start(options)
     _run_ninja(spec.name, staging)
     library = staging / f"{spec.name}.so"
     device_code = _build_device_halves(spec, staging) if spec.device_halves else {}
@@ -326,27 +331,33 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     <name>.<part>.sm_XX.cubin (and .compute_XX.ptx, as ptx_arch says), and <name>.kernels, a
     line "expression<TAB>lowered<TAB>part" a kernel. Written into `staging` and returned (file
     name -> bytes), for the library to be handed at its load (loader.load_from_fd;
-    jitk/nvrtc.cuh reads them at the first launch)."""
+    jitk/nvrtc.cuh reads them at the first launch). Every program reads the device prelude
+    first, precompiled for its target (device_prelude.py); the headers NVRTC read, the
+    prelude's among them, are listed in DEVICE_HEADERS for the entry's record."""
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
         if not expressions:  # host code only: nothing for NVRTC to build or a launch to find
             return {}
         count = _nvrtc_parts(len(expressions))
         parts = [expressions[i::count] for i in range(count)]
-        source = "".join(f'#include "{path}"\n' for path in spec.device_halves)
-        cuda_include = toolchain.cuda_home() / "include"
-        # The standard headers as libcu++'s (include/nvrtc_std), then the kernel's folders.
-        includes = [f"-I{path}" for path in (Path(spec.flags["include_dirs"][0]) / "nvrtc_std",
-                                             *spec.flags["include_dirs"], cuda_include,
-                                             cuda_include / "cccl")]
+        source = nvrtc.PRELUDE + "".join(f'#include "{path}"\n' for path in spec.device_halves)
+        options = _device_options(spec)
+        preludes = {arch: device_prelude.get(options[arch], lock_timeout()) for arch in options}
         jobs = [(arch, index) for arch in spec.archs for index in range(len(parts))]
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             programs = list(pool.map(lambda job: nvrtc.compile_cubin(
-                source, f"{spec.name}.cu", parts[job[1]],
-                [f"-arch={toolchain.sm_name(job[0])}", *nvrtc.OPTIONS, *includes]), jobs))
+                source, f"{spec.name}.cu", parts[job[1]], options[job[0]],
+                preludes[job[0]].file if preludes[job[0]] else None), jobs))
     except nvrtc.NvrtcError as error:
         raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
                               or [str(error)], str(error)) from None
+    read = {path for program in programs for path in program.headers}
+    for arch, prelude in preludes.items():
+        if prelude and not all(p.used_pch for (a, _), p in zip(jobs, programs) if a == arch):
+            logger.info("jitk: NVRTC parsed the device prelude for %s instead of loading %s",
+                        spec.name, prelude.file)
+        read.update(prelude.headers if prelude else ())
+    (staging / DEVICE_HEADERS).write_text("".join(f"{path}\n" for path in sorted(read)))
     code = {f"{spec.name}.{index}.{toolchain.sm_name(arch)}.cubin": program.cubin
             for (arch, index), program in zip(jobs, programs)}
     # As nvcc's fat builds (gencode_flags): the newest generic target's PTX too, which the
@@ -361,6 +372,19 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
     for name, data in code.items():
         (staging / name).write_bytes(data)
     return code
+
+
+def _device_options(spec: BuildSpec) -> dict[str, list[str]]:
+    """NVRTC's options for each target of a module whose kernels it builds (none for others):
+    libcu++'s standard headers (include/nvrtc_std), the kernel's folders, the toolkit's."""
+    if not spec.device_halves:
+        return {}
+    cuda_include = toolchain.cuda_home() / "include"
+    includes = [f"-I{path}" for path in (Path(spec.flags["include_dirs"][0]) / "nvrtc_std",
+                                         *spec.flags["include_dirs"], cuda_include,
+                                         cuda_include / "cccl")]
+    return {arch: [f"-arch={toolchain.sm_name(arch)}", *nvrtc.OPTIONS, *includes]
+            for arch in spec.archs}
 
 
 # NVRTC programs of one module side by side: each re-reads the front end, and in one process

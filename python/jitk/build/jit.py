@@ -384,7 +384,9 @@ def load_jit(
         }
         compilers = toolchain.compiler_versions(toolchain.compilers(cuda=has_cuda and not split))
         if split and has_cuda:
-            compilers.append("nvrtc {}.{} {}".format(*nvrtc.version(), nvrtc.OPTIONS))
+            # the prelude in the key: entries built before it did not record NVRTC's headers
+            compilers.append("nvrtc {}.{} {} {}".format(*nvrtc.version(), nvrtc.OPTIONS,
+                                                       nvrtc.PRELUDE.strip()))
         kernel_files = cpp_paths + cuda_paths
         # The architectures are not in the build's key but in the folder's name, after it, so
         # that a process can find an entry built for more architectures than it asks for.

@@ -9,10 +9,15 @@ kernel up by in the loaded cubin."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import json
+import os
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +25,18 @@ from jitk.base import settings
 from jitk.base.errors import ArgumentError, JitkError
 from jitk.build import toolchain
 
-__all__ = ["OPTIONS", "NvrtcError", "Program", "builds_here", "choose", "compile_cubin",
-           "installed", "kernel_names", "library_path", "preferred", "version"]
+__all__ = ["OPTIONS", "PRELUDE", "NvrtcError", "Program", "builds_here", "choose",
+           "compile_cubin", "create_pch", "installed", "kernel_names", "library_path",
+           "preferred", "version"]
 
 _SONAME = "libnvrtc.so.13"
 # What every build of a device half passes, besides its architecture and include folders.
 # -default-device: a function without an execution space is a device function, as nvcc's
 # --expt-relaxed-constexpr lets device code call constexpr ones (NVRTC refuses host functions).
 OPTIONS = ("-std=c++20", "-default-device")
+# What a device half's source reads first: the headers every device half shares, which a
+# build loads precompiled (create_pch; jitk/build/pch.py) or, where that is not there, parses.
+PRELUDE = "#include <jitk/device_prelude.cuh>\n"
 _SUCCESS = 0
 
 
@@ -94,6 +103,8 @@ class Program:
     lowered: dict[str, str]  # name expression -> the kernel's mangled name in the cubin
     log: str
     ptx: bytes  # what the cubin was made from, with its terminating NUL
+    headers: tuple[str, ...]  # the files NVRTC read, less those a precompiled header held
+    used_pch: bool  # whether NVRTC loaded the precompiled header it was given
 
 
 def _text(getter: str, size_getter: str, handle: ctypes.c_void_p) -> bytes:
@@ -104,13 +115,19 @@ def _text(getter: str, size_getter: str, handle: ctypes.c_void_p) -> bytes:
     return buffer.raw[:size.value]
 
 
-def compile_cubin(source: str, name: str, expressions: list[str], options: list[str]
-                  ) -> Program:
-    """Compiles `source` (named `name` in messages) with `options` (an -arch=sm_XX among
-    them, for a cubin) and returns the cubin and each name expression's lowered name."""
-    if not any(option.startswith(("-arch=sm_", "--gpu-architecture=sm_")) for option in options):
-        raise ArgumentError(f"compile_cubin(options=...): a cubin needs a real architecture, "
-                            f"e.g. -arch=sm_90; got {options}")
+# NVRTC's log lines saying that it made or used a precompiled header (--pch-messages).
+_PCH_MESSAGE = re.compile(r'^"[^"\n]*": (creating|using) precompiled header file .*\n?',
+                          re.MULTILINE)
+
+
+@contextlib.contextmanager
+def _compiled(source: str, name: str, expressions: list[str], options: list[str]
+              ) -> Iterator[tuple[ctypes.c_void_p, str, tuple[str, ...]]]:
+    """Compiles `source` and yields the program, its log and the files NVRTC read. NVRTC has
+    no dependency file: its time trace (--fdevice-time-trace, written to a fresh file each
+    compile, as the assembler appends to one that exists) names each header it processed.
+    The trace and the PCH messages are in every compile's options, as NVRTC takes a
+    precompiled header only from a compile whose options match its own."""
     lib = _lib()
     if _loaded_version() != version():
         raise NvrtcError(f"NVRTC: {library_path()} is version {_loaded_version()}, but its "
@@ -119,25 +136,71 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
     _check(lib.nvrtcCreateProgram(ctypes.byref(handle), source.encode(), name.encode(), 0,
                                   None, None), "nvrtcCreateProgram")
     try:
-        for expression in expressions:
-            _check(lib.nvrtcAddNameExpression(handle, expression.encode()),
-                   f"nvrtcAddNameExpression({expression!r})")
-        encoded = [option.encode() for option in options]
-        argv = (ctypes.c_char_p * len(encoded))(*encoded)
-        result = lib.nvrtcCompileProgram(handle, len(encoded), argv)
-        log = _text("nvrtcGetProgramLog", "nvrtcGetProgramLogSize", handle)
-        log = log.rstrip(b"\0").decode(errors="replace").strip()
-        _check(result, f"compiling {name}", log)
+        with tempfile.TemporaryDirectory(prefix="jitk-nvrtc-") as folder:
+            trace = Path(folder, "trace")
+            for expression in expressions:
+                _check(lib.nvrtcAddNameExpression(handle, expression.encode()),
+                       f"nvrtcAddNameExpression({expression!r})")
+            encoded = [option.encode() for option in (
+                *options, f"--fdevice-time-trace={trace}", "--pch-messages=true")]
+            argv = (ctypes.c_char_p * len(encoded))(*encoded)
+            result = lib.nvrtcCompileProgram(handle, len(encoded), argv)
+            log = _text("nvrtcGetProgramLog", "nvrtcGetProgramLogSize", handle)
+            log = log.rstrip(b"\0").decode(errors="replace").strip()
+            _check(result, f"compiling {name}", log)
+            headers = _headers_in(trace.with_name("trace.json"), name)
+        yield handle, log, headers
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(handle))
+
+
+def _headers_in(trace: Path, name: str) -> tuple[str, ...]:
+    """The files a time trace says NVRTC processed (its built-in headers have no path)."""
+    try:
+        events = json.loads(trace.read_text())["traceEvents"]
+        found = {event["args"]["detail"] for event in events
+                 if event.get("name") == "Processing Header File"}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise NvrtcError(f"NVRTC compiled {name} but its record of the headers it read "
+                         f"({trace.name}) cannot be read: {error}") from None
+    return tuple(sorted(path for path in found if os.path.isabs(path)))
+
+
+def compile_cubin(source: str, name: str, expressions: list[str], options: list[str],
+                  pch: Path | None = None) -> Program:
+    """Compiles `source` (named `name` in messages) with `options` (an -arch=sm_XX among
+    them, for a cubin) and returns the cubin and each name expression's lowered name. `pch`:
+    a precompiled header that create_pch made with the same options, for the source's first
+    #include (NVRTC parses the header instead where it does not match)."""
+    if not any(option.startswith(("-arch=sm_", "--gpu-architecture=sm_")) for option in options):
+        raise ArgumentError(f"compile_cubin(options=...): a cubin needs a real architecture, "
+                            f"e.g. -arch=sm_90; got {options}")
+    used = [*options, *([f"--use-pch={pch}"] if pch else [])]
+    with _compiled(source, name, expressions, used) as (handle, log, headers):
         lowered = {}
         for expression in expressions:
             mangled = ctypes.c_char_p()
-            _check(lib.nvrtcGetLoweredName(handle, expression.encode(), ctypes.byref(mangled)),
+            _check(_lib().nvrtcGetLoweredName(handle, expression.encode(),
+                                              ctypes.byref(mangled)),
                    f"nvrtcGetLoweredName({expression!r})")
             lowered[expression] = mangled.value.decode()
         cubin = _text("nvrtcGetCUBIN", "nvrtcGetCUBINSize", handle)
-        return Program(cubin, lowered, log, _text("nvrtcGetPTX", "nvrtcGetPTXSize", handle))
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(handle))
+        ptx = _text("nvrtcGetPTX", "nvrtcGetPTXSize", handle)
+    return Program(cubin, lowered, _PCH_MESSAGE.sub("", log).strip(), ptx, headers,
+                   pch is not None and "using precompiled header file" in log)
+
+
+def create_pch(path: Path, header: str, options: list[str]) -> tuple[str, ...]:
+    """Precompiles `header` (an #include line) for compiles with `options` into `path`, and
+    returns the files it read. The precompiled part of a source is its leading directives:
+    a declaration after the include ends it, so the header alone is in the file."""
+    with _compiled(f"{header}namespace jitk {{}}\n", path.name, [],
+                   [*options, f"--create-pch={path}"]) as (handle, log, headers):
+        status = _lib().nvrtcGetPCHCreateStatus(handle)
+    if status != _SUCCESS or not path.is_file():
+        what = _lib().nvrtcGetErrorString(status).decode()
+        raise NvrtcError(f"NVRTC did not precompile {header.strip()}: {what}\n{log}")
+    return headers
 
 
 def preferred(requested: str) -> str:

@@ -7,7 +7,7 @@ prelude as text instead: the same code, the old speed. Beside it, jitk's host ru
 otherwise compile anew) is compiled once into an object that every library built with the
 prelude links, so no build generates that code again. The first build that wants a prelude
 does not wait for it: it starts the prelude's build beside its own, on a thread, and goes
-without; the builds after it use it.
+without; the builds after it use it (a process that ends first finishes that build).
 
 A prelude lives in the cache at .pch/<key>/ (a dot folder, which the entry listing, prune and
 clear never take for an entry), and is used only where nobody but the user (and whom they
@@ -111,8 +111,10 @@ def prelude(compiler: str, flags: list[str]) -> Prelude | None:
         if folder in _started:
             return None
         _started.add(folder)
+    # Not a daemon: a process that ends sooner finishes it first (a compile that the lock's
+    # timeout bounds), or a run of short processes would never leave one behind.
     threading.Thread(target=_build_or_none, args=(compiler, flags, folder),
-                     name="jitk-prelude", daemon=True).start()
+                     name="jitk-prelude").start()
     return None
 
 

@@ -1,0 +1,171 @@
+"""What NVRTC reads and what it reads first: a device half loads the device prelude that
+NVRTC precompiled in the process (jitk/build/device_prelude.py) and makes the same code as
+one that parses it; the headers NVRTC read, those only the device half includes among them,
+are in the entry's record, so an edit of one rebuilds the entry; the process removes its
+preludes' folder when it exits (a forked child leaves it); and a process that ends before
+the host prelude it began is built finishes it first."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from child_env import PYTHON_PATH
+
+import jitk
+from jitk.build import jit, nvrtc, pch
+
+
+def _nvrtc_missing() -> str | None:
+    try:
+        nvrtc.version()
+    except nvrtc.NvrtcError as error:
+        return str(error)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_nvrtc_missing() is not None,
+                                reason=f"no NVRTC here: {_nvrtc_missing()}")
+
+# A kernel in two halves whose device half alone includes a header (scale.cuh).
+KERNEL = """#include <jitk/nvrtc.cuh>
+#include <jitk/utils.cuh>
+#if JITK_DEVICE_HALF
+#include "scale.cuh"
+#endif
+#if JITK_HOST_HALF
+#include <jitk/tensor.h>
+#endif
+namespace scaled {
+template <typename T>
+__global__ void scale_kernel(T* x, int64_t n)
+#if JITK_DEVICE_HALF
+{
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) x[i] = x[i] * T(kScale);
+}
+#else
+    ;
+#endif
+#if JITK_HOST_HALF
+using namespace jitk;
+template <typename T>
+struct Scale {
+  static void run(TensorView x) {
+    SymbolicSize n{"length"};
+    SymbolicDevice device;
+    TensorMatcher({n}).with_device<kDLCUDA>(device).with_dtype<T>().verify(x, "x");
+    LaunchKernel(div_ceil(n.unwrap(), 128), 128, device.unwrap())
+        .launch<scale_kernel<T>>(static_cast<T*>(x.data_ptr()), n.unwrap());
+  }
+};
+#endif
+}  // namespace scaled
+"""
+
+
+def _kernel(folder: Path, scale: str = "2.0f") -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / "scale.cuh").write_text(f"#pragma once\nconstexpr float kScale = {scale};\n")
+    path = folder / "scaled.cuh"
+    path.write_text(KERNEL)
+    return path
+
+
+def _load(kernel: Path, *name: str):
+    return jitk.load_jit("scaled", *name, cuda_files=[kernel], cuda_compiler="nvrtc",
+                         cuda_wrappers=[("scale", "scaled::Scale<fp32_t>::run")])
+
+
+def _spy(monkeypatch) -> list[tuple[object, nvrtc.Program]]:
+    """Every NVRTC compile of a build: the precompiled header it was given, and its result."""
+    compiled, compile_cubin = [], nvrtc.compile_cubin
+
+    def spy(*args, **kwargs):
+        program = compile_cubin(*args, **kwargs)
+        compiled.append((args[4] if len(args) > 4 else kwargs.get("pch"), program))
+        return program
+    monkeypatch.setattr(nvrtc, "compile_cubin", spy)
+    return compiled
+
+
+def test_a_device_half_loads_the_prelude_and_makes_the_same_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = _kernel(tmp_path / "src")
+    compiled = _spy(monkeypatch)
+    _load(kernel, "fp32_t")  # the first build of the process waits for the prelude it began
+    monkeypatch.setenv("JITK_DEVICE_PRELUDE", "0")
+    _load(kernel, "fp32_t", "parsed")
+    (given, loaded), (none, parsed) = compiled
+    assert given is not None and given.is_file() and loaded.used_pch
+    assert none is None and not parsed.used_pch
+    assert loaded.cubin == parsed.cubin and loaded.ptx == parsed.ptx
+    assert "precompiled header" not in loaded.log  # NVRTC's note on it is not a warning
+
+
+def test_a_header_only_the_device_half_reads_is_recorded_and_an_edit_rebuilds(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = _kernel(tmp_path / "src")
+    _load(kernel, "fp32_t")
+    (entry,) = [p for p in (tmp_path / "cache").iterdir()
+                if p.is_dir() and p.name.startswith("scaled_")]
+    headers = json.loads((entry / "jitk-meta.json").read_text())["headers"]
+    assert str(tmp_path / "src" / "scale.cuh") in headers  # read by NVRTC alone
+    # The prelude's headers too, though NVRTC loaded them precompiled.
+    assert any(name.endswith("include/jitk/packed.cuh") for name in headers)
+    before = jit.build_count()
+    _load(kernel, "fp32_t")
+    assert jit.build_count() == before
+    (tmp_path / "src" / "scale.cuh").write_text("#pragma once\nconstexpr float kScale = 3.0f;\n")
+    _load(kernel, "fp32_t")
+    assert jit.build_count() == before + 1
+
+
+FORKED_AND_EXITED = r"""
+import os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from test_device_prelude import _kernel, _load
+from pathlib import Path
+_load(_kernel(Path(sys.argv[2])), "fp32_t")
+made = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("jitk-device-prelude-")]
+print("made", len(made), flush=True)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a normal exit: atexit runs in the forked child too
+os.waitpid(child, 0)
+left = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("jitk-device-prelude-")]
+print("after the fork", len(left), flush=True)
+"""
+
+
+def test_the_process_removes_its_preludes_folder_and_a_fork_leaves_it(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_AND_EXITED, str(Path(__file__).parent),
+         str(tmp_path / "src")],
+        env={**os.environ, "TMPDIR": str(temp), "JITK_CACHE_DIR": str(tmp_path / "cache"),
+             "PYTHONPATH": PYTHON_PATH},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["made 1", "after the fork 1"], done.stdout
+    assert not any(p.name.startswith("jitk-device-prelude-") for p in temp.iterdir())
+
+
+def test_a_process_that_ends_first_finishes_the_host_prelude_it_began(tmp_path):
+    cache = tmp_path / "cache"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+         "from test_device_prelude import _kernel, _load; from pathlib import Path; "
+         "_load(_kernel(Path(sys.argv[2])), 'fp32_t')", str(Path(__file__).parent),
+         str(tmp_path / "src")],
+        env={**os.environ, "JITK_CACHE_DIR": str(cache), "JITK_HOST_PRELUDE": "1",
+             "PYTHONPATH": PYTHON_PATH},
+        capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = [p.parent for p in (cache / pch.FOLDER).glob("*/prelude.h.gch")]
+    assert len(built) == 1 and (built[0] / pch.RUNTIME).is_file()
+    assert len(built[0].name) == 64  # renamed into place: not a private folder left behind
