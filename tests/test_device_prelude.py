@@ -2,11 +2,13 @@
 NVRTC precompiled in the process (jitk/build/device_prelude.py) and makes the same code as
 one that parses it; the headers NVRTC read, those only the device half includes among them,
 are in the entry's record, so an edit of one rebuilds the entry; the process removes its
-preludes' folder when it exits (a forked child leaves it); and a process that ends before
-the host prelude it began is built finishes it first."""
+preludes' folder when it exits (a forked child leaves it); a process that ends before the
+host prelude it began is built finishes it first; and the host prelude has builds link with
+gold only where its build found that gold links with the compiler."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ import pytest
 from child_env import PYTHON_PATH
 
 import jitk
-from jitk.build import jit, nvrtc, pch
+from jitk.build import jit, nvrtc, pch, toolchain
+from jitk.build.builder import host_half_flags
 
 
 def _nvrtc_missing() -> str | None:
@@ -169,3 +172,24 @@ def test_a_process_that_ends_first_finishes_the_host_prelude_it_began(tmp_path):
     built = [p.parent for p in (cache / pch.FOLDER).glob("*/prelude.h.gch")]
     assert len(built) == 1 and (built[0] / pch.RUNTIME).is_file()
     assert len(built[0].name) == 64  # renamed into place: not a private folder left behind
+
+
+@pytest.mark.skipif(shutil.which("ld.gold") is None, reason="no ld.gold here")
+def test_builds_link_with_gold_only_where_it_links_with_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    flags = host_half_flags(("9.0",), [str(pch.INCLUDE)])
+    linked = pch.build(toolchain.host_compiler(), flags)
+    assert linked is not None and "-fuse-ld=gold" in linked.link_inputs()
+    # A compiler whose libraries gold cannot open (GCC under /opt on the GPU machine's host).
+    wrapper = tmp_path / "c++"
+    wrapper.write_text(f"""#!/bin/sh
+for word in "$@"; do [ "$word" = -fuse-ld=gold ] && {{ echo "gold: cannot open" >&2; exit 1; }}
+done
+exec {toolchain.host_compiler()} "$@"
+""")
+    wrapper.chmod(0o755)
+    unlinked = pch.build(str(wrapper), flags)
+    assert unlinked is not None and unlinked.folder != linked.folder
+    assert "-fuse-ld=gold" not in unlinked.link_inputs()
+    assert not list(unlinked.folder.glob("*.so"))  # the probe's library is not left behind

@@ -200,8 +200,7 @@ def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
         ldflags += toolchain.cudart_link_flags()
     if prelude and HOST_HALF in spec.sources:
         ldflags = [*prelude.link_inputs(), *ldflags]
-    ldflags = [*toolchain.linker_flags(), *ldflags, *flags["ldflags"]]  # the user's last
-    lines.append(f"ldflags = {_arguments(*ldflags)}")
+    lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}
     rule = {HOST_HALF: "compile_host_half"}

@@ -44,6 +44,7 @@ logger = logging.getLogger("jitk")
 FOLDER = ".pch"
 HEADER = "prelude.h"
 RUNTIME = "runtime.o"
+GOLD = "links-with-gold"  # there when _links_with_gold found that gold links
 # Only a host half built with the prelude declares the runtime without defining it, so the
 # two are made and used together.
 _LINKED = "#define JITK_RUNTIME_LINKED 1\n#include <jitk/host_prelude.h>\n"
@@ -64,8 +65,10 @@ class Prelude:
         return ["-include", str(self.folder / HEADER)]
 
     def link_inputs(self) -> list[str]:
-        """The link's: the runtime object that the host half only declares."""
-        return [str(self.folder / RUNTIME)]
+        """The link's: the runtime object that the host half only declares, and gold where
+        the prelude's build found that it links with this compiler (_links_with_gold)."""
+        gold = ["-fuse-ld=gold"] if (self.folder / GOLD).is_file() else []
+        return [*gold, str(self.folder / RUNTIME)]
 
 
 def _built(folder: Path) -> bool:
@@ -76,8 +79,9 @@ def _folder(compiler: str, flags: list[str]) -> Path:
     """Where the prelude for `compiler` and `flags` is: .pch/<key> in the cache."""
     digest = hashlib.sha256()
     runtime = toolchain.cuda_home() / "include" / "cuda_runtime_api.h"
-    material = {"compiler": toolchain.compiler_versions([compiler]), "flags": flags,
-                "tvm_ffi": tvm_ffi.__version__, "cuda": cache.digest(runtime)}
+    # The path too: two installs of one version may differ (its libraries, gold or not).
+    material = {"compiler": [compiler, *toolchain.compiler_versions([compiler])],
+                "flags": flags, "tvm_ffi": tvm_ffi.__version__, "cuda": cache.digest(runtime)}
     digest.update(json.dumps(material, sort_keys=True).encode())
     for path in sorted(p for p in INCLUDE.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(INCLUDE)).encode())
@@ -183,4 +187,26 @@ def _compile(compiler: str, flags: list[str], folder: Path) -> bool:
             failed = failed or f"{' '.join(command[-4:])} failed:\n{err[-2000:]}"
     if failed:
         logger.info("jitk: no host prelude (%s): %s; building without it", compiler, failed)
+    elif _links_with_gold(compiler, folder):
+        (folder / GOLD).write_text("-fuse-ld=gold\n")
     return failed is None
+
+
+def _links_with_gold(compiler: str, folder: Path) -> bool:
+    """Whether `compiler` links the runtime into a shared library with gold, which links a
+    module's library in a fraction of GNU ld's time. Installed is not enough: gold finds
+    only the libraries GNU ld would where the compiler is the system's (a compiler under
+    /opt may hand it a library folder it cannot read). It links the same code either way,
+    so the choice is not in any key."""
+    if not shutil.which("ld.gold"):
+        return False
+    probe = folder / "gold_probe.so"
+    try:
+        done = subprocess.run([compiler, "-shared", "-fuse-ld=gold", RUNTIME, "-o", probe.name],
+                              cwd=folder, capture_output=True, timeout=lock_timeout(),
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        probe.unlink(missing_ok=True)  # made here, in the prelude's private folder
+    return done.returncode == 0

@@ -137,14 +137,6 @@ def cudart_link_flags() -> list[str]:
     return [f"-L{root / 'lib64'}", "-lcudart"]  # the linker's error names what is missing
 
 
-@functools.cache
-def linker_flags() -> list[str]:
-    """The link's linker: gold where it is installed (ld.gold on PATH), which links a
-    module's library in a fraction of GNU ld's time; else the compiler's own. It links the
-    same code either way, so the choice is not in the cache key."""
-    return ["-fuse-ld=gold"] if shutil.which("ld.gold") else []
-
-
 def parse_archs(text: str) -> tuple[str, ...]:
     """'9.0a;8.0' -> ('9.0a', '8.0'). Separators: ';', ',' or spaces."""
     archs = tuple(a for a in re.split(r"[;,\s]+", text.strip()) if a)
