@@ -193,3 +193,20 @@ exec {toolchain.host_compiler()} "$@"
     assert unlinked is not None and unlinked.folder != linked.folder
     assert "-fuse-ld=gold" not in unlinked.link_inputs()
     assert not list(unlinked.folder.glob("*.so"))  # the probe's library is not left behind
+
+
+def test_nvvms_threads_change_only_the_order_of_the_code():
+    """-split-compile (nvrtc.OPTIONS) optimises kernels apart: the PTX holds the same lines."""
+    include = pch.INCLUDE
+    cuda = toolchain.cuda_home() / "include"
+    guide = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example"
+    options = ["-arch=sm_90", "-std=c++20", "-default-device",
+               *(f"-I{p}" for p in (include / "nvrtc_std", include, cuda, cuda / "cccl"))]
+    assert "-split-compile=0" in nvrtc.OPTIONS
+    source = f'{nvrtc.PRELUDE}#include "{guide / "axpy.cuh"}"\n'
+    names = ["&axpy::axpy_kernel<float>", "&axpy::axpy_kernel<__nv_bfloat16>"]
+
+    def lines(extra: list[str]) -> list[str]:
+        ptx = nvrtc.compile_cubin(source, "axpy.cu", names, [*options, *extra]).ptx.decode()
+        return sorted(line for line in ptx.splitlines() if not line.startswith("//"))
+    assert lines(["-split-compile=0"]) == lines([])

@@ -33,7 +33,9 @@ _SONAME = "libnvrtc.so.13"
 # What every build of a device half passes, besides its architecture and include folders.
 # -default-device: a function without an execution space is a device function, as nvcc's
 # --expt-relaxed-constexpr lets device code call constexpr ones (NVRTC refuses host functions).
-OPTIONS = ("-std=c++20", "-default-device")
+# -split-compile=0: NVVM optimises the kernels on as many threads as there are cores, which
+# emits the same instructions in another order (tests/test_device_prelude.py).
+OPTIONS = ("-std=c++20", "-default-device", "-split-compile=0")
 # What a device half's source reads first: the headers every device half shares, which a
 # build loads precompiled (create_pch; jitk/build/pch.py) or, where that is not there, parses.
 PRELUDE = "#include <jitk/device_prelude.cuh>\n"
