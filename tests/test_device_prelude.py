@@ -179,8 +179,14 @@ def test_builds_link_with_gold_only_where_it_links_with_the_compiler(tmp_path, m
     monkeypatch.setenv("JITK_HOST_PRELUDE", "1")
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
     flags = host_half_flags(("9.0",), [str(pch.INCLUDE)])
-    linked = pch.build(toolchain.host_compiler(), flags)
-    assert linked is not None and "-fuse-ld=gold" in linked.link_inputs()
+    built = pch.build(toolchain.host_compiler(), flags)
+    # Whether gold links a C++ library with this compiler, asked apart from jitk.
+    (tmp_path / "one.cpp").write_text("#include <string>\nstd::string one() { return \"1\"; }\n")
+    probe = subprocess.run([toolchain.host_compiler(), "-shared", "-fPIC", "-fuse-ld=gold",
+                            "one.cpp", "-o", "one.so"], cwd=tmp_path, capture_output=True,
+                           timeout=120, check=False)
+    assert built is not None
+    assert ("-fuse-ld=gold" in built.link_inputs()) == (probe.returncode == 0), probe.stderr
     # A compiler whose libraries gold cannot open (GCC under /opt on the GPU machine's host).
     wrapper = tmp_path / "c++"
     wrapper.write_text(f"""#!/bin/sh
@@ -190,7 +196,7 @@ exec {toolchain.host_compiler()} "$@"
 """)
     wrapper.chmod(0o755)
     unlinked = pch.build(str(wrapper), flags)
-    assert unlinked is not None and unlinked.folder != linked.folder
+    assert unlinked is not None and unlinked.folder != built.folder
     assert "-fuse-ld=gold" not in unlinked.link_inputs()
     assert not list(unlinked.folder.glob("*.so"))  # the probe's library is not left behind
 
