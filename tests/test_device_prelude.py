@@ -15,22 +15,13 @@ from pathlib import Path
 
 import pytest
 from child_env import PYTHON_PATH
+from needs_nvrtc import NEEDS_NVRTC
 
 import jitk
 from jitk.build import jit, nvrtc, pch, toolchain
 from jitk.build.builder import host_half_flags
 
-
-def _nvrtc_missing() -> str | None:
-    try:
-        nvrtc.version()
-    except nvrtc.NvrtcError as error:
-        return str(error)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_nvrtc_missing() is not None,
-                                reason=f"no NVRTC here: {_nvrtc_missing()}")
+pytestmark = NEEDS_NVRTC
 
 # A kernel in two halves whose device half alone includes a header (scale.cuh).
 KERNEL = """#include <jitk/nvrtc.cuh>
@@ -69,7 +60,7 @@ struct Scale {
 """
 
 
-def _kernel(folder: Path, scale: str = "2.0f") -> Path:
+def write_kernel(folder: Path, scale: str = "2.0f") -> Path:
     folder.mkdir(exist_ok=True)
     (folder / "scale.cuh").write_text(f"#pragma once\nconstexpr float kScale = {scale};\n")
     path = folder / "scaled.cuh"
@@ -77,7 +68,7 @@ def _kernel(folder: Path, scale: str = "2.0f") -> Path:
     return path
 
 
-def _load(kernel: Path, *name: str):
+def load_scaled(kernel: Path, *name: str):
     return jitk.load_jit("scaled", *name, cuda_files=[kernel], cuda_compiler="nvrtc",
                          cuda_wrappers=[("scale", "scaled::Scale<fp32_t>::run")])
 
@@ -96,11 +87,11 @@ def _spy(monkeypatch) -> list[tuple[object, nvrtc.Program]]:
 
 def test_a_device_half_loads_the_prelude_and_makes_the_same_code(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
-    kernel = _kernel(tmp_path / "src")
+    kernel = write_kernel(tmp_path / "src")
     compiled = _spy(monkeypatch)
-    _load(kernel, "fp32_t")  # the first build of the process waits for the prelude it began
+    load_scaled(kernel, "fp32_t")  # the first build of the process waits for the prelude it began
     monkeypatch.setenv("JITK_DEVICE_PRELUDE", "0")
-    _load(kernel, "fp32_t", "parsed")
+    load_scaled(kernel, "fp32_t", "parsed")
     (given, loaded), (none, parsed) = compiled
     assert given is not None and given.is_file() and loaded.used_pch
     assert none is None and not parsed.used_pch
@@ -108,11 +99,39 @@ def test_a_device_half_loads_the_prelude_and_makes_the_same_code(tmp_path, monke
     assert "precompiled header" not in loaded.log  # NVRTC's note on it is not a warning
 
 
+WITHOUT_A_TEMPORARY_FOLDER = r"""
+import sys, tempfile
+sys.path.insert(0, sys.argv[1])
+tempfile.tempdir = sys.argv[2]  # a folder that is not there: nothing can be made in it
+from pathlib import Path
+from jitk.build import nvrtc
+from test_device_prelude import load_scaled, write_kernel
+compiled, compile_cubin = [], nvrtc.compile_cubin
+nvrtc.compile_cubin = lambda *a, **k: compiled.append((a, k)) or compile_cubin(*a, **k)
+load_scaled(write_kernel(Path(sys.argv[3])), "fp32_t")
+print("pch given:", [args[4] for args, _ in compiled])
+"""
+
+
+def test_without_a_temporary_folder_builds_go_on_and_parse_the_prelude(tmp_path):
+    """The device prelude lives in a temporary folder; NVRTC's trace goes to the build's."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_A_TEMPORARY_FOLDER, str(Path(__file__).parent),
+         str(tmp_path / "missing"), str(tmp_path / "src")],
+        env={**os.environ, "JITK_CACHE_DIR": str(tmp_path / "cache"),
+             "JITK_STAGING_DIR": str(tmp_path / "staging"), "PYTHONPATH": PYTHON_PATH},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "pch given: [None]", done.stdout
+    assert not (tmp_path / "missing").exists()
+    assert not list((tmp_path / "cache").glob("*/nvrtc-*"))  # each trace removed, not kept
+
+
 def test_a_header_only_the_device_half_reads_is_recorded_and_an_edit_rebuilds(
         tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
-    kernel = _kernel(tmp_path / "src")
-    _load(kernel, "fp32_t")
+    kernel = write_kernel(tmp_path / "src")
+    load_scaled(kernel, "fp32_t")
     (entry,) = [p for p in (tmp_path / "cache").iterdir()
                 if p.is_dir() and p.name.startswith("scaled_")]
     headers = json.loads((entry / "jitk-meta.json").read_text())["headers"]
@@ -120,19 +139,19 @@ def test_a_header_only_the_device_half_reads_is_recorded_and_an_edit_rebuilds(
     # The prelude's headers too, though NVRTC loaded them precompiled.
     assert any(name.endswith("include/jitk/packed.cuh") for name in headers)
     before = jit.build_count()
-    _load(kernel, "fp32_t")
+    load_scaled(kernel, "fp32_t")
     assert jit.build_count() == before
     (tmp_path / "src" / "scale.cuh").write_text("#pragma once\nconstexpr float kScale = 3.0f;\n")
-    _load(kernel, "fp32_t")
+    load_scaled(kernel, "fp32_t")
     assert jit.build_count() == before + 1
 
 
 FORKED_AND_EXITED = r"""
 import os, sys, tempfile
 sys.path.insert(0, sys.argv[1])
-from test_device_prelude import _kernel, _load
+from test_device_prelude import write_kernel, load_scaled
 from pathlib import Path
-_load(_kernel(Path(sys.argv[2])), "fp32_t")
+load_scaled(write_kernel(Path(sys.argv[2])), "fp32_t")
 made = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("jitk-device-prelude-")]
 print("made", len(made), flush=True)
 child = os.fork()
@@ -162,8 +181,8 @@ def test_a_process_that_ends_first_finishes_the_host_prelude_it_began(tmp_path):
     cache = tmp_path / "cache"
     done = subprocess.run(
         [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-         "from test_device_prelude import _kernel, _load; from pathlib import Path; "
-         "_load(_kernel(Path(sys.argv[2])), 'fp32_t')", str(Path(__file__).parent),
+         "from test_device_prelude import write_kernel, load_scaled; from pathlib import Path; "
+         "load_scaled(write_kernel(Path(sys.argv[2])), 'fp32_t')", str(Path(__file__).parent),
          str(tmp_path / "src")],
         env={**os.environ, "JITK_CACHE_DIR": str(cache), "JITK_HOST_PRELUDE": "1",
              "PYTHONPATH": PYTHON_PATH},

@@ -19,6 +19,7 @@ import pytest
 import torch
 from child_env import PYTHON_PATH
 from errors import expect_error
+from needs_nvrtc import NEEDS_NVRTC
 
 import jitk
 from jitk.build import cache, nvrtc, pch, toolchain
@@ -30,16 +31,7 @@ WRAPPERS = [("axpy_f32", "axpy::Axpy<fp32_t>::run"), ("axpy_bf16", "axpy::Axpy<b
 EXPRESSIONS = ["&axpy::axpy_kernel<float>", "&axpy::axpy_kernel<__nv_bfloat16>"]
 
 
-def _nvrtc_missing() -> str | None:
-    try:
-        nvrtc.version()
-    except nvrtc.NvrtcError as error:
-        return str(error)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_nvrtc_missing() is not None,
-                                reason=f"no NVRTC here: {_nvrtc_missing()}")
+pytestmark = NEEDS_NVRTC
 
 
 def load(compiler: str = "nvrtc", **changes):

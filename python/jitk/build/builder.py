@@ -346,7 +346,7 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             programs = list(pool.map(lambda job: nvrtc.compile_cubin(
                 source, f"{spec.name}.cu", parts[job[1]], options[job[0]],
-                preludes[job[0]].file if preludes[job[0]] else None), jobs))
+                preludes[job[0]].file if preludes[job[0]] else None, staging), jobs))
     except nvrtc.NvrtcError as error:
         raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
                               or [str(error)], str(error)) from None
@@ -386,8 +386,9 @@ def _device_options(spec: BuildSpec) -> dict[str, list[str]]:
             for arch in spec.archs}
 
 
-# NVRTC programs of one module side by side: each re-reads the front end, and in one process
-# more than two ran slower than two, even on 16 cores (debugging_and_performance.md).
+# NVRTC programs of one module side by side: on 16 cores, with the device prelude loaded,
+# four or eight ran little faster than two (NVVM's own threads, -split-compile, do the rest;
+# debugging_and_performance.md).
 _MAX_NVRTC_PARTS = 2
 
 

@@ -94,7 +94,12 @@ def start(options: list[str]) -> None:
         # Being made, made and current, or not to be made (tried once a process): kept.
         if future is not None and not _stale(future):
             return
-        _made[key] = _pool().submit(_make, list(options))
+        try:
+            _made[key] = _pool().submit(_make, list(options))
+        except OSError as error:  # no private folder (the temporary folder is not writable)
+            logger.info("jitk: no device prelude (%s); NVRTC parses it in every build", error)
+            _made[key] = concurrent.futures.Future()
+            _made[key].set_result(None)
 
 
 def _stale(future: concurrent.futures.Future) -> bool:

@@ -37,7 +37,7 @@ _SONAME = "libnvrtc.so.13"
 # emits the same instructions in another order (tests/test_device_prelude.py).
 OPTIONS = ("-std=c++20", "-default-device", "-split-compile=0")
 # What a device half's source reads first: the headers every device half shares, which a
-# build loads precompiled (create_pch; jitk/build/pch.py) or, where that is not there, parses.
+# build loads precompiled (create_pch; jitk/build/device_prelude.py) or else parses.
 PRELUDE = "#include <jitk/device_prelude.cuh>\n"
 _SUCCESS = 0
 
@@ -123,13 +123,14 @@ _PCH_MESSAGE = re.compile(r'^"[^"\n]*": (creating|using) precompiled header file
 
 
 @contextlib.contextmanager
-def _compiled(source: str, name: str, expressions: list[str], options: list[str]
-              ) -> Iterator[tuple[ctypes.c_void_p, str, tuple[str, ...]]]:
-    """Compiles `source` and yields the program, its log and the files NVRTC read. NVRTC has
-    no dependency file: its time trace (--fdevice-time-trace, written to a fresh file each
-    compile, as the assembler appends to one that exists) names each header it processed.
-    The trace and the PCH messages are in every compile's options, as NVRTC takes a
-    precompiled header only from a compile whose options match its own."""
+def _compiled(source: str, name: str, expressions: list[str], options: list[str],
+              folder: Path | None) -> Iterator[tuple[ctypes.c_void_p, str, tuple[str, ...], bool]]:
+    """Compiles `source` and yields the program, its log, the files NVRTC read and whether
+    it loaded the precompiled header it was given (--use-pch). NVRTC has no dependency file:
+    its time trace (--fdevice-time-trace, to a fresh file each compile, in `folder` or a
+    temporary one, as the assembler appends to one that exists) names each header it
+    processed. The trace and the PCH messages are in every compile's options, as NVRTC takes
+    a precompiled header only from a compile whose options match its own."""
     lib = _lib()
     if _loaded_version() != version():
         raise NvrtcError(f"NVRTC: {library_path()} is version {_loaded_version()}, but its "
@@ -138,8 +139,7 @@ def _compiled(source: str, name: str, expressions: list[str], options: list[str]
     _check(lib.nvrtcCreateProgram(ctypes.byref(handle), source.encode(), name.encode(), 0,
                                   None, None), "nvrtcCreateProgram")
     try:
-        with tempfile.TemporaryDirectory(prefix="jitk-nvrtc-") as folder:
-            trace = Path(folder, "trace")
+        with _trace_file(name, folder) as trace:
             for expression in expressions:
                 _check(lib.nvrtcAddNameExpression(handle, expression.encode()),
                        f"nvrtcAddNameExpression({expression!r})")
@@ -149,11 +149,36 @@ def _compiled(source: str, name: str, expressions: list[str], options: list[str]
             result = lib.nvrtcCompileProgram(handle, len(encoded), argv)
             log = _text("nvrtcGetProgramLog", "nvrtcGetProgramLogSize", handle)
             log = log.rstrip(b"\0").decode(errors="replace").strip()
+            used_pch = "using precompiled header file" in log
+            log = _PCH_MESSAGE.sub("", log).strip()  # a note, not a warning
             _check(result, f"compiling {name}", log)
-            headers = _headers_in(trace.with_name("trace.json"), name)
-        yield handle, log, headers
+            headers = _headers_in(trace.with_name(f"{trace.name}.json"), name)
+        yield handle, log, headers, used_pch
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(handle))
+
+
+@contextlib.contextmanager
+def _trace_file(name: str, folder: Path | None) -> Iterator[Path]:
+    """Where one compile's time trace goes: a file of its own in `folder`, or in a fresh
+    temporary folder; removed after."""
+    if folder is not None:
+        handle, name_made = tempfile.mkstemp(prefix="nvrtc-", suffix=".trace", dir=folder)
+        os.close(handle)
+        trace = Path(name_made)
+        try:
+            yield trace
+        finally:  # the name was made here, and NVRTC writes the trace beside it (.json)
+            trace.unlink(missing_ok=True)
+            trace.with_name(f"{trace.name}.json").unlink(missing_ok=True)
+        return
+    try:
+        made = tempfile.TemporaryDirectory(prefix="jitk-nvrtc-")
+    except OSError as error:
+        raise NvrtcError(f"NVRTC cannot compile {name} without a folder for the record of "
+                         f"the headers it reads: {error}") from None
+    with made as path:
+        yield Path(path, "trace")
 
 
 def _headers_in(trace: Path, name: str) -> tuple[str, ...]:
@@ -169,16 +194,18 @@ def _headers_in(trace: Path, name: str) -> tuple[str, ...]:
 
 
 def compile_cubin(source: str, name: str, expressions: list[str], options: list[str],
-                  pch: Path | None = None) -> Program:
+                  pch: Path | None = None, folder: Path | None = None) -> Program:
     """Compiles `source` (named `name` in messages) with `options` (an -arch=sm_XX among
     them, for a cubin) and returns the cubin and each name expression's lowered name. `pch`:
     a precompiled header that create_pch made with the same options, for the source's first
-    #include (NVRTC parses the header instead where it does not match)."""
+    #include (NVRTC parses the header instead where it does not match). `folder`: where the
+    compile may write a file while it runs (a build's own folder), else a temporary one."""
     if not any(option.startswith(("-arch=sm_", "--gpu-architecture=sm_")) for option in options):
         raise ArgumentError(f"compile_cubin(options=...): a cubin needs a real architecture, "
                             f"e.g. -arch=sm_90; got {options}")
     used = [*options, *([f"--use-pch={pch}"] if pch else [])]
-    with _compiled(source, name, expressions, used) as (handle, log, headers):
+    with _compiled(source, name, expressions, used, folder) as (handle, log, headers,
+                                                                 used_pch):
         lowered = {}
         for expression in expressions:
             mangled = ctypes.c_char_p()
@@ -188,8 +215,7 @@ def compile_cubin(source: str, name: str, expressions: list[str], options: list[
             lowered[expression] = mangled.value.decode()
         cubin = _text("nvrtcGetCUBIN", "nvrtcGetCUBINSize", handle)
         ptx = _text("nvrtcGetPTX", "nvrtcGetPTXSize", handle)
-    return Program(cubin, lowered, _PCH_MESSAGE.sub("", log).strip(), ptx, headers,
-                   pch is not None and "using precompiled header file" in log)
+    return Program(cubin, lowered, log, ptx, headers, used_pch)
 
 
 def create_pch(path: Path, header: str, options: list[str]) -> tuple[str, ...]:
@@ -197,7 +223,7 @@ def create_pch(path: Path, header: str, options: list[str]) -> tuple[str, ...]:
     returns the files it read. The precompiled part of a source is its leading directives:
     a declaration after the include ends it, so the header alone is in the file."""
     with _compiled(f"{header}namespace jitk {{}}\n", path.name, [],
-                   [*options, f"--create-pch={path}"]) as (handle, log, headers):
+                   [*options, f"--create-pch={path}"], path.parent) as (handle, log, headers, _):
         status = _lib().nvrtcGetPCHCreateStatus(handle)
     if status != _SUCCESS or not path.is_file():
         what = _lib().nvrtcGetErrorString(status).decode()
