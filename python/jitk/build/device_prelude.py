@@ -134,7 +134,7 @@ def _make(options: list[str]) -> Prelude | None:
     path = Path(str(_state["folder"])) / f"device_prelude.{next(_numbers)}.pch"
     try:
         headers = nvrtc.create_pch(path, nvrtc.PRELUDE, options)
-    except nvrtc.NvrtcError as error:
+    except (nvrtc.NvrtcError, OSError) as error:
         logger.info("jitk: no device prelude (%s); NVRTC parses it in every build", error)
         return None
     return Prelude(path, headers, _stamps(headers))
