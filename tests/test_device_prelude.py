@@ -177,6 +177,33 @@ def test_the_process_removes_its_preludes_folder_and_a_fork_leaves_it(tmp_path):
     assert not any(p.name.startswith("jitk-device-prelude-") for p in temp.iterdir())
 
 
+def test_what_jitk_did_not_make_survives_where_its_preludes_and_traces_are(tmp_path):
+    """A user's folder (named like jitk's own) and a foreign lock, planted in the temporary
+    folder (the device prelude's), the staging folder (NVRTC's traces) and .pch (the host
+    prelude and its gold probe), outlive a process that made and removed its own there."""
+    temp, staging, cache = tmp_path / "tmp", tmp_path / "staging", tmp_path / "cache"
+    planted = []
+    for folder in (temp, staging, cache / pch.FOLDER):
+        users = folder / "jitk-device-prelude-users-own"
+        users.mkdir(parents=True)
+        (users / "notes.txt").write_text("mine")
+        (folder / "nvrtc-mine.trace.json").write_text("{}")
+        (folder / "foreign.lock").write_text("12345")
+        planted += [users / "notes.txt", folder / "nvrtc-mine.trace.json", folder / "foreign.lock"]
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+         "from test_device_prelude import write_kernel, load_scaled; from pathlib import Path; "
+         "load_scaled(write_kernel(Path(sys.argv[2])), 'fp32_t')", str(Path(__file__).parent),
+         str(tmp_path / "src")],
+        env={**os.environ, "TMPDIR": str(temp), "JITK_STAGING_DIR": str(staging),
+             "JITK_CACHE_DIR": str(cache), "JITK_HOST_PRELUDE": "1", "PYTHONPATH": PYTHON_PATH},
+        capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(path.is_file() for path in planted), [p for p in planted if not p.is_file()]
+    assert [p.name for p in temp.iterdir() if p.name.startswith("jitk-device-prelude-")] == [
+        "jitk-device-prelude-users-own"]  # its own removed at exit, the user's kept
+
+
 def test_a_process_that_ends_first_finishes_the_host_prelude_it_began(tmp_path):
     cache = tmp_path / "cache"
     done = subprocess.run(

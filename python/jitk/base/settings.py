@@ -57,9 +57,9 @@ SETTINGS = _declare(
             "precompile jitk's host headers, and compile its host runtime, once (the cache's "
             ".pch folder) for the host halves built after; off: every build parses them"),
     Setting("JITK_DEVICE_PRELUDE", "flag", True,
-            "have NVRTC precompile jitk's device headers once per version and options (the "
-            "cache's .pch folder) for the device halves built after; off: every build parses "
-            "them"),
+            "have NVRTC precompile jitk's device headers once a process for each target and "
+            "set of options (a private temporary folder, removed at exit) for the device "
+            "halves built after; off: every build parses them"),
     Setting("JITK_DISABLE_JIT", "flag", False,
             "never compile: a module missing from the cache raises JitCacheMissError"),
     Setting("JITK_PRECOMPILE_MODULES", "names", (),

@@ -294,11 +294,12 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
             shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
     (staging / "build.ninja").write_text(build_file(spec, prelude))
     started = time.perf_counter()
-    for options in _device_options(spec).values():  # made beside the host compile
-        device_prelude.start(options)
+    options = _device_options(spec)
+    for arch_options in options.values():  # made beside the host compile
+        device_prelude.start(arch_options)
     _run_ninja(spec.name, staging)
     library = staging / f"{spec.name}.so"
-    device_code = _build_device_halves(spec, staging) if spec.device_halves else {}
+    device_code = _build_device_halves(spec, staging, options) if options else {}
     seconds = time.perf_counter() - started
     sha256 = cache.digest(library)
     cache.write_meta(staging, {
@@ -324,13 +325,15 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     return module
 
 
-def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
+def _build_device_halves(spec: BuildSpec, staging: Path, options: dict[str, list[str]]
+                         ) -> dict[str, bytes]:
     """NVRTC builds the kernels the host half launches (the names it registered) for each
-    target, in parts side by side (a program each; ctypes lets the threads run at once):
-    <name>.<part>.sm_XX.cubin (and .compute_XX.ptx, as ptx_arch says), and <name>.kernels, a
-    line "expression<TAB>lowered<TAB>part" a kernel. Written into `staging` and returned (file
-    name -> bytes), for the library to be handed at its load (loader.load_from_fd;
-    jitk/nvrtc.cuh reads them at the first launch). Every program reads the device prelude
+    target, with its `options` (_device_options), in parts side by side (a program each;
+    ctypes lets the threads run at once): <name>.<part>.sm_XX.cubin (and .compute_XX.ptx, as
+    ptx_arch says), and <name>.kernels, a line "expression<TAB>lowered<TAB>part" a kernel.
+    Written into `staging` and returned (file name -> bytes), for the library to be handed
+    at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch). Every
+    program reads the device prelude
     first, precompiled for its target (device_prelude.py); the headers NVRTC read, the
     prelude's among them, are listed in DEVICE_HEADERS for the entry's record."""
     try:
@@ -340,7 +343,6 @@ def _build_device_halves(spec: BuildSpec, staging: Path) -> dict[str, bytes]:
         count = _nvrtc_parts(len(expressions))
         parts = [expressions[i::count] for i in range(count)]
         source = nvrtc.PRELUDE + "".join(f'#include "{path}"\n' for path in spec.device_halves)
-        options = _device_options(spec)
         preludes = {arch: device_prelude.get(options[arch], lock_timeout()) for arch in options}
         jobs = [(arch, index) for arch in spec.archs for index in range(len(parts))]
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
