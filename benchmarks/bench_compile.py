@@ -1,5 +1,7 @@
-"""Build time of every shipped kernel family's first precompile configuration and of the
-developer guide's kernel (docs/developer_guide/example/axpy.cuh).
+"""Build time of every shipped kernel family's first precompile configuration, of the
+developer guide's kernel (docs/developer_guide/example/axpy.cuh) and, on a GPU, of each
+shipped op's real first call (OPS: the call as a user makes it, the shipped tuning table in
+effect, on tensors made and CUDA started before the clock; timed to the end of the GPU's work).
 
 Per module: the cold build (empty cache, a new process), the warm first load (the entry
 cached, a new process) and the build's phases: nvcc's (`nvcc -time`, for the same command line
@@ -9,7 +11,7 @@ precompiled prelude (jitk/build/pch.py), built before the timed runs unless --pr
 Runs without a GPU: the builds target JITK_CUDA_ARCH (default 9.0), and the warm figure is
 the load only, no kernel call.
 
-    python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy]
+    python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy,rmsnorm]
                                        [--compiler auto|nvcc|nvrtc] [--prelude ready|fresh]
 """
 
@@ -27,9 +29,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "developer_guide" / "example"
 FAMILIES = ("green", "hicache", "norm", "wait_value")
+# Each op's first call (a GPU's): 16 x 4096 bf16 norms; HiCache one layer of 4096 tokens of
+# 1 KiB, indices on the GPU (the kernel) and on the host (the copy engines); both stream ops.
+OPS = ("rmsnorm", "fused_add_rmsnorm", "hicache_kernel", "hicache_copy_engine",
+       "stream_values")
 CHILD_TIMEOUT = 900  # seconds: one cold build on a loaded two-core machine stays well below
 
 # Run in a child process: times the module's first load, then (asked for) rewrites the
@@ -57,6 +65,27 @@ if target == "axpy":
     sys.path.insert(0, sys.argv[3])
     import torch, axpy
     thunk = lambda: axpy._axpy(torch.float32)
+elif target in sys.argv[4].split(","):  # an op's first call, on tensors made before
+    import torch, jitk
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w, residual, out = torch.randn_like(x[0]), torch.randn_like(x), torch.empty_like(x)
+    on = "cuda" if target == "hicache_kernel" else "cpu"
+    host = torch.zeros(8192, 512, dtype=torch.bfloat16, pin_memory=True)
+    device = torch.zeros(8192, 512, dtype=torch.bfloat16, device="cuda")
+    tokens = torch.randperm(4096, device=on)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    calls = {
+        "rmsnorm": lambda: jitk.rmsnorm(x, w, out, eps=1e-6),
+        "fused_add_rmsnorm": lambda: jitk.fused_add_rmsnorm(x, residual, w, 1e-6),
+        "stream_values": lambda: (jitk.stream_write_value(flag, 1),
+                                  jitk.stream_wait_value(flag, 1)),
+    }
+    method = target.removeprefix("hicache_")
+    one_layer = lambda: jitk.transfer_hicache_one_layer(device, device, tokens, host, host,
+                                                         tokens, method=method)
+    call = calls.get(target, one_layer)
+    thunk = lambda: (call(), torch.cuda.synchronize())
 else:
     import importlib
     thunk = importlib.import_module(f"jitk.kernels.{target}").precompile_configs()[0][1]
@@ -86,7 +115,7 @@ print("JSON" + json.dumps({"seconds": seconds, "built": jit.build_count(),
 
 def child(target: str, env: dict, commands: bool) -> dict:
     done = subprocess.run([sys.executable, "-c", _CHILD, target, "1" if commands else "0",
-                           str(GUIDE)], env=env, capture_output=True, text=True,
+                           str(GUIDE), ",".join(OPS)], env=env, capture_output=True, text=True,
                           timeout=CHILD_TIMEOUT, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("JSON")]
     if done.returncode != 0 or not lines:
@@ -123,17 +152,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
-    targets = [*FAMILIES, "axpy"]
+    targets = [*FAMILIES, "axpy", *OPS]
     if args.only:
         unknown = set(args.only.split(",")) - set(targets)
         if unknown:
             parser.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {targets}")
         targets = [t for t in targets if t in args.only.split(",")]
+    if not torch.cuda.is_available() and set(OPS) & set(targets):
+        print(f"skipped, as there is no GPU: {', '.join(t for t in targets if t in OPS)}")
+        targets = [t for t in targets if t not in OPS]
     env = {**os.environ, "JITK_CUDA_ARCH": args.arch, "JITK_CUDA_COMPILER": args.compiler,
            "JITK_HOST_PRELUDE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
-    print(f"{'module':<12}{'cold build s':>14}{'warm load s':>13}  phases (ms)")
+    print(f"{'module or call':<20}{'cold build s':>14}{'warm load s':>13}  phases (ms)")
     preludes = Path(tempfile.mkdtemp(prefix="bench_compile_prelude_"))
     for target in targets:
         cold, warm, commands, split = [], [], {}, []
@@ -161,7 +193,7 @@ def main() -> None:
         names = list(phases[0]) if phases else []
         shown = ", ".join(f"{n} {statistics.median(p.get(n, 0.0) for p in phases):.0f}"
                           for n in names)
-        print(f"{target:<12}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
+        print(f"{target:<20}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
               f"  {shown}", flush=True)
     shutil.rmtree(preludes)
 

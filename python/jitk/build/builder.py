@@ -47,6 +47,41 @@ logger = logging.getLogger("jitk")
 # the host compiler builds it alone, NVRTC the kernels it launches (device_halves).
 HOST_HALF = "host_half.cpp"
 DEVICE_HEADERS = "device_half.headers"  # the files NVRTC read, one a line
+# A host half may be shared out over several units (load_jit's host_units), compiled side by
+# side: the first is HOST_HALF, the others host_half_<n>.cpp.
+_HOST_HALF_UNIT = re.compile(r"host_half(_[1-9][0-9]*)?\.cpp")
+
+
+def host_half_unit(unit: int) -> str:
+    """The file name of a host half's `unit`th translation unit (from 0)."""
+    return HOST_HALF if unit == 0 else f"host_half_{unit}.cpp"
+
+
+def is_host_half(source: str) -> bool:
+    return _HOST_HALF_UNIT.fullmatch(source) is not None
+
+
+_sharing = 1  # how many processes build side by side with this one (share_cpus)
+
+
+def share_cpus(processes: int) -> None:
+    """Says that this process is one of `processes` building side by side (precompile's
+    workers), so that its builds take their share of the CPUs rather than all of them."""
+    global _sharing
+    _sharing = max(1, processes)
+
+
+def spare_cpus() -> int:
+    """The CPUs this process's build may take, one at least: its share of them (share_cpus),
+    less the last minute's load, so that builds side by side do not each take every CPU for
+    their units (a load average lags: a burst of builds is what share_cpus is for)."""
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average here
+        load = 0.0
+    return max(1, min(cpus // _sharing, round(cpus - load)))
+
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
 # The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
@@ -190,7 +225,7 @@ def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
         rules += ["rule compile_cuda",
                   "  command = $nvcc --generate-dependencies-with-compile --dependency-output "
                   "$out.d $cuda_cflags -c $in -o $out", ""]
-    if HOST_HALF in spec.sources:
+    if HOST_HALF in spec.sources:  # the first unit of every host half
         half = [*host_half_flags(spec.archs, flags["include_dirs"]),
                 *(prelude.flags() if prelude else [])]
         lines.append(f"host_half_flags = {_arguments(*half)}")
@@ -203,9 +238,11 @@ def build_file(spec: BuildSpec, prelude: pch.Prelude | None = None) -> str:
     lines.append(f"ldflags = {_arguments(*ldflags, *flags['ldflags'])}")
     rules += ["rule link", "  command = $cxx $in $ldflags -o $out", ""]
     objects = {file_name: _object(file_name) for file_name in spec.sources}
-    rule = {HOST_HALF: "compile_host_half"}
-    builds = [f"build {obj}: {rule.get(src, 'compile_cuda' if src.endswith('.cu') else 'compile')}"
-              f" {src}" for src, obj in objects.items()]
+    def rule(source: str) -> str:
+        if is_host_half(source):
+            return "compile_host_half"
+        return "compile_cuda" if source.endswith(".cu") else "compile"
+    builds = [f"build {obj}: {rule(src)} {src}" for src, obj in objects.items()]
     library = f"{spec.name}.so"
     builds += [f"build {library}: link {' '.join(objects.values())}", f"default {library}"]
     return "\n".join([*lines, "", *rules, *builds, ""])

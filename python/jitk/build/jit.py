@@ -29,9 +29,16 @@ from pathlib import Path
 import tvm_ffi
 
 from jitk.base import settings
-from jitk.base.errors import JitkError
-from jitk.build import cache, entries, events, nvrtc, remote, toolchain
-from jitk.build.builder import HOST_HALF, BuildSpec, JitCompileError, build_and_publish
+from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
+from jitk.build import cache, entries, events, nvrtc, pch, remote, toolchain
+from jitk.build.builder import (
+    HOST_HALF,
+    BuildSpec,
+    JitCompileError,
+    build_and_publish,
+    host_half_unit,
+    spare_cpus,
+)
 from jitk.build.lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
@@ -94,17 +101,18 @@ def build_count() -> int:
 # ------------------------------------------------------------------------------ arguments
 def _module_name(parts: tuple[object, ...]) -> str:
     if not parts:
-        raise ValueError("load_jit needs at least one name part, e.g. load_jit('rmsnorm', ...)")
+        raise ArgumentError("load_jit needs at least one name part, e.g. load_jit('rmsnorm', ...)")
     for i, part in enumerate(parts):
         if isinstance(part, bool) or not isinstance(part, str | int):
-            raise TypeError(f"load_jit: name part {i} is {type(part).__name__} {part!r:.60}; "
-                            "expected a str or an int (make_cpp_args renders other values)")
+            raise ArgumentTypeError(
+                f"load_jit: name part {i} is {type(part).__name__} {part!r:.60}; expected a str "
+                "or an int (make_cpp_args renders other values)")
     name = re.sub(r"[^A-Za-z0-9_]+", "_", "_".join(str(p) for p in parts)).strip("_")
     if not name:
-        raise ValueError(f"load_jit name parts {parts!r} leave no usable module name")
+        raise ArgumentError(f"load_jit name parts {parts!r} leave no usable module name")
     if len(name) > _MAX_NAME:
-        raise ValueError(f"load_jit: the module name '{name[:40]}...' has {len(name)} "
-                         f"characters; at most {_MAX_NAME} fit a folder name")
+        raise ArgumentError(f"load_jit: the module name '{name[:40]}...' has {len(name)} "
+                            f"characters; at most {_MAX_NAME} fit a folder name")
     return name
 
 
@@ -116,13 +124,13 @@ def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: st
     if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Iterable):
         hint = f"; write {parameter}=[{one.format(str(value))}]" \
             if isinstance(value, str | os.PathLike) else ""
-        raise TypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
-                        f"{type(value).__name__}{hint}")
+        raise ArgumentTypeError(f"load_jit({parameter}=...) takes a list of {expected}, got "
+                                f"{type(value).__name__}{hint}")
     items = list(value)
     for i, item in enumerate(items):
         if not isinstance(item, kinds) or isinstance(item, bool):
-            raise TypeError(f"load_jit({parameter}[{i}]): expected {expected}, got "
-                            f"{type(item).__name__} {item!r:.60}")
+            raise ArgumentTypeError(f"load_jit({parameter}[{i}]): expected {expected}, got "
+                                    f"{type(item).__name__} {item!r:.60}")
     return items
 
 
@@ -166,15 +174,15 @@ def _check_wrappers(wrappers: object, parameter: str) -> list[tuple[str, str]]:
     for wrapper in _listed(wrappers, parameter, (tuple, list), "(export_name, cpp_callable)",
                            one="({!r}, '<C++ function or static member>')"):
         if len(wrapper) != 2 or not all(isinstance(part, str) for part in wrapper):
-            raise TypeError(f"load_jit({parameter}=...): expected (export_name, cpp_callable) "
-                            f"as two strings, got {wrapper!r}")
+            raise ArgumentTypeError(f"load_jit({parameter}=...): expected (export_name, "
+                                    f"cpp_callable) as two strings, got {wrapper!r}")
         export_name, callable_name = wrapper
         if not _IDENTIFIER.match(export_name):
-            raise ValueError(f"load_jit({parameter}=...): export name {export_name!r} is not "
-                             "a C identifier")
+            raise ArgumentError(f"load_jit({parameter}=...): export name {export_name!r} is not "
+                                "a C identifier")
         if not callable_name.strip() or "\n" in callable_name:
-            raise ValueError(f"load_jit({parameter}=...): {callable_name!r} for "
-                             f"'{export_name}' is not a C++ name")
+            raise ArgumentError(f"load_jit({parameter}=...): {callable_name!r} for "
+                                f"'{export_name}' is not a C++ name")
         checked.append((export_name, callable_name))
     return checked
 
@@ -183,8 +191,8 @@ def _check_build_directory(value: object) -> Path | None:
     if value is None:
         return None
     if not isinstance(value, str | os.PathLike) or not str(value):
-        raise TypeError(f"load_jit(build_directory=...): expected a path or None, got "
-                        f"{type(value).__name__} {value!r:.60}")
+        raise ArgumentTypeError(f"load_jit(build_directory=...): expected a path or None, got "
+                                f"{type(value).__name__} {value!r:.60}")
     folder = Path(value).expanduser().resolve()
     cache.check_build_directory(folder)
     return folder
@@ -312,6 +320,7 @@ def load_jit(
     build_directory: str | os.PathLike | None = None,
     min_arch: str | None = None,
     cuda_compiler: str = "nvcc",
+    host_units: int = 1,
 ) -> tvm_ffi.Module:
     """Build (or find in the cache) and load a module.
 
@@ -330,7 +339,13 @@ def load_jit(
     jitk.disable_jit(), a module not in the cache raises JitCacheMissError.
     `cuda_compiler="nvrtc"` builds CUDA files written in two halves (<jitk/nvrtc.cuh>): the
     host compiler alone builds the host half, NVRTC the kernels it launches, in the process;
-    "auto" builds such files as JITK_CUDA_COMPILER says (nvrtc.choose).
+    "auto" builds such files as JITK_CUDA_COMPILER says (nvrtc.choose). There,
+    `host_units` shares the cuda_wrappers out over up to that many host translation units
+    (at most one a wrapper and one an idle CPU), which the host compiler builds side by side:
+    for kernel files that hold only inline and template definitions, as jitk's own do, since
+    each unit reads them (a namespace-scope `static` would be one a unit). How many units a
+    build uses is not in the entry's key: it depends on the machine and its load, not on what
+    is built. nvcc builds one unit.
     """
     name = _module_name(name_parts)
     cpp_paths = _resolve_sources(cpp_files, "cpp_files")
@@ -338,11 +353,11 @@ def load_jit(
     cpp_exports = _check_wrappers(cpp_wrappers, "cpp_wrappers")
     cuda_exports = _check_wrappers(cuda_wrappers, "cuda_wrappers")
     if not (cpp_exports or cuda_exports):
-        raise ValueError(f"load_jit('{name}'): no cpp_wrappers or cuda_wrappers, so the "
-                         "module would export nothing")
+        raise ArgumentError(f"load_jit('{name}'): no cpp_wrappers or cuda_wrappers, so the "
+                            "module would export nothing")
     exported = [export for export, _ in cpp_exports + cuda_exports]
     if twice := sorted({e for e in exported if exported.count(e) > 1}):
-        raise ValueError(f"load_jit('{name}'): export name(s) {', '.join(twice)} given twice")
+        raise ArgumentError(f"load_jit('{name}'): export name(s) {', '.join(twice)} given twice")
     flags = {p: _listed(v, p, (str,), "strings") for p, v in (
         ("extra_cflags", extra_cflags), ("extra_cuda_cflags", extra_cuda_cflags),
         ("extra_ldflags", extra_ldflags))}
@@ -351,16 +366,20 @@ def load_jit(
     build_dir = _check_build_directory(build_directory)
     if not isinstance(cuda_compiler, str) or cuda_compiler not in CUDA_COMPILERS:
         listed = ", ".join(map(repr, CUDA_COMPILERS[:-1])) + f" or {CUDA_COMPILERS[-1]!r}"
-        raise ValueError(f"load_jit(cuda_compiler=...): {listed}, got {cuda_compiler!r}")
+        raise ArgumentError(f"load_jit(cuda_compiler=...): {listed}, got {cuda_compiler!r}")
+    if isinstance(host_units, bool) or not isinstance(host_units, int) or host_units < 1:
+        error = ArgumentError if isinstance(host_units, int) else ArgumentTypeError
+        raise error(f"load_jit('{name}', host_units=...): expected an int of at least 1, got "
+                    f"{host_units!r}")
     wanted = nvrtc.preferred(cuda_compiler)
     split = wanted == "nvrtc" or (wanted == "auto" and nvrtc.installed())
     if split and flags["extra_cuda_cflags"]:
-        raise ValueError(f"load_jit('{name}'): extra_cuda_cflags are nvcc's; with "
-                         "cuda_compiler='nvrtc' there is no nvcc to give them to")
+        raise ArgumentError(f"load_jit('{name}'): extra_cuda_cflags are nvcc's; with "
+                            "cuda_compiler='nvrtc' there is no nvcc to give them to")
     if min_arch is not None and not (isinstance(min_arch, str)
                                      and re.fullmatch(r"\d+\.\d+", min_arch)):
-        raise ValueError(f"load_jit(min_arch=...): expected one architecture such as '9.0', "
-                         f"got {min_arch!r}")
+        raise ArgumentError(f"load_jit(min_arch=...): expected one architecture such as '9.0', "
+                            f"got {min_arch!r}")
 
     has_cpp = bool(cpp_paths or cpp_exports)
     has_cuda = bool(cuda_paths or cuda_exports)
@@ -395,6 +414,12 @@ def load_jit(
                                 "flags": build_flags}, kernel_files)
         entry = build_dir or cache.cache_root().expanduser().resolve() / entries.folder_name(
             name, build_key, archs)
+        units = min(host_units, len(cuda_exports), spare_cpus()) if split else 1
+        if units > 1:  # the wrappers dealt out; the key is the one unit's
+            sources = {**{file: text for file, text in sources.items() if file != HOST_HALF},
+                       **{host_half_unit(unit): pch.unit_preamble(unit == 0) + _render_source(
+                           name, cuda_paths, cuda_exports[unit::units], True)
+                          for unit in range(units)}}
         spec = BuildSpec(name, entry, entries.entry_key(build_key, archs), build_dir is not None,
                          archs, sources, tuple(kernel_files), build_flags,
                          tuple(cuda_paths) if split else ())
@@ -406,7 +431,8 @@ def load_jit(
                 "extra_include_paths": build_flags["include_dirs"][1:],
                 "build_directory": str(build_dir) if build_dir else None,
                 "min_arch": min_arch,
-                "cuda_compiler": None if cuda_compiler == "nvcc" else cuda_compiler}
+                "cuda_compiler": None if cuda_compiler == "nvcc" else cuda_compiler,
+                "host_units": None if host_units == 1 else host_units}
         call = {key: value for key, value in call.items() if value}
         return spec, call, None if build_dir else build_key
 

@@ -52,6 +52,14 @@ _BUILT = (f"{HEADER}.gch", RUNTIME)  # a prelude is there once both are
 INCLUDE = Path(__file__).resolve().parents[1] / "include"  # the package's headers
 
 
+def unit_preamble(first: bool) -> str:
+    """The first lines of one of a host half's several units (load_jit's host_units): where
+    no prelude was read first, the first unit defines the runtime, as the prelude's object
+    would, and the others only declare it, so that the library holds one copy."""
+    define = "#define JITK_RUNTIME_DEFINE 1\n" if first else ""
+    return f"#ifndef JITK_RUNTIME_LINKED\n{define}{_LINKED}#endif\n"
+
+
 @dataclass(frozen=True)
 class Prelude:
     folder: Path

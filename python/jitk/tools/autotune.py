@@ -266,9 +266,10 @@ def prebuild(jobs: list[tuple[str, tuple, dict]], arch: str, workers: int) -> No
 
     from jitk.tools.precompile import init_worker, workers_see_no_gpu
 
+    workers = max(1, min(workers, len(jobs)))
     with workers_see_no_gpu(), ProcessPoolExecutor(
-            max_workers=max(1, min(workers, len(jobs))), mp_context=get_context("spawn"),
-            initializer=init_worker, initargs=(arch,)) as pool:
+            max_workers=workers, mp_context=get_context("spawn"),
+            initializer=init_worker, initargs=(arch, workers)) as pool:
         for future in [pool.submit(_build_candidate, *job) for job in jobs]:
             future.result()
 

@@ -40,7 +40,7 @@ class PrecompileError(JitkError, RuntimeError):
 # load_jit's keyword parameters, which a recorded call may give (tests/test_cli.py pins them).
 CALL_PARAMETERS = ("cpp_files", "cuda_files", "cpp_wrappers", "cuda_wrappers", "extra_cflags",
                    "extra_cuda_cflags", "extra_ldflags", "extra_include_paths",
-                   "build_directory", "min_arch", "cuda_compiler")
+                   "build_directory", "min_arch", "cuda_compiler", "host_units")
 CALL_MODULE = "load_jit"  # what a task that replays a recorded call is listed under
 
 
@@ -188,10 +188,13 @@ def _replay(text: str) -> object:
     return load_jit(*call.pop("name_parts"), **call)
 
 
-def init_worker(arch: str) -> None:
+def init_worker(arch: str, workers: int) -> None:
+    from jitk.build import builder
+
     if arch:  # "" builds host code only
         os.environ[toolchain.ARCH_ENV] = arch
     os.environ.pop("JITK_DISABLE_JIT", None)  # precompiling is building, asked for by name
+    builder.share_cpus(workers)
 
 
 @contextlib.contextmanager
@@ -256,9 +259,10 @@ def run(tasks: list[Task], jobs: int, report: Callable[[Outcome], None]) -> list
         group = [task for task in tasks if task.arch == arch]
         if arch and len(group) > 1:  # every build reads the host prelude, none goes without
             builder.build_prelude(toolchain.canonical_archs(toolchain.parse_archs(arch)))
+        workers = min(jobs, len(group))
         with workers_see_no_gpu(), ProcessPoolExecutor(
-                max_workers=min(jobs, len(group)), mp_context=context,
-                initializer=init_worker, initargs=(arch,)) as pool:
+                max_workers=workers, mp_context=context,
+                initializer=init_worker, initargs=(arch, workers)) as pool:
             futures = {pool.submit(_run_in_worker, task): task
                        for task in group}
             for future in as_completed(futures):

@@ -19,6 +19,11 @@ COPY_FILES = ("hicache_layout.cuh", "hicache_copy_list.cuh", "hicache_copy.cuh")
 STAGED_FILES = (*COPY_FILES, "hicache_staged.cuh")
 MODULE_FILES = (KERNEL_FILES, COPY_FILES, STAGED_FILES)
 ENTRY_POINTS = ("one_layer", "one_layer_mla", "all_layer", "all_layer_mla")
+# Each entry point's host code is a unit of its own, compiled side by side: the four share
+# little, and one unit holding all of them took the host compiler most of the build
+# (docs/developer_guide/debugging_and_performance.md, "a host half in several units"). The
+# headers hold only inline and template definitions, as load_jit(host_units=...) asks.
+HOST_UNITS = len(ENTRY_POINTS)
 
 
 class Entries(NamedTuple):
@@ -34,7 +39,8 @@ def kernel_module(element_size: int, unroll: int) -> Entries:
     args = make_cpp_args(element_size, unroll)
     entry = f"jitk::hicache::HiCache<{args}>"
     module = load_jit("hicache", *args, cuda_files=list(KERNEL_FILES), cuda_compiler="auto",
-                      cuda_wrappers=[(name, f"{entry}::{name}") for name in ENTRY_POINTS])
+                      cuda_wrappers=[(name, f"{entry}::{name}") for name in ENTRY_POINTS],
+                      host_units=HOST_UNITS)
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return Entries(*(getattr(module, name) for name in ENTRY_POINTS))
 
@@ -46,7 +52,7 @@ def copy_module():
              "pointer_device")
     return load_jit("hicache_copy", cuda_files=list(COPY_FILES), cuda_compiler="auto",
                     cuda_wrappers=[(name, f"jitk::hicache::CopyEngine::{name}")
-                                   for name in names])
+                                   for name in names], host_units=HOST_UNITS)
 
 
 @functools.cache
@@ -54,7 +60,7 @@ def staged_module():
     """The staged write-back (a gather kernel and the copy engines): every element size."""
     return load_jit("hicache_staged", cuda_files=list(STAGED_FILES), cuda_compiler="auto",
                     cuda_wrappers=[(name, f"jitk::hicache::StagedWriteBack::{name}")
-                                   for name in ("lf_pf", "lf_pf_mla")])
+                                   for name in ("lf_pf", "lf_pf_mla")], host_units=2)
 
 
 @functools.cache

@@ -62,6 +62,12 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
                          f"got {hidden}")
 
 
+# The host compiler builds a module's entry points in up to this many units side by side
+# (load_jit's host_units): rmsnorm's apart from the fused form's, and the tuner's candidates
+# spread wider. rmsnorm.cuh holds only inline and template definitions, as that asks.
+_HOST_UNITS = 8
+
+
 def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
     """One module of both entry points at each tuning (knob values in tuning.KNOBS's
     order), or at rmsnorm_tiling.cuh's DefaultTuning when none is given."""
@@ -75,7 +81,7 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
         cuda_wrappers=[wrapper for norm, suffix in zip(norms, suffixes) for wrapper in (
             (f"rmsnorm{suffix}", f"{norm}::run"),
             (f"fused_add_rmsnorm{suffix}", f"{norm}::run_fused_add"))],
-    )
+        host_units=_HOST_UNITS)
     # Fetched once: a module attribute lookup goes through the FFI each time.
     return [_Kernels(getattr(module, f"rmsnorm{suffix}"),
                      getattr(module, f"fused_add_rmsnorm{suffix}")) for suffix in suffixes]
