@@ -3,8 +3,9 @@ NVRTC precompiled in the process (jitk/build/device_prelude.py) and makes the sa
 one that parses it; the headers NVRTC read, those only the device half includes among them,
 are in the entry's record, so an edit of one rebuilds the entry; the process removes its
 preludes' folder when it exits (a forked child leaves it); a process that ends before the
-host prelude it began is built finishes it first; and the host prelude has builds link with
-gold only where its build found that gold links with the compiler."""
+host prelude it began is built finishes it first; a build waits for a device prelude no longer
+than it is told; and the host prelude has builds link with gold only where its build found
+that gold links with the compiler."""
 
 import json
 import os
@@ -161,6 +162,29 @@ os.waitpid(child, 0)
 left = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("jitk-device-prelude-")]
 print("after the fork", len(left), flush=True)
 """
+
+
+# NVRTC's making of the prelude held until released, as a making that never ends would be.
+STUCK_MAKING = """
+import threading, time
+from jitk.build import device_prelude, nvrtc
+release = threading.Event()
+nvrtc.create_pch = lambda *args: release.wait(120) and ()
+started = time.perf_counter()
+got = device_prelude.get(["-arch=sm_90", *nvrtc.OPTIONS], 0.5)
+print(got, round(time.perf_counter() - started, 1), flush=True)
+release.set()  # so that the process's exit, which waits for its threads, does not
+"""
+
+
+def test_a_build_waits_for_the_device_prelude_no_longer_than_its_timeout(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_MAKING],
+        env={**os.environ, "JITK_CACHE_DIR": str(tmp_path), "PYTHONPATH": PYTHON_PATH},
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got, waited = done.stdout.split()
+    assert got == "None" and 0.4 <= float(waited) < 5, done.stdout
 
 
 def test_the_process_removes_its_preludes_folder_and_a_fork_leaves_it(tmp_path):

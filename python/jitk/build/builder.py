@@ -370,9 +370,9 @@ def _build_device_halves(spec: BuildSpec, staging: Path, options: dict[str, list
     ptx_arch says), and <name>.kernels, a line "expression<TAB>lowered<TAB>part" a kernel.
     Written into `staging` and returned (file name -> bytes), for the library to be handed
     at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch). Every
-    program reads the device prelude
-    first, precompiled for its target (device_prelude.py); the headers NVRTC read, the
-    prelude's among them, are listed in DEVICE_HEADERS for the entry's record."""
+    program reads the device prelude first, precompiled for its target (device_prelude.py);
+    the headers NVRTC read, the prelude's among them, are listed in DEVICE_HEADERS for the
+    entry's record."""
     try:
         expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
         if not expressions:  # host code only: nothing for NVRTC to build or a launch to find
