@@ -1,10 +1,10 @@
 """jitk's RMSNorm and fused-add RMSNorm against SGLang 0.5.23's own, in one process, on the
 same tensors: the acceptance grid of issue 18.
 
-rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition), bf16 and
-fp16, rows 1, 16, 77, 256, 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed
-four ways: "graph", us per call under CUDA graph replay of 10-call chains on one weight;
-"single", one eager call alone on the GPU; "layers", the 10-call chain with a weight of its
+rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition; jitk's also
+with float_sum=True, against the same SGLang kernel), bf16 and fp16, rows 1, 16, 77, 256,
+1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed four ways: "graph", us per
+call under CUDA graph replay of 10-call chains on one weight; "single", one eager call alone on the GPU; "layers", the 10-call chain with a weight of its
 own per call and L2 flushed before each replay, as decode meets each layer's weight after
 the rest of a step has pushed it out of L2; "beside", the 10-call chain with a GEMM before
 each call (rows x 2048 by 2048 x 2048), as in a model's layer, less the 10 GEMMs alone timed
@@ -51,8 +51,10 @@ from jitk.tools.timing import gemm_neighbour
 ROWS = (1, 16, 77, 256, 1024, 4096)
 HIDDENS = (4096, 5120, 7168, 8192, 12288)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FLOAT_SUM = "in place, float_sum"  # jitk's fused form normalising the float32 sum
 GROUPS = [(op, dtype, placement) for op, placements in
-          (("rmsnorm", ("out of place", "in place")), ("fused_add_rmsnorm", ("in place",)))
+          (("rmsnorm", ("out of place", "in place")),
+           ("fused_add_rmsnorm", ("in place", FLOAT_SUM)))
           for dtype in DTYPES for placement in placements]
 MODES = ("graph", "single", "layers", "beside")
 OTHER_KERNEL_ONLY = "the GEMM alone"  # "beside" mode's baseline, timed in each round
@@ -74,7 +76,8 @@ def providers(sgl523, op: str, placement: str, t: dict) -> dict:
     a second time as "sglang again"."""
     if op == "fused_add_rmsnorm":
         def call_jitk(w):
-            return lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)
+            return lambda: jitk.fused_add_rmsnorm(t["x"], t["residual"], w, EPS,
+                                                  float_sum=placement == FLOAT_SUM)
 
         def call_sglang(w):
             return lambda: sgl523.fused_add_rmsnorm(t["x"], t["residual"], w, EPS)

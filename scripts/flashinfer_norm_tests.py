@@ -9,7 +9,8 @@ the file's tests of those two ops at FlashInfer's own tolerances: plain and q/k-
 rows, contiguous or not, strides past INT32_MAX, tensors of more than 2^31 elements. The
 tests of ops jitk does not have (quantised, Gemma, LayerNorm, FlashInfer's own build) are
 not run. `enable_pdl` is accepted and left to jitk, which chooses programmatic dependent
-launch itself. Exits with pytest's status."""
+launch itself. The stand-in's fused_add_rmsnorm asks for FlashInfer's formula (float_sum=True),
+as a user swapping jitk in for FlashInfer would. Exits with pytest's status."""
 
 import os
 import sys
@@ -41,7 +42,8 @@ def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
 
 
 def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
-    jitk.fused_add_rmsnorm(input, residual, weight, eps)
+    """FlashInfer's formula: the float32 sum is normalised, before it is rounded."""
+    jitk.fused_add_rmsnorm(input, residual, weight, eps, float_sum=True)
 ''',
     "utils.py": """
 import torch

@@ -290,6 +290,30 @@ def test_bad_values_are_refused_before_any_build(empty_cache):
             norm.fused_add_rmsnorm(wide, wide, w)
 
 
+def test_float_sum_must_be_a_bool_and_keyword(empty_cache):
+    x, w = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="float_sum"):
+        norm.fused_add_rmsnorm(x, x.clone(), w, 1e-6, float_sum=1)
+    with pytest.raises(TypeError):
+        norm.fused_add_rmsnorm(x, x.clone(), w, 1e-6, True)  # keyword-only
+
+
+def test_float_sum_builds_a_module_of_its_own(tmp_path, monkeypatch):
+    """The stored-sum module holds no float_sum kernel (the common modules build none of
+    its kernels); asking for it builds a module of the fused form alone, from the same
+    tuning, whose entry point checks its tensors as the stored-sum form does."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    kernels = norm._kernels(256, torch.float16)
+    assert not any("float_sum" in p.name for p in tmp_path.iterdir())
+    float_sum = kernels.fused_add_rmsnorm_float_sum()
+    assert float_sum is kernels.fused_add_rmsnorm_float_sum()  # built once
+    built = [p.name for p in tmp_path.iterdir() if p.is_dir() and "float_sum" in p.name]
+    assert len(built) == 1 and built[0].startswith("rmsnorm_float_sum_256_fp16_t"), built
+    x, w = fake_cuda((4, 256), torch.float16), fake_cuda((256,), torch.float16)
+    message = failure(float_sum, x, fake_cuda((3, 256), torch.float16), w, 1e-6)
+    assert "'residual'" in message and "('rows'): expected 4 but got 3" in message
+
+
 def test_the_largest_hidden_size_builds():
     """norm._MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
     refused above), and a row of it is indexed without overflow in the kernel's ints."""
@@ -308,10 +332,14 @@ KNOWN_SPILLS = (4096, {**tuning._SHORT_PATH, **tuning._LATE}), (
     4096, {**tuning._SHORT_PATH, **tuning._FOUR_SUMS, **tuning._FILL_SM, **tuning._ONE_TURN})
 
 
+# The kernels' forms (kFusedAdd, kFloatSum): plain, fused, fused with float_sum.
+FORMS = ("false, false", "true, false", "true, true")
+
+
 def _spill_check_source() -> str:
     """Every kernel a module of the benchmark's widths holds, instantiated alone: the default's
     four (plain rows or two runs, widest vectors or one element) and each candidate's plain-rows
-    kernel, in both 16-bit dtypes, plain and fused."""
+    kernel, in both 16-bit dtypes, plain, fused and fused with float_sum."""
     from jitk.build.cpp_args import make_cpp_args
 
     lines, kernels = ["#include <norm/rmsnorm.cuh>", "using namespace jitk::norm;"], []
@@ -325,15 +353,14 @@ def _spill_check_source() -> str:
                 tune = f"Tu_{hidden}_{name[6:]}_{i}"
                 lines.append(f"using {tune} = Tuning<{make_cpp_args(*tuning.knob_values(knobs))}>;")
                 if knobs["two_vectors"]:  # its own kernel, in place of the candidate's
-                    kernels += [f"(void*)&rmsnorm_two_vectors_kernel<{hidden}, {name}, {fused}, "
-                                f"{tune}::kLateTrigger>" for fused in ("false", "true")]
+                    kernels += [f"(void*)&rmsnorm_two_vectors_kernel<{hidden}, {name}, {form}, "
+                                f"{tune}::kLateTrigger>" for form in FORMS]
                     continue
                 widest = f"widest_vec_size<{name}>({hidden}, {tune}::kMaxVecBytes)"
                 shapes = ([(widest, "true"), (widest, "false"), ("1", "true"), ("1", "false")]
                           if i == 0 else [(widest, "true")])
                 kernels += [f"(void*)&rmsnorm_kernel<Tiling<{hidden}, {name}, {vec}, {tune}>, "
-                            f"{tune}, {fused}, {plain}>" for vec, plain in shapes
-                            for fused in ("false", "true")]
+                            f"{tune}, {form}, {plain}>" for vec, plain in shapes for form in FORMS]
     return "\n".join([*lines, "void* every_kernel[] = {" + ",\n".join(kernels) + "};", ""])
 
 
@@ -533,6 +560,34 @@ def test_fused_add(dtype, hidden, layout):
     mirror = cut(rows, hidden, dtype, layout)
     mirror.copy_(expected_sum)
     assert torch.equal(x, norm.rmsnorm(mirror, weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 128), (torch.bfloat16, 5120),
+                                          (torch.float16, 7168), (torch.float32, 4096),
+                                          (torch.bfloat16, 40000)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_fused_add_float_sum(dtype, hidden, layout):
+    """float_sum=True: residual becomes input + residual rounded as before, and input the norm
+    of the float32 sum before rounding (FlashInfer's formula), within an ulp of float64 where
+    the stored-sum formula is not; with a zero residual, the bits of rmsnorm(input)."""
+    torch.manual_seed(hidden + 1)
+    rows = 257
+    weight = random(hidden, dtype=dtype)
+    x, residual = cut(rows, hidden, dtype, layout), cut(rows, hidden, dtype, layout)
+    exact_sum, expected_sum = x.double() + residual.double(), x + residual
+    stored, stored_residual = x.clone(), residual.clone()
+    out = x.clone()
+    norm.fused_add_rmsnorm(out, residual, weight, float_sum=True)
+    assert torch.equal(residual, expected_sum)
+    assert_matches(out, reference(exact_sum, weight), dtype)
+    norm.fused_add_rmsnorm(stored, stored_residual, weight)
+    if dtype == torch.bfloat16:  # the sum rounds coarsely: some outputs round the other way
+        assert not torch.equal(out, stored)
+    zero = torch.zeros_like(x)
+    alone = x.clone()
+    norm.fused_add_rmsnorm(alone, zero, weight, float_sum=True)
+    assert torch.equal(alone, norm.rmsnorm(x, weight, out=torch.empty_like(x)))
 
 
 @pytest.mark.gpu
@@ -898,11 +953,14 @@ def test_a_choice_outside_the_candidates_gets_a_module_of_its_own():
 
 @pytest.mark.parametrize("name", ["jitk::rmsnorm", "jitk::fused_add_rmsnorm"])
 def test_tuning_samples_pass_every_argument(name):
-    """A built kernel takes no defaults: the tuner's sample call names every parameter."""
+    """A built kernel takes no defaults: the tuner's sample call names every parameter but the
+    keyword-only ones, which pick another kernel (float_sum) rather than reach this one."""
     info = jitk.runtime.op.find_op(name)
+    kernel_params = [name for name, p in info.signature.parameters.items()
+                     if p.kind is not p.KEYWORD_ONLY]
     for args, kwargs in info.tuning.sample_calls((3, 256), torch.float16, torch.device("cpu")):
         bound = info.signature.bind(*args, **kwargs)
-        assert list(bound.arguments) == list(info.signature.parameters)
+        assert list(bound.arguments) == kernel_params
 
 
 def test_rmsnorm_in_place_is_a_bucket_of_its_own():

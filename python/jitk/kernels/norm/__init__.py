@@ -3,6 +3,7 @@
     y = rmsnorm(x, weight)                 # in place: x is normalised and returned
     y = rmsnorm(x, weight, out=y)          # into `out`
     fused_add_rmsnorm(x, residual, weight) # residual += x; x = rmsnorm(residual) * weight
+    fused_add_rmsnorm(x, residual, weight, float_sum=True)  # FlashInfer's formula
 
 rmsnorm(x) = x / sqrt(mean(x^2) + eps) * weight, accumulated in float32 and rounded to the
 input dtype (float32, float16 or bfloat16). `x` may have any leading shape: its leading
@@ -14,7 +15,11 @@ need the same number of rows and hidden size, each with strides of its own. `wei
 contiguous 1-d tensor of the hidden size and the input's dtype.
 
 fused_add_rmsnorm keeps the sum in the residual's dtype and normalises the sum as stored,
-so afterwards `x` equals rmsnorm(residual, weight) exactly.
+so afterwards `x` equals rmsnorm(residual, weight) exactly: what the unfused
+`residual += x; x = rmsnorm(residual)` of a model's code computes. With float_sum=True it
+normalises the sum as added in float32, before it is rounded into residual (FlashInfer's
+formula; the two differ by an ulp here and there in 16-bit dtypes, where the sum rounds).
+Either way a row's bits do not depend on the other rows of the call.
 
 Both launch on PyTorch's current stream, allocate nothing and never synchronise, so they
 can be captured in a CUDA graph. Arguments are checked before any module is built: a wrong
@@ -52,6 +57,14 @@ _FLOAT32_MAX = 3.4028234663852886e38  # eps travels to the kernel as a float32
 class _Kernels(NamedTuple):
     rmsnorm: Callable
     fused_add_rmsnorm: Callable
+    # (module name, hidden, dtype, tunings, index): where fused_add_rmsnorm_float_sum is built
+    twin: tuple
+
+    def fused_add_rmsnorm_float_sum(self) -> Callable:
+        """The fused form at float_sum=True of the same tuning, from a module of its own
+        (built at the first request), so that the common modules build none of its kernels."""
+        name, hidden, dtype, tunings, index = self.twin
+        return _float_sum_entries(name, hidden, dtype, tunings)[index]
 
 
 def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
@@ -68,9 +81,11 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
 _HOST_UNITS = 8
 
 
-def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
-    """One module of both entry points at each tuning (knob values in tuning.KNOBS's
-    order), or at rmsnorm_tiling.cuh's DefaultTuning when none is given."""
+def _entries(name: str, hidden: int, dtype: torch.dtype, tunings: tuple,
+             methods: dict[str, str]) -> list[dict[str, Callable]]:
+    """One module of each entry point (name -> RMSNorm's static method) at each tuning (knob
+    values in tuning.KNOBS's order), or at rmsnorm_tiling.cuh's DefaultTuning when none is
+    given; per tuning, entry name -> function."""
     _check_kernel_args(hidden, dtype)
     args = make_cpp_args(hidden, dtype)
     norms = [_norm_type(hidden, dtype, t) for t in tunings] or [_norm_type(hidden, dtype)]
@@ -78,13 +93,30 @@ def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_
     module = load_jit(
         name, *args, *(make_cpp_args(*tunings[0]) if len(tunings) == 1 else ()),
         cuda_files=["rmsnorm.cuh"], cuda_compiler="auto",
-        cuda_wrappers=[wrapper for norm, suffix in zip(norms, suffixes) for wrapper in (
-            (f"rmsnorm{suffix}", f"{norm}::run"),
-            (f"fused_add_rmsnorm{suffix}", f"{norm}::run_fused_add"))],
+        cuda_wrappers=[(f"{entry}{suffix}", f"{norm}::{method}")
+                       for norm, suffix in zip(norms, suffixes)
+                       for entry, method in methods.items()],
         host_units=_HOST_UNITS)
     # Fetched once: a module attribute lookup goes through the FFI each time.
-    return [_Kernels(getattr(module, f"rmsnorm{suffix}"),
-                     getattr(module, f"fused_add_rmsnorm{suffix}")) for suffix in suffixes]
+    return [{entry: getattr(module, f"{entry}{suffix}") for entry in methods}
+            for suffix in suffixes]
+
+
+def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
+    """One module of both entry points at each tuning (see _entries)."""
+    found = _entries(name, hidden, dtype, tunings,
+                     {"rmsnorm": "run", "fused_add_rmsnorm": "run_fused_add"})
+    return [_Kernels(**entries, twin=(name, hidden, dtype, tunings, i))
+            for i, entries in enumerate(found)]
+
+
+@functools.cache
+def _float_sum_entries(name: str, hidden: int, dtype: torch.dtype,
+                       tunings: tuple) -> list[Callable]:
+    """The float_sum fused form of each tuning of module `name`, in a module of its own."""
+    return [entries["fused_add_rmsnorm"] for entries in _entries(
+        f"{name}_float_sum", hidden, dtype, tunings,
+        {"fused_add_rmsnorm": "run_fused_add_float_sum"})]
 
 
 def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> str:
@@ -189,14 +221,18 @@ def _rows_bucket(input: torch.Tensor, hidden: int) -> int:
 # placement (the tuning space's call cache) and the call log's flag; the shape bucket is
 # worked out only for a new shape or a logged call.
 def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: float,
-                in_place: bool = False) -> Callable:
+                in_place: bool = False, float_sum: bool = False) -> Callable:
     if not 0.0 <= eps <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{function}: 'eps' must be finite and >= 0 as a float32 (at most "
                          f"{_FLOAT32_MAX:.7g}), got {eps!r}")
-    kernel = space.calls.get((input.shape, input.dtype, in_place))
+    kernel = space.calls.get((input.shape, input.dtype, in_place, float_sum))
     if kernel is None:
-        kernel = space.calls[input.shape, input.dtype, in_place] = space.lookup(
-            _bucket(function, input, in_place))
+        bucket = _bucket(function, input, in_place)
+        # float_sum runs the bucket's choice of the stored-sum form: the same layouts, which
+        # keep the same order of the sum (the tuner times the stored-sum form only).
+        kernel = space.calls[input.shape, input.dtype, in_place, float_sum] = (
+            _chosen_kernels(bucket, space.config(bucket)).fused_add_rmsnorm_float_sum()
+            if float_sum else space.lookup(bucket))
     if api_log.noting:  # every logged call, not only a shape's first
         _note_choice(function, _bucket(function, input, in_place))
     return kernel
@@ -237,9 +273,11 @@ def _rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, out: torch.Ten
 
 
 def _fused_add_rmsnorm_reference(input: torch.Tensor, residual: torch.Tensor,
-                                 weight: torch.Tensor, eps: float = 1e-6) -> None:
-    residual.add_(input)  # rounded to the residual's dtype, then normalised as stored
-    input.copy_(_normalized(residual, weight, eps))
+                                 weight: torch.Tensor, eps: float = 1e-6, *,
+                                 float_sum: bool = False) -> None:
+    added = input.float() + residual.float()
+    residual.copy_(added)  # rounded to the residual's dtype: normalised so unless float_sum
+    input.copy_(_normalized(added if float_sum else residual, weight, eps))
 
 
 # Two ulps of each dtype (bfloat16 2^-7, float16 2^-10) relative, plus as much absolute for
@@ -271,7 +309,7 @@ def _rmsnorm_fake(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
 
 
 def _fused_add_rmsnorm_fake(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                            eps: float = 1e-6) -> None:
+                            eps: float = 1e-6, *, float_sum: bool = False) -> None:
     _check_operands("fused_add_rmsnorm", input, weight, residual=residual)
 
 
@@ -295,9 +333,11 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     reference=_fused_add_rmsnorm_reference, tolerance=_TOLERANCE,
     cases=lambda: _cases("fused_add_rmsnorm"), fake=_fused_add_rmsnorm_fake)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float = 1e-6) -> None:
-    """residual += input; input = rmsnorm(residual) * weight, both in place."""
-    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps)(input, residual, weight, eps)
+                      eps: float = 1e-6, *, float_sum: bool = False) -> None:
+    """residual += input; input = rmsnorm(residual) * weight, both in place. float_sum=True
+    normalises the sum as added in float32 rather than as stored (FlashInfer's formula)."""
+    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps, float_sum=float_sum)(
+        input, residual, weight, eps)
 
 
 # Tuned out of the box: the choices `python -m jitk tune rmsnorm fused_add_rmsnorm --dtype

@@ -6,10 +6,12 @@ For each width and dtype, the first ALONE rows of a BATCH-row input are normalis
 row by the default's kernels: the bits every other way of normalising them must give. Then
 each choice the tuner may pick (tuning_choices; a sample of them unless `full`) and the
 public entry points (whatever the tuning file or the shipped table chose for each bucket)
-normalise the first n rows, for each n in ROWS: out of place, in place and fused. A row
-that differs from its alone bits is a finding; so is a fused output that differs from the
-plain rmsnorm of its residual, a residual that is not input + residual rounded, and a
-16-bit output more than one ulp from a float64 reference of the formula.
+normalise the first n rows, for each n in ROWS: out of place, in place, fused, and fused
+with float_sum. A row that differs from its alone bits is a finding; so is a fused output
+that differs from the plain rmsnorm of its residual, a float_sum output that differs from
+rmsnorm of its input where the residual is zero (the same sum), a residual that is not input
++ residual rounded, and a 16-bit output more than one ulp from a float64 reference of its
+formula.
 """
 
 from __future__ import annotations
@@ -88,7 +90,21 @@ def _ways(kernels: Callable | None) -> dict[str, Callable]:
         (kernels().fused_add_rmsnorm if kernels else fused_add_rmsnorm)(x, r, w, EPS)
         return x, r
 
-    return {"rmsnorm": plain, "rmsnorm in place": in_place, "fused_add_rmsnorm": fused}
+    def float_sum(x, r, w):
+        x, r = x.clone(), r.clone()
+        if kernels:
+            kernels().fused_add_rmsnorm_float_sum()(x, r, w, EPS)
+        else:
+            fused_add_rmsnorm(x, r, w, EPS, float_sum=True)
+        return x, r
+
+    return {"rmsnorm": plain, "rmsnorm in place": in_place, "fused_add_rmsnorm": fused,
+            "fused_add_rmsnorm float_sum": float_sum}
+
+
+# Which alone bits each way is held to.
+_FORMS = {"rmsnorm": "plain", "rmsnorm in place": "plain", "fused_add_rmsnorm": "fused",
+          "fused_add_rmsnorm float_sum": "float sum"}
 
 
 def check_width(hidden: int, dtype: torch.dtype, full: bool = False) -> Iterator[Finding]:
@@ -100,14 +116,12 @@ def check_width(hidden: int, dtype: torch.dtype, full: bool = False) -> Iterator
     summed = (x.float() + residual.float()).to(dtype)  # the fused form's residual, rounded
     choices = _sampled(tuning_choices(hidden, dtype), full)
     default = _ways(choices[0][1])
-    batch = {"plain": default["rmsnorm"](x, None, weight)[0],
-             "fused": default["fused_add_rmsnorm"](x, residual, weight)[0]}
+    ways = {"plain": default["rmsnorm"], "fused": default["fused_add_rmsnorm"],
+            "float sum": default["fused_add_rmsnorm float_sum"]}
+    batch = {form: run(x, residual, weight)[0] for form, run in ways.items()}
     # The bits of each row alone: plain rows of x, and (fused) of x + residual.
-    alone = {"plain": torch.cat([default["rmsnorm"](x[i:i + 1], None, weight)[0]
-                                 for i in range(ALONE)]),
-             "fused": torch.cat([default["fused_add_rmsnorm"](x[i:i + 1], residual[i:i + 1],
-                                                               weight)[0]
-                                 for i in range(ALONE)])}
+    alone = {form: torch.cat([run(x[i:i + 1], residual[i:i + 1], weight)[0]
+                              for i in range(ALONE)]) for form, run in ways.items()}
     # What every way must give: each row's alone bits, the default's batch past them (the
     # default's own batch is one of the ways, so its first rows are held to the alone bits).
     expected = {form: torch.cat([alone[form], batch[form][ALONE:]]) for form in alone}
@@ -116,10 +130,14 @@ def check_width(hidden: int, dtype: torch.dtype, full: bool = False) -> Iterator
                                                                    weight)[0])
     if not same_as_plain:
         yield Finding(f"{name} fused vs rmsnorm of its residual", ALONE, ALONE, "differ")
+    zero_sum = ways["float sum"](x[:ALONE], torch.zeros_like(x[:ALONE]), weight)[0]
+    if not torch.equal(zero_sum, alone["plain"]):
+        yield Finding(f"{name} float_sum with a zero residual vs rmsnorm", ALONE, ALONE,
+                      "differ")
     for label, kernels in [*((_changes(knobs, choices[0][0]), build) for knobs, build in choices),
                            ("public entry points", None)]:
         for way, run in _ways(kernels).items():
-            wanted = expected["fused" if way == "fused_add_rmsnorm" else "plain"]
+            wanted = expected[_FORMS[way]]
             for n in ROWS:
                 out, residual_after = run(x[:n], residual[:n], weight)
                 differing = int((out != wanted[:n]).any(-1).sum())
@@ -128,19 +146,23 @@ def check_width(hidden: int, dtype: torch.dtype, full: bool = False) -> Iterator
                 if differing:
                     yield Finding(f"{name} {label} {way} n={n}", differing, n,
                                   "differ from the same rows alone or in the default's batch")
-    yield from _accuracy(name, alone, x[:ALONE], summed[:ALONE], weight)
+    # float_sum's formula normalises the unrounded sum, exact in float64.
+    sources = {"plain": x, "fused": summed, "float sum": x.double() + residual.double()}
+    yield from _accuracy(name, alone, {form: rows[:ALONE] for form, rows in sources.items()},
+                         weight)
 
 
-def _accuracy(name: str, alone: dict, x: torch.Tensor, summed: torch.Tensor,
+def _accuracy(name: str, alone: dict, sources: dict,
               weight: torch.Tensor) -> Iterator[Finding]:
     """16-bit outputs within one ulp of float64; float32's largest distance as a note."""
-    for form, source in (("plain", x), ("fused", summed)):
+    for form, source in sources.items():
         ulps = _ulps(alone[form], _exact(source, weight))
         worst = float(ulps.max())
         if alone[form].dtype == torch.float32:
-            yield Finding(f"{name} {form} accuracy (note)", 0, len(x), f"max {worst:.2f} ulps")
+            yield Finding(f"{name} {form} accuracy (note)", 0, len(source),
+                          f"max {worst:.2f} ulps")
         elif worst > 1:
-            yield Finding(f"{name} {form} accuracy", int((ulps > 1).any(-1).sum()), len(x),
+            yield Finding(f"{name} {form} accuracy", int((ulps > 1).any(-1).sum()), len(source),
                           f"beyond 1 ulp of float64 (max {worst:.2f})")
 
 

@@ -3,6 +3,7 @@
 //
 //   RMSNorm<kHidden, T>::run(input, weight, out, eps)
 //   RMSNorm<kHidden, T>::run_fused_add(input, residual, weight, eps)
+//   RMSNorm<kHidden, T>::run_fused_add_float_sum(input, residual, weight, eps)
 //
 // Inputs of any rank are rows of the hidden size (jitk/rows.h) whose leading dimensions may
 // take two strides (q/k-norm on heads cut from a fused QKV buffer). A row is read once, held in
@@ -101,12 +102,14 @@ struct RMSNorm {
 
   // residual += input; input = rmsnorm(residual) * weight, normalising the sum as stored.
   static void run_fused_add(TensorView input, TensorView residual, TensorView weight, double eps) {
-    SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
-    SymbolicDevice device;
-    const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
-    const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
-    const void* w = check_weight<T>(weight, hidden, device);
-    launch<true>(params(x, r, w, rows.unwrap(), eps), device.unwrap());
+    fused_add<false>(input, residual, weight, eps);
+  }
+
+  // The same, normalising the sum as added in float32, before it is rounded into residual
+  // (FlashInfer's formula). A module that never names it builds none of its kernels.
+  static void run_fused_add_float_sum(TensorView input, TensorView residual, TensorView weight,
+                                      double eps) {
+    fused_add<true>(input, residual, weight, eps);
   }
 
  private:
@@ -135,7 +138,17 @@ struct RMSNorm {
            p.x_rows.steps_by(vec_size) && p.y_rows.steps_by(vec_size);
   }
 
-  template <bool kFusedAdd>
+  template <bool kFloatSum>
+  static void fused_add(TensorView input, TensorView residual, TensorView weight, double eps) {
+    SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
+    SymbolicDevice device;
+    const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
+    const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
+    const void* w = check_weight<T>(weight, hidden, device);
+    launch<true, kFloatSum>(params(x, r, w, rows.unwrap(), eps), device.unwrap());
+  }
+
+  template <bool kFusedAdd, bool kFloatSum = false>
   static void launch(const Params& p, DLDevice device) {
     if (p.rows == 0) return;
     constexpr int kVec = kVecSizeOf<Tune>, kDefaultVec = kVecSizeOf<Default>;
@@ -145,26 +158,30 @@ struct RMSNorm {
         // A block a row: fewer than 2^31 rows, within the grid's limit.
         return LaunchKernel(dim3(p.plain_rows), dim3(Pair::kThreads), device)
             .enable_pdl(Tune::kPdl && kPdlOnAllTargets)
-            .template launch<rmsnorm_two_vectors_kernel<kHidden, T, kFusedAdd, Tune::kLateTrigger>>(
+            .template launch<
+                rmsnorm_two_vectors_kernel<kHidden, T, kFusedAdd, kFloatSum, Tune::kLateTrigger>>(
                 p);
       }
     } else if (p.plain_rows != 0 && vectors_aligned(p, kVec)) {
-      return launch_kernel<Tiling<kHidden, T, kVec, typename Tune::Body>, Tune, kFusedAdd, true>(
-          p, device);
+      return launch_kernel<Tiling<kHidden, T, kVec, typename Tune::Body>, Tune, kFusedAdd,
+                           kFloatSum, true>(p, device);
     }
     if (vectors_aligned(p, kDefaultVec)) {
-      return launch_default<Tiling<kHidden, T, kDefaultVec, Default>, kFusedAdd>(p, device);
+      return launch_default<Tiling<kHidden, T, kDefaultVec, Default>, kFusedAdd, kFloatSum>(p,
+                                                                                            device);
     }
-    launch_default<Tiling<kHidden, T, 1, Default>, kFusedAdd>(p, device);
+    launch_default<Tiling<kHidden, T, 1, Default>, kFusedAdd, kFloatSum>(p, device);
   }
 
-  template <typename Tiles, bool kFusedAdd>
+  template <typename Tiles, bool kFusedAdd, bool kFloatSum>
   static void launch_default(const Params& p, DLDevice device) {
-    if (p.plain_rows != 0) return launch_kernel<Tiles, Default, kFusedAdd, true>(p, device);
-    launch_kernel<Tiles, Default, kFusedAdd, false>(p, device);
+    if (p.plain_rows != 0) {
+      return launch_kernel<Tiles, Default, kFusedAdd, kFloatSum, true>(p, device);
+    }
+    launch_kernel<Tiles, Default, kFusedAdd, kFloatSum, false>(p, device);
   }
 
-  template <typename Tiles, typename Tuned, bool kFusedAdd, bool kPlain>
+  template <typename Tiles, typename Tuned, bool kFusedAdd, bool kFloatSum, bool kPlain>
   static void launch_kernel(const Params& p, DLDevice device) {
     // A block per turn of rows; blocks loop, so a grid capped at the launch limit still covers
     // every row. (A grid of what the GPU holds at once measured slower.)
@@ -172,7 +189,8 @@ struct RMSNorm {
                                   int64_t{std::numeric_limits<int32_t>::max()});
     LaunchKernel(dim3(static_cast<unsigned>(blocks)), dim3(Tiles::kBlockThreads), device)
         .enable_pdl(Tuned::kPdl && kPdlOnAllTargets)
-        .template launch<rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kPlain>>(p);
+        .template launch<rmsnorm_kernel<Tiles, typename Tuned::Body, kFusedAdd, kFloatSum, kPlain>>(
+            p);
   }
 };
 

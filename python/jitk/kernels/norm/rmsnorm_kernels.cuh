@@ -19,16 +19,17 @@
 namespace jitk::norm {
 
 #if JITK_DEVICE_HALF
-// A thread's sum of squares over its slots. With one chain, the order of jitk/norm_order.cuh:
-// each slot's slot_squares, the slots by slots_sum's tree. kChains 2 or 4
-// (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in turn.
-template <typename Tiling, int kChains, int kCount>
-__device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)[kCount]) {
+// A thread's sum of squares over its slots, slot(i) being slot i's elements as floats. With one
+// chain, the order of jitk/norm_order.cuh: each slot's slot_squares, the slots by slots_sum's
+// tree. kChains 2 or 4 (JITK_RMSNORM_FAST_UNSTABLE only) deal the elements to as many sums in
+// turn.
+template <typename Tiling, int kChains, int kCount, typename Slot>
+__device__ __forceinline__ float sum_of_squares(const Slot& slot) {
   if constexpr (kChains == 1) {
     float sums[kCount];
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
-      const auto f = Tiling::unpack(x[i]);
+      const auto f = slot(i);
       sums[i] = slot_squares<Tiling::kVecSize>([&f](int e) { return f[e]; });
     }
     return slots_sum(sums);
@@ -36,7 +37,7 @@ __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)
     float sums[kChains] = {};
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
-      const auto f = Tiling::unpack(x[i]);
+      const auto f = slot(i);
 #pragma unroll
       for (int e = 0; e < Tiling::kVecSize; ++e) {
         float& sum = sums[(i * Tiling::kVecSize + e) % kChains];
@@ -46,6 +47,23 @@ __device__ __forceinline__ float sum_of_squares(const typename Tiling::Pack (&x)
     if constexpr (kChains == 4) return (sums[0] + sums[1]) + (sums[2] + sums[3]);
     return sums[0] + sums[1];
   }
+}
+
+// The row a thread's slots hold, as floats: x, or with kFloatSum x + r added in float32 and
+// not rounded (the fused form's FlashInfer formula normalises that sum).
+template <typename Tiling, bool kFloatSum, int kCount, int kResidualCount>
+__device__ __forceinline__ auto row_values(const typename Tiling::Pack (&x)[kCount],
+                                           const typename Tiling::Pack (&r)[kResidualCount]) {
+  static_assert(!kFloatSum || kResidualCount == kCount);
+  return [&x, &r](int i) {
+    auto f = Tiling::unpack(x[i]);
+    if constexpr (kFloatSum) {
+      const auto g = Tiling::unpack(r[i]);
+#pragma unroll
+      for (int e = 0; e < Tiling::kVecSize; ++e) f[e] += g[e];
+    }
+    return f;
+  };
 }
 
 // x[i] = f(x[i], y[i]) element by element in float32, rounded to the dtype.
@@ -59,6 +77,27 @@ __device__ __forceinline__ void combine(typename Tiling::Pack (&x)[kCount],
 #pragma unroll
     for (int e = 0; e < Tiling::kVecSize; ++e) a[e] = f(a[e], b[e]);
     x[i] = Tiling::pack(a);
+  }
+}
+
+// out[i] = value(i) rounded to the dtype (value: row_values).
+template <typename Tiling, int kCount, typename V>
+__device__ __forceinline__ void pack_values(typename Tiling::Pack (&out)[kCount], const V& value) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) out[i] = Tiling::pack(value(i));
+}
+
+// out[i] = f(value(i)[e], y[i][e]) element by element (value: row_values), rounded to the dtype.
+template <typename Tiling, int kCount, typename V, typename F>
+__device__ __forceinline__ void combine_values(typename Tiling::Pack (&out)[kCount], const V& value,
+                                               const typename Tiling::Pack (&y)[kCount], F f) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) {
+    auto a = value(i);
+    const auto b = Tiling::unpack(y[i]);
+#pragma unroll
+    for (int e = 0; e < Tiling::kVecSize; ++e) a[e] = f(a[e], b[e]);
+    out[i] = Tiling::pack(a);
   }
 }
 
@@ -120,80 +159,111 @@ struct Row {
   }
 };
 
+// The fused form's sum, added in float32 (combine rounds it to the dtype).
+struct Add {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
 // The row stays in registers: read once, reduce, scale by `w` (this thread's slots), write.
 // With kRowFirst the weight is loaded here on the first turn, after the row (it waits for the
 // reduction anyway, while the row's loads, queued behind it, would delay the reduction);
-// otherwise the kernel loaded it before its first turn.
-template <typename Tiling, typename Tuning, bool kFusedAdd>
+// otherwise the kernel loaded it before its first turn. The fused form normalises the sum as
+// stored, or with kFloatSum as added (x and r stay in registers, and each use adds them again).
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum>
 __device__ __forceinline__ void normalize_in_registers(
     const Row<Tiling, kFusedAdd, Tuning::kPinOffsets>& row, const typename Tiling::Pack* weight,
     typename Tiling::Pack (&w)[Tiling::kVecsPerThread], bool first_turn, int lane, float eps,
     float* scratch) {
-  typename Tiling::Pack x[Tiling::kVecsPerThread], r[kFusedAdd ? Tiling::kVecsPerThread : 1];
+  constexpr int kVecs = Tiling::kVecsPerThread;
+  typename Tiling::Pack x[kVecs], r[kFusedAdd ? kVecs : 1];
   load_slots<Tiling>(x, row.input, 0, lane, row.valid);
   if constexpr (kFusedAdd) load_slots<Tiling>(r, row.residual, 0, lane, row.valid);
   if (Tuning::kRowFirst && first_turn) load_slots<Tiling>(w, weight, 0, lane, true);
-  if constexpr (kFusedAdd) {
-    combine<Tiling>(x, r, [](float a, float b) { return a + b; });
+  if constexpr (kFloatSum) {
+    typename Tiling::Pack stored[kVecs];
+    pack_values<Tiling>(stored, row_values<Tiling, true>(x, r));
+    store_slots<Tiling>(row.residual, stored, 0, lane, row.valid);
+  } else if constexpr (kFusedAdd) {
+    combine<Tiling>(x, r, Add{});
     store_slots<Tiling>(row.residual, x, 0, lane, row.valid);
   }
   const float sum = row_sum<Tiling, Tuning::kBroadcastSum>(
-      sum_of_squares<Tiling, Tuning::kSumChains>(x), scratch);
+      sum_of_squares<Tiling, Tuning::kSumChains, kVecs>(row_values<Tiling, kFloatSum>(x, r)),
+      scratch);
   device::keep_packed(w);
   device::keep_packed(x);
+  if constexpr (kFloatSum) device::keep_packed(r);
   // A division, not a multiply by 1 / kHidden: at widths that are no power of two its slow
   // path's branch keeps ptxas from unpacking x and w for the scaling before the reduction,
   // which the multiply let it do (sm_90: the weight spilled under 5120's 48-register cap).
-  combine<Tiling>(x, w, scale_by(rsqrtf(sum / Tiling::kHidden + eps)));
+  const auto scale = scale_by(rsqrtf(sum / Tiling::kHidden + eps));
+  if constexpr (kFloatSum) {
+    combine_values<Tiling>(x, row_values<Tiling, true>(x, r), w, scale);
+  } else {
+    combine<Tiling>(x, w, scale);
+  }
   store_slots<Tiling>(row.output, x, 0, lane, row.valid);
 }
 
 // Rows too long for registers: a pass for the sum of squares (storing the residual sum), then
 // one that reads the row again, mostly from L2, to scale it; a chunk's loads fly together.
-template <typename Tiling, typename Tuning, bool kFusedAdd>
+// With kFloatSum the first pass stores nothing: the second reads input and residual again,
+// stores their rounded sum and scales the float one.
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum>
 __device__ __forceinline__ void normalize_in_two_passes(
     const Row<Tiling, kFusedAdd, Tuning::kPinOffsets>& row, const typename Tiling::Pack* weight,
     int lane, float eps, float* scratch) {
   constexpr int kChunk = Tiling::kMaxVecsInRegisters;
+  using Pack = typename Tiling::Pack;
   float sum_sq = 0.0f;
 #pragma unroll 1
   for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
-    typename Tiling::Pack x[kChunk];
+    Pack x[kChunk], r[kFusedAdd ? kChunk : 1];
     load_slots<Tiling>(x, row.input, first, lane, row.valid);
-    if constexpr (kFusedAdd) {
-      typename Tiling::Pack r[kChunk];
-      load_slots<Tiling>(r, row.residual, first, lane, row.valid);
-      combine<Tiling>(x, r, [](float a, float b) { return a + b; });
+    if constexpr (kFusedAdd) load_slots<Tiling>(r, row.residual, first, lane, row.valid);
+    if constexpr (kFusedAdd && !kFloatSum) {
+      combine<Tiling>(x, r, Add{});
       store_slots<Tiling>(row.residual, x, first, lane, row.valid);
     }
-    sum_sq += sum_of_squares<Tiling, Tuning::kSumChains>(x);
+    sum_sq +=
+        sum_of_squares<Tiling, Tuning::kSumChains, kChunk>(row_values<Tiling, kFloatSum>(x, r));
   }
-  const float inv_rms =
-      rsqrtf(row_sum<Tiling, Tuning::kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps);
-  // The fused form normalises the sum as stored, which this thread wrote itself.
-  const typename Tiling::Pack* source = kFusedAdd ? row.residual : row.input;
+  const auto scale = scale_by(
+      rsqrtf(row_sum<Tiling, Tuning::kBroadcastSum>(sum_sq, scratch) / Tiling::kHidden + eps));
+  // The stored sum is read back from the residual, which this thread wrote itself.
+  const Pack* source = kFusedAdd && !kFloatSum ? row.residual : row.input;
 #pragma unroll 1
   for (int first = 0; first < Tiling::kVecsPerThread; first += kChunk) {
-    typename Tiling::Pack x[kChunk], w[kChunk];
+    Pack x[kChunk], w[kChunk];
     load_slots<Tiling>(x, source, first, lane, row.valid);
     load_slots<Tiling>(w, weight, first, lane, row.valid);
-    combine<Tiling>(x, w, scale_by(inv_rms));
+    if constexpr (kFloatSum) {
+      Pack r[kChunk], stored[kChunk];
+      load_slots<Tiling>(r, row.residual, first, lane, row.valid);
+      pack_values<Tiling>(stored, row_values<Tiling, true>(x, r));
+      store_slots<Tiling>(row.residual, stored, first, lane, row.valid);
+      combine_values<Tiling>(x, row_values<Tiling, true>(x, r), w, scale);
+    } else {
+      combine<Tiling>(x, w, scale);
+    }
     store_slots<Tiling>(row.output, x, first, lane, row.valid);
   }
 }
 #endif  // JITK_DEVICE_HALF
 
 // The registers a thread plans for: x, the weight and the fused form's residual, row_registers
-// each, and 16.
-constexpr int register_plan(bool fused_add, int row_registers) {
-  return (fused_add ? 3 : 2) * row_registers + 16;
+// each, and 16; with float_sum 8 more, as the residual stays live through the reduction (held
+// to the plan without them, three of its bodies spilled 8-12 bytes, sm_90, 4096 and 7168).
+constexpr int register_plan(bool fused_add, int row_registers, bool float_sum = false) {
+  return (fused_add ? 3 : 2) * row_registers + 16 + (float_sum ? 8 : 0);
 }
 // 8 blocks an SM (the register cap that sets) where that leaves a thread its plan at
 // kMaxRowRegisters, so 1056 rows fill a wave of an H100 and 1024 rows of 4096 or 5120 in L2
 // take one wave, not two as uncapped.
-template <typename Tiling, bool kFusedAdd>
+template <typename Tiling, bool kFusedAdd, bool kFloatSum>
 inline constexpr int kMinBlocks =
-    8 * Tiling::kBlockThreads * register_plan(kFusedAdd, kMaxRowRegisters) <= 65536 ? 8 : 1;
+    8 * Tiling::kBlockThreads * register_plan(kFusedAdd, kMaxRowRegisters, kFloatSum) <= 65536 ? 8
+                                                                                               : 1;
 // With kFillSm, as many blocks as an SM's 2048 threads hold while each thread keeps its plan
 // for the registers its rows take, counted in the 8 a thread is given at a time: SGLang's
 // block of hidden / 16 threads at 12288 holds two blocks an SM where an uncapped one of jitk
@@ -203,22 +273,24 @@ inline constexpr int kMinBlocks =
 // would cost the short path a block an SM at 12288, and time at 1024 rows in place. A spread
 // layout (jitk/norm_order.cuh) plans 8 for its slots' offsets: without them, its rows of 256
 // to 512 threads at 4096-8192 spilled 4-24 bytes under the 32 registers fill_sm allowed (sm_90).
-template <typename Tiling, typename Tuning, bool kFusedAdd>
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum>
 constexpr int fill_sm_blocks() {
-  constexpr int kPlan =
-      register_plan(kFusedAdd, min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
-                                   Tiling::kVecRegisters) +
-      (Tuning::kPinOffsets ? (Tuning::kOneTurn ? 8 : 16) : 0) +
-      (kFusedAdd && !Tuning::kOneTurn ? 8 : 0) + (Tiling::kSpread > 1 ? 8 : 0);
+  constexpr int kPlan = register_plan(kFusedAdd,
+                                      min_of(Tiling::kVecsPerThread, Tiling::kMaxVecsInRegisters) *
+                                          Tiling::kVecRegisters,
+                                      kFloatSum) +
+                        (Tuning::kPinOffsets ? (Tuning::kOneTurn ? 8 : 16) : 0) +
+                        (kFusedAdd && !Tuning::kOneTurn ? 8 : 0) + (Tiling::kSpread > 1 ? 8 : 0);
   constexpr int kThreads = Tiling::kBlockThreads;  // whole warps
   int blocks = max_of(1, 2048 / kThreads);
   while (blocks > 1 && 65536 / (blocks * kThreads) / 8 * 8 < kPlan) --blocks;
   return blocks;
 }
-template <typename Tiling, typename Tuning, bool kFusedAdd>
-inline constexpr int kMinBlocksOf = Tuning::kFillSm ? fill_sm_blocks<Tiling, Tuning, kFusedAdd>()
-                                    : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd>
-                                                           : 1;
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum>
+inline constexpr int kMinBlocksOf =
+    Tuning::kFillSm        ? fill_sm_blocks<Tiling, Tuning, kFusedAdd, kFloatSum>()
+    : Tuning::kRegisterCap ? kMinBlocks<Tiling, kFusedAdd, kFloatSum>
+                           : 1;
 
 #if JITK_DEVICE_HALF
 // A plain call's grid has a block per kRowsPerBlock rows (fewer than 2^31 rows), so a block
@@ -226,7 +298,7 @@ inline constexpr int kMinBlocksOf = Tuning::kFillSm ? fill_sm_blocks<Tiling, Tun
 // blockIdx.x alone (uniform registers), as in SGLang's. With kOneTurn there is no loop either
 // (straight-line code, where ptxas may issue the weight's loads after the sum of squares,
 // unless kRowFirst loads them beside the row's; the loop keeps them before the row's).
-template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum, bool kPlain>
 __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   constexpr bool kOneTurn = kPlain && Tuning::kOneTurn;
   constexpr bool kRowPerBlock = Tiling::kRowsPerBlock == 1;
@@ -266,10 +338,11 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
   }
   for (int turn = 0, first_turn = 1;; turn ^= 1, first_turn = 0) {
     if constexpr (Tiling::kInRegisters) {
-      normalize_in_registers<Tiling, Tuning>(row, weight, w, first_turn, lane, p.eps,
-                                             scratch[turn]);
+      normalize_in_registers<Tiling, Tuning, kFusedAdd, kFloatSum>(row, weight, w, first_turn, lane,
+                                                                   p.eps, scratch[turn]);
     } else {
-      normalize_in_two_passes<Tiling, Tuning>(row, weight, lane, p.eps, scratch[turn]);
+      normalize_in_two_passes<Tiling, Tuning, kFusedAdd, kFloatSum>(row, weight, lane, p.eps,
+                                                                    scratch[turn]);
     }
     if (kOneTurn || (first += step) >= rows) break;
     row = Row<Tiling, kFusedAdd, Tuning::kPinOffsets>(p, first + group, exists(first + group),
@@ -282,12 +355,14 @@ __device__ __forceinline__ void normalize_rows(const Params& p, int64_t rows) {
 // A kernel of its own for plain rows, which reads no parameter past the first line and needs
 // only its own registers: as one kernel with both bodies, it took the two-run body's (47-56 a
 // thread at 5120 x fp16 on 320 threads, 3 blocks an SM where SGLang's 32 fit 6).
-template <typename Tiling, typename Tuning, bool kFusedAdd, bool kPlain>
-__global__ void __launch_bounds__(Tiling::kBlockThreads, (kMinBlocksOf<Tiling, Tuning, kFusedAdd>))
+// kFloatSum: the fused form normalises its sum as added in float32 (normalize_in_registers).
+template <typename Tiling, typename Tuning, bool kFusedAdd, bool kFloatSum, bool kPlain>
+__global__ void __launch_bounds__(Tiling::kBlockThreads,
+                                  (kMinBlocksOf<Tiling, Tuning, kFusedAdd, kFloatSum>))
     rmsnorm_kernel(const __grid_constant__ Params p)
 #if JITK_DEVICE_HALF
 {
-  normalize_rows<Tiling, Tuning, kFusedAdd, kPlain>(p, kPlain ? p.plain_rows : p.rows);
+  normalize_rows<Tiling, Tuning, kFusedAdd, kFloatSum, kPlain>(p, kPlain ? p.plain_rows : p.rows);
 }
 #else
         ;
@@ -319,7 +394,7 @@ __device__ __forceinline__ float add_squares(float sum, const device::Vec<float,
 }
 #endif  // JITK_DEVICE_HALF
 
-template <int kHidden, typename T, bool kFusedAdd, bool kLateTrigger>
+template <int kHidden, typename T, bool kFusedAdd, bool kFloatSum, bool kLateTrigger>
 __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
     rmsnorm_two_vectors_kernel(const __grid_constant__ Params p)
 #if JITK_DEVICE_HALF
@@ -338,13 +413,21 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
   const unsigned first = threadIdx.x, second = threadIdx.x + kThreads;
   Pack v[2] = {x[first], x[second]};
   const Pack w[2] = {weight[first], weight[second]};
-  if constexpr (kFusedAdd) {  // y is the residual: the sum rounded, stored, normalised
-    const Pack r[2] = {y[first], y[second]};
-    combine<Layout>(v, r, [](float a, float b) { return a + b; });
-    y[first] = v[0];
-    y[second] = v[1];
+  Pack r[kFusedAdd ? 2 : 1];
+  if constexpr (kFusedAdd) {  // y is the residual: the sum rounded and stored
+    r[0] = y[first];
+    r[1] = y[second];
+    Pack stored[2];
+    pack_values<Layout>(stored, row_values<Layout, true>(v, r));
+    y[first] = stored[0];
+    y[second] = stored[1];
+    if constexpr (!kFloatSum) {  // normalised as stored
+      v[0] = stored[0];
+      v[1] = stored[1];
+    }
   }
-  float sum = add_squares(add_squares(0.0f, Layout::unpack(v[0])), Layout::unpack(v[1]));
+  const auto value = row_values<Layout, kFloatSum>(v, r);
+  float sum = add_squares(add_squares(0.0f, value(0)), value(1));
   sum = device::warp_sum(sum);
   const unsigned warp = threadIdx.x / kWarpThreads;
   float inv_rms;
@@ -361,7 +444,7 @@ __global__ void __launch_bounds__(TwoVectors<kHidden, T>::kThreads)
     __syncthreads();
     inv_rms = partial[warp];
   }
-  combine<Layout>(v, w, scale_by(inv_rms));
+  combine_values<Layout>(v, value, w, scale_by(inv_rms));
   Pack* out = kFusedAdd ? x : y;
   out[first] = v[0];
   out[second] = v[1];
