@@ -4,25 +4,25 @@ same tensors: the acceptance grid of issue 18.
 rmsnorm in place and out of place, fused_add_rmsnorm (in place by definition; jitk's also
 with float_sum=True, against the same SGLang kernel), bf16 and fp16, rows 1, 16, 77, 256,
 1024, 4096 x hidden 4096, 5120, 7168, 8192, 12288, each timed four ways: "graph", us per
-call under CUDA graph replay of 10-call chains on one weight; "single", one eager call alone on the GPU; "layers", the 10-call chain with a weight of its
-own per call and L2 flushed before each replay, as decode meets each layer's weight after
-the rest of a step has pushed it out of L2; "beside", the 10-call chain with a GEMM before
-each call (rows x 2048 by 2048 x 2048), as in a model's layer, less the 10 GEMMs alone timed
-in the same round. Between CUDA events in all, queued behind a 0.1
-ms sleep of the GPU, so that the events time the device's work and not the host's launch
-(bench_op.py times that). The providers take turns, which goes first alternating from round
-to round, after a warm-up that measures the first shape once and drops it; a shape's rounds
-are shared out over --sets sets of its tensors (SETS says why); a figure is the median of
-its rounds. SGLang runs twice a round, as two providers, so that each shape shows
-how far SGLang's kernel reads from itself. Noise: the largest of that distance, half the
-interquartile range of the per-round ratio jitk/SGLang, and one step of the event timer
-(measured at the start: 32 ns on an H100, a tenth of it a call of a 10-call chain), below
-which two medians cannot be told apart; a ratio above 1 by no more than that is "within
-noise" and counted apart, neither as a win nor hidden. Both providers'
-results are checked against float32 torch first, on fresh data; a size SGLang refuses is
-reported as such. jitk runs what a lookup picks: the tuning file's choice (`python -m jitk
-tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523 (see
-../shared/peers/README.md).
+call under CUDA graph replay of 10-call chains on one weight; "single", one eager call alone
+on the GPU; "layers", the 10-call chain with a weight of its own per call and L2 flushed
+before each replay, as decode meets each layer's weight after the rest of a step has pushed
+it out of L2; "beside", the 10-call chain with a GEMM before each call (rows x 2048 by 2048
+x 2048), as in a model's layer, less the 10 GEMMs alone timed in the same round. Between
+CUDA events in all, queued behind a 0.1 ms sleep of the GPU, so that the events time the
+device's work and not the host's launch (bench_op.py times that). The providers take turns,
+which goes first alternating from round to round, after a warm-up that measures the first
+shape once and drops it; a shape's rounds are shared out over --sets sets of its tensors
+(SETS says why); a figure is the median of its rounds. SGLang runs twice a round, as two
+providers, so that each shape shows how far SGLang's kernel reads from itself. Noise: the
+largest of that distance, half the interquartile range of the per-round ratio jitk/SGLang,
+and one step of the event timer (measured at the start: 32 ns on an H100, a tenth of it a
+call of a 10-call chain), below which two medians cannot be told apart; a ratio above 1 by
+no more than that is "within noise" and counted apart, neither as a win nor hidden. Both
+providers' results are checked against float32 torch first, on fresh data; a size SGLang
+refuses is reported as such. jitk runs what a lookup picks: the tuning file's choice
+(`python -m jitk tune`), else the default. Needs SGLang's kernels: PYTHONPATH=.peers/sgl523
+(see ../shared/peers/README.md).
 Prints the counts per (op, dtype, placement, mode) and every shape jitk is slower at; the
 grids of ratios go to --grids (default: stdout). --json keeps every round's times, and
 --pool judges several such runs, each made in its own process, as one: single calls fall
