@@ -15,11 +15,11 @@ import torch
 
 import jitk
 
-TENSOR, OPTIONAL_TENSOR, INT, OPTIONAL_INT, FLOAT, STR = (
-    "tensor", "tensor or None", "int", "int or None", "float", "str")
+TENSOR, OPTIONAL_TENSOR, INT, OPTIONAL_INT, FLOAT, STR, BOOL = (
+    "tensor", "tensor or None", "int", "int or None", "float", "str", "bool")
 TAKES = {  # what a parameter of each kind accepts, among the wrong-looking values below
     TENSOR: set(), OPTIONAL_TENSOR: {"None"}, INT: {"int"}, OPTIONAL_INT: {"None", "int"},
-    FLOAT: {"int"}, STR: {"str"},
+    FLOAT: {"int"}, STR: {"str"}, BOOL: {"bool"},
 }
 WRONG = {"None": None, "numpy": np.zeros(4, np.float32), "int": 3, "list": [1, 2],
          "str": "4", "bool": True}
@@ -36,7 +36,8 @@ ALL_LAYER = {"indices_dst": TENSOR, "indices_src": TENSOR, "element_size": OPTIO
              "num_tokens_src": OPTIONAL_INT, "num_tokens_dst": OPTIONAL_INT, **HICACHE}
 PARAMETERS = {
     "rmsnorm": {"input": TENSOR, "weight": TENSOR, "out": OPTIONAL_TENSOR, "eps": FLOAT},
-    "fused_add_rmsnorm": {"input": TENSOR, "residual": TENSOR, "weight": TENSOR, "eps": FLOAT},
+    "fused_add_rmsnorm": {"input": TENSOR, "residual": TENSOR, "weight": TENSOR, "eps": FLOAT,
+                          "float_sum": BOOL},
     "transfer_hicache_one_layer": {"k_cache_dst": TENSOR, "v_cache_dst": TENSOR,
                                    "k_cache_src": TENSOR, "v_cache_src": TENSOR, **ONE_LAYER},
     "transfer_hicache_one_layer_mla": {"cache_dst": TENSOR, "cache_src": TENSOR, **ONE_LAYER},
@@ -58,7 +59,7 @@ PARAMETERS = {
     "stream_write_value": {"flag": TENSOR, "value": INT},
 }
 VALID = {TENSOR: lambda: torch.zeros(4, 8), OPTIONAL_TENSOR: lambda: None, INT: lambda: 16,
-         OPTIONAL_INT: lambda: None, FLOAT: lambda: 1e-6, STR: lambda: "eq"}
+         OPTIONAL_INT: lambda: None, FLOAT: lambda: 1e-6, STR: lambda: "eq", BOOL: lambda: False}
 
 
 def test_the_table_names_every_parameter_of_every_entry_point():
