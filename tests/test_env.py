@@ -16,7 +16,10 @@ def run_env(*args, **settings):
                           text=True, env={**clean, **settings}, timeout=120)
 
 
-def fake_entry(cache_dir, name="m_0123456789abcdef_sm90"):
+ENTRY = "m_0123456789abcdef_sm90"
+
+
+def fake_entry(cache_dir, name=ENTRY):
     entry = cache_dir / name
     entry.mkdir(parents=True)
     (entry / "m.so").write_bytes(b"x" * 1000)
@@ -62,8 +65,9 @@ def test_json_report(tmp_path):
         assert report[key]["version"] == toolchain.compiler_versions([compiler])[0]
     assert report["target_archs"] == {"archs": ["8.0", "9.0"], "source": "JITK_CUDA_ARCH",
                                       "error": None}
+    # the entries' bytes: not the compilers' version lines the report's queries kept
     assert report["cache"] == {"dir": str(tmp_path / "cache"), "entries": 1,
-                               "bytes": cache.folder_size(tmp_path / "cache")}
+                               "bytes": cache.folder_size(tmp_path / "cache" / ENTRY)}
     assert report["settings"] == {"JITK_CACHE_DIR": str(tmp_path / "cache"),
                                   "JITK_CUDA_ARCH": "9.0;8.0"}
 

@@ -131,6 +131,23 @@ def test_spare_cpus_are_the_share_less_the_load(monkeypatch):
     assert builder.spare_cpus() == 16
 
 
+def test_nvrtc_parts_take_the_spare_cpus(monkeypatch):
+    """A module's NVRTC programs are as many as its kernels, the spare CPUs and the cap allow:
+    a precompile worker of 16 on 16 CPUs builds its kernels in one program, not the cap's."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    cap = builder._MAX_NVRTC_PARTS
+    assert cap >= 2 and builder._nvrtc_parts(1) == 1
+    assert builder._nvrtc_parts(100) == cap
+    try:
+        builder.share_cpus(16 // cap)
+        assert builder._nvrtc_parts(100) == cap
+        builder.share_cpus(16)
+        assert builder._nvrtc_parts(100) == 1
+    finally:
+        builder.share_cpus(1)
+
+
 WORKER_UNITS = """
 import sys
 from jitk.build import builder

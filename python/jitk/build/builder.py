@@ -432,8 +432,9 @@ _MAX_NVRTC_PARTS = 2
 
 
 def _nvrtc_parts(kernels: int) -> int:
-    """How many NVRTC programs build a module's kernels: at most one a core and a kernel."""
-    return max(1, min(kernels, os.cpu_count() or 1, _MAX_NVRTC_PARTS))
+    """How many NVRTC programs build a module's kernels: at most one a kernel and a spare CPU
+    (a precompile or tuning worker: its share, as for the host half's units)."""
+    return max(1, min(kernels, spare_cpus(), _MAX_NVRTC_PARTS))
 
 
 def _load_copy(library: Path, sha256: str, device_code: dict[str, bytes]) -> tvm_ffi.Module:

@@ -134,13 +134,21 @@ def _listed(value: object, parameter: str, kinds: tuple[type, ...], expected: st
     return items
 
 
+# A bare kernel file name -> the one family's file of that name, once found: a warm load
+# then globs no folder (the package's files stay put while it runs).
+_FAMILY_FILES: dict[str, Path] = {}
+
+
 def _shipped(path: Path) -> Path:
     """A relative kernel file name, the package's own: a path under jitk/kernels
     ("norm/rmsnorm.cuh"), or the bare name of a file that one family holds ("rmsnorm.cuh")."""
     found = KERNEL_DIR / path
+    if len(path.parts) == 1 and path.name in _FAMILY_FILES:
+        return _FAMILY_FILES[path.name]
     if not found.exists() and len(path.parts) == 1:
         held = sorted(KERNEL_DIR.glob(f"*/{path.name}"))
         if len(held) == 1:
+            _FAMILY_FILES[path.name] = held[0]
             return held[0]
     return found
 

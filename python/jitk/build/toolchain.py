@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from jitk.base.errors import JitkError
+from jitk.build import versions
 
 logger = logging.getLogger("jitk")
 
@@ -335,11 +336,14 @@ def _version_line(compiler: str, query: subprocess.Popen) -> str:
 
 
 def compiler_versions(compilers: list[str]) -> list[str]:
-    """The version line of each compiler (part of every cache key). The ones not asked yet
-    are asked side by side: each query is a few milliseconds of a warm load."""
+    """The version line of each compiler (part of every cache key): as the cache remembers
+    it (versions.py), else asked, the ones not asked yet side by side."""
     asking: dict[str, subprocess.Popen] = {}
     failure = None
     for compiler in dict.fromkeys(c for c in compilers if c not in _versions):
+        if (line := versions.remembered(compiler)) is not None:
+            _versions[compiler] = line
+            continue
         try:
             asking[compiler] = subprocess.Popen([compiler, "--version"], text=True,
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -348,6 +352,7 @@ def compiler_versions(compilers: list[str]) -> list[str]:
             break
     for compiler, query in asking.items():  # every started query is answered and reaped
         _versions[compiler] = _version_line(compiler, query)
+        versions.remember(compiler, _versions[compiler])
     if failure:
         raise failure
     return [_versions[c] for c in compilers]

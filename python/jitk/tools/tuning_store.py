@@ -10,7 +10,6 @@ lock held at most $JITK_LOCK_TIMEOUT seconds, and replace the file atomically.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+import tvm_ffi
 
 from jitk.base import __version__, settings
 from jitk.base.errors import SettingError
@@ -56,8 +56,10 @@ def environment() -> dict:
         else:
             gpu, sms = "none", 0
         _ENVIRONMENT = {"gpu": gpu, "sms": sms, "driver": _driver_version(),
-                        "jitk": __version__, "tvm_ffi": importlib.metadata.version(
-                            "apache-tvm-ffi"), "torch": torch.__version__}
+                        # the package's own version, equal to its metadata's, without a
+                        # scan of sys.path on a first call's path
+                        "jitk": __version__, "tvm_ffi": tvm_ffi.__version__,
+                        "torch": torch.__version__}
     return _ENVIRONMENT
 
 

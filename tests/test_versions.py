@@ -1,0 +1,84 @@
+"""Compilers' version lines remembered in the cache (jitk/build/versions.py): a warm process
+asks no compiler, a changed compiler file is asked again, and a kept line that others could
+have written is not believed."""
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+from jitk.build import toolchain, versions
+
+
+@pytest.fixture
+def fake_compiler(tmp_path, monkeypatch):
+    """A compiler that says its version, in a cache of its own; no line known in-process."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(toolchain, "_versions", {})
+    compiler = tmp_path / "fake-c++"
+
+    def say(version):
+        compiler.write_text(f"#!/bin/sh\necho 'fake c++ {version}'\n")
+        compiler.chmod(0o755)
+    say("1.0")
+    return str(compiler), say
+
+
+def asked(monkeypatch):
+    """Counts the compilers run from here on."""
+    runs = []
+    real = subprocess.Popen
+
+    def counting(*args, **kwargs):
+        runs.append(args[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(subprocess, "Popen", counting)
+    return runs
+
+
+def test_a_warm_process_asks_no_compiler(fake_compiler, monkeypatch):
+    compiler, _ = fake_compiler
+    runs = asked(monkeypatch)
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    assert len(runs) == 1
+    kept = os.listdir(os.path.join(os.environ["JITK_CACHE_DIR"], versions.FOLDER))
+    assert len(kept) == 1 and not kept[0].endswith(".tmp"), kept
+    monkeypatch.setattr(toolchain, "_versions", {})  # as a new process
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    assert len(runs) == 1
+
+
+def test_a_changed_compiler_is_asked_again(fake_compiler, monkeypatch):
+    compiler, say = fake_compiler
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    say("2.0.1")  # another size and time: another file
+    monkeypatch.setattr(toolchain, "_versions", {})
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 2.0.1"]
+
+
+def test_a_line_others_could_have_written_is_not_believed(fake_compiler, monkeypatch):
+    compiler, _ = fake_compiler
+    toolchain.compiler_versions([compiler])
+    [kept] = (versions._file(compiler).parent).iterdir()
+    kept.write_text("planted 9.9\n")
+    kept.chmod(kept.stat().st_mode | stat.S_IWOTH)
+    monkeypatch.setattr(toolchain, "_versions", {})
+    runs = asked(monkeypatch)
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    assert len(runs) == 1
+
+
+def test_a_cache_that_cannot_be_written_keeps_nothing(fake_compiler, monkeypatch, tmp_path):
+    """A cache folder that cannot be made (a file where a folder should be): the line is
+    asked, and asked again by the next process; nothing is written anywhere."""
+    compiler, _ = fake_compiler
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("JITK_CACHE_DIR", str(blocker / "cache"))
+    runs = asked(monkeypatch)
+    for _ in range(2):
+        monkeypatch.setattr(toolchain, "_versions", {})
+        assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    assert len(runs) == 2 and blocker.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "fake-c++"]
