@@ -15,7 +15,9 @@ from jitk.build import toolchain, versions
 def fake_compiler(tmp_path, monkeypatch):
     """A compiler that says its version, in a cache of its own; no line known in-process."""
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()  # as a build makes it
     monkeypatch.setattr(toolchain, "_versions", {})
+    monkeypatch.setattr(versions, "_PENDING", {})
     compiler = tmp_path / "fake-c++"
 
     def say(version):
@@ -69,16 +71,30 @@ def test_a_line_others_could_have_written_is_not_believed(fake_compiler, monkeyp
     assert len(runs) == 1
 
 
-def test_a_cache_that_cannot_be_written_keeps_nothing(fake_compiler, monkeypatch, tmp_path):
-    """A cache folder that cannot be made (a file where a folder should be): the line is
-    asked, and asked again by the next process; nothing is written anywhere."""
+def test_no_cache_is_made_until_a_module_is(fake_compiler, monkeypatch, tmp_path):
+    """Asked before the cache folder exists (a call refused before any build leaves none),
+    a line is kept once a build or load has made the folder."""
     compiler, _ = fake_compiler
-    blocker = tmp_path / "a-file"
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path / "later"))
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    assert not (tmp_path / "later").exists()
+    (tmp_path / "later").mkdir()
+    versions.keep_pending()
+    monkeypatch.setattr(toolchain, "_versions", {})
+    runs = asked(monkeypatch)
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"] and runs == []
+
+
+def test_a_cache_that_cannot_be_written_keeps_nothing(fake_compiler, monkeypatch, tmp_path):
+    """A cache where the folder cannot be made (a file of that name is there): the line is
+    asked, and asked again by the next process; nothing is written or removed."""
+    compiler, _ = fake_compiler
+    blocker = tmp_path / "cache" / versions.FOLDER
     blocker.write_text("not a folder")
-    monkeypatch.setenv("JITK_CACHE_DIR", str(blocker / "cache"))
     runs = asked(monkeypatch)
     for _ in range(2):
         monkeypatch.setattr(toolchain, "_versions", {})
         assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+        versions.keep_pending()
     assert len(runs) == 2 and blocker.read_text() == "not a folder"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "fake-c++"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [versions.FOLDER]

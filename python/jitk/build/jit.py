@@ -30,7 +30,7 @@ import tvm_ffi
 
 from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
-from jitk.build import cache, entries, events, nvrtc, pch, remote, toolchain
+from jitk.build import cache, entries, events, nvrtc, pch, remote, toolchain, versions
 from jitk.build.builder import (
     HOST_HALF,
     BuildSpec,
@@ -280,6 +280,7 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
                                                   disabled, problem)
     finally:
         events.record(spec.name, build_key or spec.key, source, started)
+    versions.keep_pending()
     return module, archs
 
 

@@ -50,11 +50,20 @@ def remembered(compiler: str) -> str | None:
     return line if line and len(line) <= 4096 and "\n" not in line else None
 
 
+# Lines asked while the cache folder did not exist yet: a call refused before any build
+# leaves no cache behind, so they are kept once a build or load has the folder.
+_PENDING: dict[str, str] = {}
+
+
 def remember(compiler: str, line: str) -> None:
-    """Keeps `line` for the next process, written whole (a new file, then renamed); where
-    the cache cannot be written, the next process asks again."""
+    """Keeps `line` for the next process, written whole (a new file, then renamed), in a
+    cache folder that exists (else pending: keep_pending); where the cache cannot be
+    written, the next process asks again."""
     path = _file(compiler)
     if path is None:
+        return
+    if not path.parent.parent.is_dir():
+        _PENDING[compiler] = line
         return
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -69,3 +78,12 @@ def remember(compiler: str, line: str) -> None:
         os.replace(temporary, path)
     except OSError:
         temporary.unlink(missing_ok=True)
+
+
+def keep_pending() -> None:
+    """Keeps the lines asked before the cache folder existed, now that a module was built
+    into it or loaded from it."""
+    pending = list(_PENDING.items())
+    _PENDING.clear()
+    for compiler, line in pending:  # pending again where the folder is still missing
+        remember(compiler, line)
