@@ -54,7 +54,7 @@ def _stamps(paths: tuple[str, ...]) -> tuple[tuple[int, int] | None, ...]:
 _lock = threading.Lock()
 _made: dict[tuple[str, ...], concurrent.futures.Future] = {}  # options -> Prelude | None
 _numbers = itertools.count()  # a new file each making: a build may still read the old one
-_state: dict[str, object] = {}  # "folder", "owner" (its pid), "pool": made on first use
+_state: dict[str, object] = {}  # "folder", "owner" (its pid): made on first use
 
 
 def _forget() -> None:  # a forked child makes its own (its parent removes the folder)
@@ -72,14 +72,23 @@ def _remove_folder() -> None:
         shutil.rmtree(str(_state["folder"]), ignore_errors=True)
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    if "pool" not in _state:
+def _making(options: list[str]) -> concurrent.futures.Future:
+    """_make(options) on a thread of its own. A daemon: NVRTC's call has no time limit, and
+    a process's exit must not wait for one that never ends (a build waits for it no longer
+    than its timeout, in `get`)."""
+    if "folder" not in _state:
         _state["folder"] = Path(tempfile.mkdtemp(prefix="jitk-device-prelude-"))
         _state["owner"] = os.getpid()
         atexit.register(_remove_folder)
-        _state["pool"] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 1, thread_name_prefix="jitk-device-prelude")
-    return _state["pool"]
+    future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(_make(options))
+        except BaseException as error:  # the waiting build sees it, as from a pool
+            future.set_exception(error)
+    threading.Thread(target=run, name="jitk-device-prelude", daemon=True).start()
+    return future
 
 
 def start(options: list[str]) -> None:
@@ -95,7 +104,7 @@ def start(options: list[str]) -> None:
         if future is not None and not _stale(future):
             return
         try:
-            _made[key] = _pool().submit(_make, list(options))
+            _made[key] = _making(list(options))
         except OSError as error:  # no private folder (the temporary folder is not writable)
             logger.info("jitk: no device prelude (%s); NVRTC parses it in every build", error)
             _made[key] = concurrent.futures.Future()
