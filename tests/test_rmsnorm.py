@@ -315,6 +315,18 @@ def test_float_sum_builds_a_module_of_its_own(tmp_path, monkeypatch):
     assert "'residual'" in message and "('rows'): expected 4 but got 3" in message
 
 
+def test_a_float_sum_call_builds_only_its_own_module(tmp_path, monkeypatch):
+    """The public call with float_sum builds the float_sum module of its bucket's choice, not
+    the stored-sum module beside it (the kernel then refuses CPU tensors)."""
+    monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 384, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="expected cuda but got cpu"):
+        norm.fused_add_rmsnorm(x, x.clone(), torch.randn(384, dtype=torch.float16),
+                               float_sum=True)
+    built = [p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(built) == 1 and built[0].startswith("rmsnorm_float_sum_384_fp16_t"), built
+
+
 def test_the_largest_hidden_size_builds():
     """norm._MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
     refused above), and a row of it is indexed without overflow in the kernel's ints."""

@@ -39,6 +39,7 @@ from jitk.base.errors import ArgumentError, ArgumentTypeError
 from jitk.build.cpp_args import make_cpp_args
 from jitk.build.jit import load_jit
 from jitk.kernels.norm import tuning
+from jitk.kernels.norm.cases import parity_cases
 from jitk.kernels.norm.rules import check_applies as _check_applies
 from jitk.kernels.norm.rules import default_knobs as _default_knobs
 from jitk.runtime.op import Tolerance, op
@@ -74,6 +75,9 @@ def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
         raise ValueError(f"rmsnorm needs a hidden size (last dimension) of 1 to {_MAX_HIDDEN}, "
                          f"got {hidden}")
 
+
+# The modules a call uses: a width's defaults, and one tuned choice (_chosen_module).
+_DEFAULT_MODULE, _TUNED_MODULE = "rmsnorm", "rmsnorm_tuned"
 
 # The host compiler builds a module's entry points in up to this many units side by side
 # (load_jit's host_units): rmsnorm's apart from the fused form's, and the tuner's candidates
@@ -132,7 +136,7 @@ def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> 
 def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     """The module for one hidden size and dtype with the default launch knobs (rmsnorm.cuh's
     DefaultTuning); raises before building for ones it lacks."""
-    return _load("rmsnorm", hidden, dtype)[0]
+    return _load(_DEFAULT_MODULE, hidden, dtype)[0]
 
 
 def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable[[], _Kernels]]]:
@@ -161,7 +165,7 @@ def _candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
 
 @functools.cache
 def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
-    return _load("rmsnorm_tuned", hidden, dtype, tuning)[0]
+    return _load(_TUNED_MODULE, hidden, dtype, tuning)[0]
 
 
 def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
@@ -195,6 +199,16 @@ def _chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
     _check_applies(bucket, knobs)
     hidden, dtype, values = _chosen_module(bucket, knobs)
     return _kernels(hidden, dtype) if values is None else _tuned_kernels(hidden, dtype, values)
+
+
+def _chosen_float_sum(bucket: tuple, knobs: dict) -> Callable:
+    """The float_sum form of _chosen_kernels' fused entry (its twin), built without building
+    that module too."""
+    _check_applies(bucket, knobs)
+    hidden, dtype, values = _chosen_module(bucket, knobs)
+    if values is None:
+        return _float_sum_entries(_DEFAULT_MODULE, hidden, dtype, ())[0]
+    return _float_sum_entries(_TUNED_MODULE, hidden, dtype, (values,))[0]
 
 
 def _module_key(bucket: tuple, knobs: dict) -> tuple:
@@ -231,8 +245,8 @@ def _kernel_for(space: TuningSpace, function: str, input: torch.Tensor, eps: flo
         # float_sum runs the bucket's choice of the stored-sum form: the same layouts, which
         # keep the same order of the sum (the tuner times the stored-sum form only).
         kernel = space.calls[input.shape, input.dtype, in_place, float_sum] = (
-            _chosen_kernels(bucket, space.config(bucket)).fused_add_rmsnorm_float_sum()
-            if float_sum else space.lookup(bucket))
+            _chosen_float_sum(bucket, space.config(bucket)) if float_sum else
+            space.lookup(bucket))
     if api_log.noting:  # every logged call, not only a shape's first
         _note_choice(function, _bucket(function, input, in_place))
     return kernel
@@ -314,7 +328,8 @@ def _fused_add_rmsnorm_fake(input: torch.Tensor, residual: torch.Tensor, weight:
 
 
 @op("jitk::rmsnorm", mutates_args=("out",), reference=_rmsnorm_reference,
-    tolerance=_TOLERANCE, cases=lambda: _cases("rmsnorm"), fake=_rmsnorm_fake)
+    tolerance=_TOLERANCE, cases=lambda: parity_cases("rmsnorm", _SUPPORTED_DTYPES),
+    fake=_rmsnorm_fake)
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
     _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps, out is input)(input, weight, out, eps)
 
@@ -331,7 +346,8 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
 @op("jitk::fused_add_rmsnorm", mutates_args=("input", "residual"),
     reference=_fused_add_rmsnorm_reference, tolerance=_TOLERANCE,
-    cases=lambda: _cases("fused_add_rmsnorm"), fake=_fused_add_rmsnorm_fake)
+    cases=lambda: parity_cases("fused_add_rmsnorm", _SUPPORTED_DTYPES),
+    fake=_fused_add_rmsnorm_fake)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = 1e-6, *, float_sum: bool = False) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place. float_sum=True
@@ -377,47 +393,6 @@ def _space(entry: str) -> TuningSpace:
 
 _RMSNORM_SPACE = _space("rmsnorm").attach(_rmsnorm)
 _FUSED_SPACE = _space("fused_add_rmsnorm").attach(fused_add_rmsnorm)
-
-
-# ---------------------------------------------------------------------------- parity cases
-# (rows, hidden): one row, odd counts (a block's last turn part empty), an odd hidden size
-# (element-wise path), q/k-norm's 128, model widths, and rows read twice (past 1024 threads x
-# 16 registers); each as a contiguous tensor, a slice of wider rows, and heads of a QKV buffer.
-_SHAPES = ((1, 4096), (77, 5120), (3, 7), (33, 128), (5, 12288), (2, 65536 + 8))
-
-
-def _layouts(rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
-    return {
-        "contiguous": lambda: torch.randn(rows, hidden, device=device).to(dtype),
-        "strided rows": lambda: torch.randn(rows, hidden + 24, device=device).to(dtype)[
-            :, 8:8 + hidden],
-        "qkv heads": lambda: torch.randn(rows, 3, 2, hidden, device=device).to(dtype)[:, 0],
-    }
-
-
-def _cases(entry: str) -> list:
-    from jitk.tools.testing import Case
-
-    cases = []
-    for dtype in _SUPPORTED_DTYPES:
-        for rows, hidden in _SHAPES:
-            for layout in ("contiguous", "strided rows", "qkv heads"):
-                def make(device, rows=rows, hidden=hidden, dtype=dtype, layout=layout):
-                    x = _layouts(rows, hidden, dtype, device)[layout]()
-                    weight = torch.randn(hidden, device=device).to(dtype)
-                    if entry == "rmsnorm":
-                        return (x, weight, torch.empty_like(x), 1e-6), {}
-                    return (x, torch.randn_like(x), weight), {"eps": 1e-5}
-
-                label = f"{str(dtype).removeprefix('torch.')} {rows}x{hidden} {layout}"
-                cases.append(Case(label, make, ("out",) if entry == "rmsnorm" else ()))
-        if entry == "rmsnorm":  # in place: out is the input
-            def in_place(device, dtype=dtype):
-                x = torch.randn(9, 4096, device=device).to(dtype)
-                return (x, torch.randn(4096, device=device).to(dtype), x, 1e-6), {}
-            cases.append(Case(f"{str(dtype).removeprefix('torch.')} 9x4096 in place", in_place,
-                              ("out",)))
-    return cases
 
 
 # Common model widths in bfloat16, plus the head dimension that q/k norms use: what
