@@ -98,3 +98,26 @@ def test_a_cache_that_cannot_be_written_keeps_nothing(fake_compiler, monkeypatch
         versions.keep_pending()
     assert len(runs) == 2 and blocker.read_text() == "not a folder"
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [versions.FOLDER]
+
+
+def test_what_others_put_in_the_cache_outlives_remembering(fake_compiler, monkeypatch, tmp_path):
+    """jitk deletes only what it made: a user's folder and files, a foreign lock and another
+    process's look-alike temporary, in the cache and in .versions, survive a line being kept
+    and a kept line being replaced."""
+    compiler, say = fake_compiler
+    cache = tmp_path / "cache"
+    kept = cache / versions.FOLDER
+    kept.mkdir()
+    planted = [cache / "mine" / "important.txt", cache / "foreign.lock", kept / "user.txt",
+               kept / "foreign.lock", kept / "mine" / "notes.txt",
+               kept / f"{versions._file(compiler).name}.999999999.tmp"]
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("not jitk's")
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 1.0"]
+    say("2.0.1")
+    monkeypatch.setattr(toolchain, "_versions", {})
+    assert toolchain.compiler_versions([compiler]) == ["fake c++ 2.0.1"]
+    assert all(path.read_text() == "not jitk's" for path in planted)
+    lines = sorted(p.read_text() for p in kept.iterdir() if p.is_file() and p not in planted)
+    assert lines == ["fake c++ 1.0\n", "fake c++ 2.0.1\n"], lines

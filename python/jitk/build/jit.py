@@ -142,9 +142,9 @@ _FAMILY_FILES: dict[str, Path] = {}
 def _shipped(path: Path) -> Path:
     """A relative kernel file name, the package's own: a path under jitk/kernels
     ("norm/rmsnorm.cuh"), or the bare name of a file that one family holds ("rmsnorm.cuh")."""
-    found = KERNEL_DIR / path
     if len(path.parts) == 1 and path.name in _FAMILY_FILES:
         return _FAMILY_FILES[path.name]
+    found = KERNEL_DIR / path
     if not found.exists() and len(path.parts) == 1:
         held = sorted(KERNEL_DIR.glob(f"*/{path.name}"))
         if len(held) == 1:

@@ -352,8 +352,8 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
                       eps: float = 1e-6, *, float_sum: bool = False) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place. float_sum=True
     normalises the sum as added in float32 rather than as stored (FlashInfer's formula)."""
-    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps, float_sum=float_sum)(
-        input, residual, weight, eps)
+    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps, False, float_sum)(
+        input, residual, weight, eps)  # positional: a call's path
 
 
 # Tuned out of the box: the choices `python -m jitk tune rmsnorm fused_add_rmsnorm --dtype
