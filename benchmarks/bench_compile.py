@@ -6,10 +6,12 @@ effect, on tensors made and CUDA started before the clock; timed to the end of t
 Per module: the cold build (empty cache, a new process), the warm first load (the entry
 cached, a new process) and the build's phases: nvcc's (`nvcc -time`, for the same command line
 that the build ran), or for a file written in two halves built with NVRTC (--compiler, as
-JITK_CUDA_COMPILER) the host half's compile and link and NVRTC's share. A host half reads the
+JITK_CUDA_COMPILER) its builds' own phases as their jit events give them (jitk.jit_stats():
+the host half's compile and link, NVRTC's share, the copy into the cache). A host half reads the
 precompiled prelude (jitk/build/pch.py), built before the timed runs unless --prelude fresh.
 Runs without a GPU: the builds target JITK_CUDA_ARCH (default 9.0), and the warm figure is
-the load only, no kernel call.
+the load only, no kernel call. "again" is the same call made once more in the warm process:
+the call's own work, which its warm figure includes.
 
     python benchmarks/bench_compile.py [--runs 3] [--arch 9.0] [--only norm,axpy,rmsnorm]
                                        [--compiler auto|nvcc|nvrtc] [--prelude ready|fresh]
@@ -46,21 +48,12 @@ _CHILD = r"""
 import json, subprocess, sys, tempfile, time
 from pathlib import Path
 target, want_commands = sys.argv[1], sys.argv[2] == "1"
+import jitk
 import jitk.build.jit as jit
 from jitk.build import builder, toolchain
-specs, phases = [], {}
+specs = []
 original = jit.build_and_publish
 jit.build_and_publish = lambda spec: specs.append(spec) or original(spec)
-def timed(name, step):
-    def run(*args):
-        started = time.perf_counter()
-        try:
-            return step(*args)
-        finally:
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
-    return run
-builder._run_ninja = timed("host compiler", builder._run_ninja)
-builder._build_device_halves = timed("NVRTC", builder._build_device_halves)
 if target == "axpy":
     sys.path.insert(0, sys.argv[3])
     import torch, axpy
@@ -89,12 +82,20 @@ elif target in sys.argv[4].split(","):  # an op's first call, on tensors made be
 else:
     import importlib
     thunk = importlib.import_module(f"jitk.kernels.{target}").precompile_configs()[0][1]
+jitk.jit_stats(reset=True)
 started = time.perf_counter()
 thunk()
 seconds = time.perf_counter() - started
+phases = {}  # each build's phases (its jit event's), summed
+for event in jitk.jit_stats()["events"]:
+    for name, phase_seconds in event["phases"].items():
+        phases[name] = phases.get(name, 0.0) + phase_seconds
 import threading  # a host prelude begun beside this build, finished for the next (untimed)
 for thread in [t for t in threading.enumerate() if t.name == "jitk-prelude"]:
     thread.join(600)
+started = time.perf_counter()  # the same call again: its own work, with nothing to load
+thunk()
+again = time.perf_counter() - started
 commands = {}
 if want_commands and specs:
     folder = Path(tempfile.mkdtemp(prefix="bench_compile_"))
@@ -108,7 +109,7 @@ if want_commands and specs:
                                   capture_output=True, text=True, check=True, timeout=60)
             commands[obj] = done.stdout.strip().splitlines()[-1]
     commands["folder"] = str(folder)
-print("JSON" + json.dumps({"seconds": seconds, "built": jit.build_count(),
+print("JSON" + json.dumps({"seconds": seconds, "again": again, "built": jit.build_count(),
                            "commands": commands, "phases": phases}))
 """
 
@@ -165,10 +166,11 @@ def main() -> None:
            "JITK_HOST_PRELUDE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
-    print(f"{'module or call':<20}{'cold build s':>14}{'warm load s':>13}  phases (ms)")
+    print(f"{'module or call':<20}{'cold build s':>14}{'warm load s':>13}{'again s':>9}"
+          "  phases (ms)")
     preludes = Path(tempfile.mkdtemp(prefix="bench_compile_prelude_"))
     for target in targets:
-        cold, warm, commands, split = [], [], {}, []
+        cold, warm, again, commands, split = [], [], [], {}, []
         if args.prelude == "ready":  # an untimed build that leaves the prelude built
             with tempfile.TemporaryDirectory(prefix="bench_compile_cache_") as root:
                 (Path(root) / ".pch").symlink_to(preludes)
@@ -180,9 +182,11 @@ def main() -> None:
                 run_env = {**env, "JITK_CACHE_DIR": root}
                 built = child(target, run_env, commands=run == 0)
                 cold.append(built["seconds"])
-                if "NVRTC" in built["phases"]:
+                if "nvrtc" in built["phases"]:
                     split.append({name: 1000 * s for name, s in built["phases"].items()})
-                warm.append(child(target, run_env, commands=False)["seconds"])
+                found = child(target, run_env, commands=False)
+                warm.append(found["seconds"])
+                again.append(found["again"])
                 commands = commands or built["commands"]
         phases = split
         if "folder" in commands:  # made by the child for this script: removed here
@@ -194,7 +198,7 @@ def main() -> None:
         shown = ", ".join(f"{n} {statistics.median(p.get(n, 0.0) for p in phases):.0f}"
                           for n in names)
         print(f"{target:<20}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
-              f"  {shown}", flush=True)
+              f"{statistics.median(again):>9.3f}  {shown}", flush=True)
     shutil.rmtree(preludes)
 
 

@@ -35,7 +35,7 @@ def entry_point_before(input, weight, out=None, eps=EPS):
     """rmsnorm as it was before it became an operator (jitk 0.1.0 at af2236d)."""
     if out is None:
         out = input
-    kernels = jitk.kernels.norm._kernels(hidden_size_before(input), input.dtype)
+    kernels = jitk.kernels.norm.default_kernels(hidden_size_before(input), input.dtype)
     kernels.rmsnorm(input, weight, out, eps)
     return out
 
@@ -51,7 +51,7 @@ def host_time_rows() -> list[dict]:
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     weight = torch.randn(HIDDEN, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(x)
-    ffi = jitk.kernels.norm._kernels(HIDDEN, torch.bfloat16).rmsnorm
+    ffi = jitk.kernels.norm.default_kernels(HIDDEN, torch.bfloat16).rmsnorm
     operator = torch.ops.jitk.rmsnorm.default
     calls = {
         "tvm-ffi function": lambda: ffi(x, weight, out, EPS),

@@ -50,7 +50,7 @@ def choices(hidden: int, dtype: torch.dtype, unstable: bool) -> list[tuple[tuple
     """(knob values, index in the candidates module, None for the default) of every choice a
     side's candidates module holds, the default first, all with PDL."""
     candidates = tuning.candidates(hidden, dtype, True, unstable)
-    default = norm._default_knobs((hidden, dtype))
+    default = norm.default_knobs((hidden, dtype))
     return [(tuning.knob_values(default), None),
             *((tuning.knob_values(knobs), i) for i, knobs in enumerate(candidates))]
 
@@ -58,8 +58,8 @@ def choices(hidden: int, dtype: torch.dtype, unstable: bool) -> list[tuple[tuple
 def build_all(pairs: list[tuple[int, torch.dtype]]) -> dict:
     """(hidden, dtype, unstable) -> the candidates module's entry points, and (hidden, dtype)
     -> the default's: built (or loaded) up front, in parallel, each build its own module."""
-    jobs = {**{(h, d): lambda h=h, d=d: norm._kernels(h, d) for h, d in pairs},
-            **{(h, d, u): lambda h=h, d=d, u=u: norm._candidate_kernels(h, d, True, u)
+    jobs = {**{(h, d): lambda h=h, d=d: norm.default_kernels(h, d) for h, d in pairs},
+            **{(h, d, u): lambda h=h, d=d, u=u: norm.candidate_kernels(h, d, True, u)
                for h, d in pairs for u in (False, True)}}
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         futures = {key: pool.submit(job) for key, job in jobs.items()}
@@ -105,7 +105,7 @@ def spread(samples: list[float]) -> float:
 
 def knob_changes(values: tuple, hidden: int, dtype: torch.dtype) -> str:
     """The knobs a choice sets away from the default, for the table."""
-    default = norm._default_knobs((hidden, dtype))
+    default = norm.default_knobs((hidden, dtype))
     changed = [f"{name}={value}" for name, value in zip(tuning.KNOBS, values)
                if default[name] != value]
     return ",".join(changed) or "default"

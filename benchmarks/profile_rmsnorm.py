@@ -82,15 +82,15 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     bucket = (args.hidden, dtype, args.rows) + (("in place",) if args.in_place else ())
-    space = norm._FUSED_SPACE if args.fused else norm._RMSNORM_SPACE
-    default = norm._default_knobs(bucket)
+    space = norm.FUSED_SPACE if args.fused else norm.RMSNORM_SPACE
+    default = norm.default_knobs(bucket)
     extra = [{**default, "prefetch_weight": False}, {**default, "pdl": False}] if args.time else []
     extra += products(space, bucket, args.vary, args.around)
     jitk = {}  # name -> the kernels of a choice
     for knobs in space.candidates(bucket) + extra:
         changed = {k: v for k, v in knobs.items() if default[k] != v}
         name = "jitk " + (" ".join(f"{k}={v}" for k, v in changed.items()) or "default")
-        jitk.setdefault(name, norm._kernels_with(bucket, knobs))  # a product may be a candidate
+        jitk.setdefault(name, norm.kernels_with(bucket, knobs))  # a product may be a candidate
 
     def calls_on(t: dict) -> dict:
         """name -> call(weight) on the tensors `t`, each entry point called as SGLang's is."""
@@ -153,10 +153,10 @@ def products(space, bucket: tuple, vary: list[str], around: dict | None) -> list
 
     if not vary:
         return []
-    base = space.config(bucket) if around is None else {**norm._default_knobs(bucket), **around}
+    base = space.config(bucket) if around is None else {**norm.default_knobs(bucket), **around}
     every = [{**base, **dict(zip(vary, values))}
              for values in itertools.product(*(tuning.KNOBS[name] for name in vary))]
-    default = norm._default_knobs(bucket)
+    default = norm.default_knobs(bucket)
     knobs = [k for k in every if k == default or rules.applies(k, *bucket[:2])]
     if len(knobs) < len(every):  # rmsnorm.cuh's tuning_applies: they would run the default
         print(f"left out {len(every) - len(knobs)} products that would run the default's "

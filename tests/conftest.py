@@ -48,9 +48,9 @@ def no_shipped_table(monkeypatch):
 
     monkeypatch.setattr(tuning_store, "table_gpu", lambda: None)
     tuning_store.reread()
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         space.forget()
     yield
     tuning_store.reread()
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         space.forget()

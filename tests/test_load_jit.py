@@ -383,9 +383,15 @@ def test_each_load_is_one_event_counted_by_kind_and_shown_at_loglevel_1(tmp_path
         "build": 1, "disk": 1, "remote": 0, "miss": 0}
     for kind, event in zip(("build", "disk"), first["events"], strict=True):
         assert first[kind]["seconds"] == event["seconds"] > 0
+    # what the build's time went to: nvcc here (no NVRTC), then the copy and the load
+    built, found = first["events"]
+    assert list(built["phases"]) == ["compilers", "publish"] and found["phases"] == {}
+    assert all(seconds > 0 for seconds in built["phases"].values())
+    assert sum(built["phases"].values()) <= built["seconds"]
     lines = [line for line in first["stderr"].splitlines() if line.startswith("jitk: jit ")]
-    assert [re.sub(r"\d+\.\d{3} s$", "<t> s", line) for line in lines] == [
-        f"jitk: jit build scaled key {key} <t> s", f"jitk: jit disk scaled key {key} <t> s"]
+    assert [re.sub(r"\d+\.\d{3}", "<t>", line) for line in lines] == [
+        f"jitk: jit build scaled key {key} <t> s (compilers <t>, publish <t>)",
+        f"jitk: jit disk scaled key {key} <t> s"]
 
     second = event_stats(kernel, tmp_path / "cache")  # a new process: the disk cache only
     assert [e["source"] for e in second["events"]] == ["disk", "disk"]

@@ -23,7 +23,8 @@ from needs_nvrtc import NEEDS_NVRTC
 
 import jitk
 from jitk.build import cache, nvrtc, pch, toolchain
-from jitk.build.builder import JitCompileError, host_half_flags
+from jitk.build.build_errors import JitCompileError
+from jitk.build.builder import host_half_flags
 
 # The developer guide's kernel, written in two halves.
 KERNEL = Path(__file__).resolve().parents[1] / "docs" / "developer_guide" / "example" / "axpy.cuh"
@@ -47,7 +48,12 @@ def entry_of(cache: Path) -> Path:
 def test_the_entry_holds_the_host_half_and_each_targets_device_code(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("JITK_CUDA_ARCH", "8.0;9.0")
+    jitk.jit_stats(reset=True)
     load()
+    [event] = jitk.jit_stats()["events"]  # the build's phases: the host half, then NVRTC's
+    assert event["source"] == "build"
+    assert list(event["phases"]) == ["compilers", "nvrtc", "publish"]
+    assert all(seconds > 0 for seconds in event["phases"].values())
     entry = entry_of(tmp_path)
     stem = "nvrtc_axpy_fp32_t_bf16_t"
     files = {p.name for p in entry.iterdir()}

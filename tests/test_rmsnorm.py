@@ -94,7 +94,7 @@ def fake_cuda(shape, dtype=torch.bfloat16, strides=None, offset_elements=0):
 
 def kernels():
     """The module the CPU tests share: hidden size 128, bfloat16."""
-    return norm._kernels(128, torch.bfloat16)
+    return norm.default_kernels(128, torch.bfloat16)
 
 
 def failure(call, *args):
@@ -304,7 +304,7 @@ def test_float_sum_builds_a_module_of_its_own(tmp_path, monkeypatch):
     its kernels); asking for it builds a module of the fused form alone, from the same
     tuning, whose entry point checks its tensors as the stored-sum form does."""
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
-    kernels = norm._kernels(256, torch.float16)
+    kernels = norm.default_kernels(256, torch.float16)
     assert not any("float_sum" in p.name for p in tmp_path.iterdir())
     float_sum = kernels.fused_add_rmsnorm_float_sum()
     assert float_sum is kernels.fused_add_rmsnorm_float_sum()  # built once
@@ -328,10 +328,10 @@ def test_a_float_sum_call_builds_only_its_own_module(tmp_path, monkeypatch):
 
 
 def test_the_largest_hidden_size_builds():
-    """norm._MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
+    """norm.MAX_HIDDEN is the kernel's kMaxHidden: the largest size builds (one more is
     refused above), and a row of it is indexed without overflow in the kernel's ints."""
-    k = norm._kernels(norm._MAX_HIDDEN, torch.bfloat16)
-    x = fake_cuda((1, norm._MAX_HIDDEN))
+    k = norm.default_kernels(norm.MAX_HIDDEN, torch.bfloat16)
+    x = fake_cuda((1, norm.MAX_HIDDEN))
     message = failure(k.rmsnorm, x, fake_cuda((128,)), x, 1e-6)
     assert "'weight'" in message and "expected 1073741824 but got 128" in message
 
@@ -357,9 +357,9 @@ def _spill_check_sources(parts: int) -> list[str]:
     from jitk.build.cpp_args import make_cpp_args
 
     lines, kernels = ["#include <norm/rmsnorm.cuh>", "using namespace jitk::norm;"], []
-    for hidden in sorted({hidden for _, hidden in norm._RMSNORM_SPACE.shapes}):
+    for hidden in sorted({hidden for _, hidden in norm.RMSNORM_SPACE.shapes}):
         for dtype, name in ((torch.bfloat16, "jitk::bf16_t"), (torch.float16, "jitk::fp16_t")):
-            default = norm._default_knobs((hidden, dtype))
+            default = norm.default_knobs((hidden, dtype))
             for i, knobs in enumerate((default, *tuning.candidates(hidden, dtype))):
                 if any((hidden, knobs) == (width, {**default, **changes})
                        for width, changes in KNOWN_SPILLS):
@@ -430,7 +430,7 @@ def test_valid_inputs_pass_every_check():
 def test_precompile_configs_name_cached_loaders(tmp_path, monkeypatch):
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))  # no tuning file: the defaults, then
     configs = norm.precompile_configs()  # what a table shipped for this GPU chose, if any
-    recorded = [config for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE)
+    recorded = [config for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE)
                 for _, config in space.recorded()]
     assert 1 <= len([label for label, _ in configs if " tuned " not in label]) <= 8
     assert bool(recorded) == any(" tuned " in label for label, _ in configs)
@@ -446,11 +446,11 @@ def test_precompile_builds_what_the_file_records_in_place_too(tmp_path, monkeypa
 
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     bucket = (5120, torch.float16, 16, "in place")
-    knobs = {**norm._default_knobs(bucket), "row_registers": 8, "fill_sm": True}
+    knobs = {**norm.default_knobs(bucket), "row_registers": 8, "fill_sm": True}
     autotune.record([{"op": "jitk::rmsnorm", "bucket": [5120, "float16", 16, "in place"],
                       "environment": autotune.environment(), "config": knobs}])
     tuned = [loader for label, loader in norm.precompile_configs() if "tuned" in label]
-    assert [(loader.func, loader.args) for loader in tuned] == [(norm._chosen_kernels,
+    assert [(loader.func, loader.args) for loader in tuned] == [(norm.chosen_kernels,
                                                                  (bucket, knobs))]
 
 
@@ -464,11 +464,11 @@ def test_a_call_builds_its_choice_alone_not_the_tuners_candidates(tmp_path, monk
     monkeypatch.setenv("JITK_CACHE_DIR", str(tmp_path))
     bucket = (4096, torch.bfloat16, 16)
     knobs = tuning.candidates(4096, torch.bfloat16, True, False)[1]
-    assert knobs != norm._default_knobs(bucket)
+    assert knobs != norm.default_knobs(bucket)
     autotune.record([{"op": "jitk::rmsnorm", "bucket": [4096, "bfloat16", 16],
                       "environment": autotune.environment(), "config": knobs}])
-    norm._RMSNORM_SPACE.forget()
-    assert callable(norm._RMSNORM_SPACE.lookup(bucket))
+    norm.RMSNORM_SPACE.forget()
+    assert callable(norm.RMSNORM_SPACE.lookup(bucket))
     built = sorted(entry.path.name.rsplit("_", 2)[0] for entry in cache.list_entries(tmp_path))
     assert len(built) == 1 and built[0].startswith("rmsnorm_tuned_4096_bf16_t"), built
 
@@ -628,7 +628,7 @@ def test_tried_knobs_match_reference(changes, hidden, layout):
     in two runs (heads of a wider buffer) take the defaults' kernels in the same module."""
     dtype, rows = torch.bfloat16, 77
     bucket = (hidden, dtype, 128)
-    kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), **changes})
+    kernels = norm.kernels_with(bucket, {**norm.default_knobs(bucket), **changes})
     weight = random(hidden, dtype=dtype)
 
     def fresh():
@@ -656,7 +656,7 @@ def test_two_vectors_match_reference(dtype, hidden, late_trigger):
     """two_vectors' own kernel in each dtype, from one warp a row (1024 bytes) to 1024
     threads (32 KiB), both entry points, in and out of place, on fresh rows each run."""
     bucket = (hidden, dtype, 1024)
-    kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "two_vectors": True,
+    kernels = norm.kernels_with(bucket, {**norm.default_knobs(bucket), "two_vectors": True,
                                           "late_trigger": late_trigger})
     weight = random(hidden, dtype=dtype)
     for rows in (1, 5, 300):
@@ -684,7 +684,7 @@ def test_a_choice_without_pdl_gives_the_same_bits(rows):
     weight = random(hidden, dtype=dtype)
     results = []
     for pdl in (True, False):
-        kernels = norm._kernels_with(bucket, {**norm._default_knobs(bucket), "pdl": pdl})
+        kernels = norm.kernels_with(bucket, {**norm.default_knobs(bucket), "pdl": pdl})
         out, x_, residual_ = poisoned_like(x), x.clone(), residual.clone()
         kernels.rmsnorm(x, weight, out, 1e-6)
         kernels.fused_add_rmsnorm(x_, residual_, weight, 1e-6)
@@ -853,7 +853,7 @@ def test_interleaved_and_misaligned_heads(dtype):
 def test_defaults_leave_every_decode_size_knob_off():
     """The defaults are main's kernel: the short-path, late-trigger and fill-SM knobs off."""
     for bucket in ((4096, torch.bfloat16, 1), (128, torch.float16, 4096)):
-        knobs = norm._default_knobs(bucket)
+        knobs = norm.default_knobs(bucket)
         assert (knobs["broadcast_sum"], knobs["pin_offsets"], knobs["row_first"],
                 knobs["sum_chains"], knobs["late_trigger"], knobs["fill_sm"]) == (
                     False, False, False, 1, False, False)
@@ -863,12 +863,12 @@ def test_defaults_leave_every_decode_size_knob_off():
 def unstable(monkeypatch):
     """JITK_RMSNORM_FAST_UNSTABLE=1: the tried changes as written, whatever their order of
     summation. The spaces work a bucket's candidates out once, so they forget them here."""
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         monkeypatch.setattr(space, "_candidates", {})
     monkeypatch.setenv("JITK_RMSNORM_FAST_UNSTABLE", "1")
 
 
-@pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
+@pytest.mark.parametrize("space", [norm.RMSNORM_SPACE, norm.FUSED_SPACE],
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_by_default_the_tuner_times_each_change_in_the_defaults_order(space):
     """Batch invariance: a change that would add a row in another order is timed with
@@ -877,7 +877,7 @@ def test_by_default_the_tuner_times_each_change_in_the_defaults_order(space):
     for bucket in ((4096, torch.bfloat16, 256), (4096, torch.bfloat16, 1024),
                    (5120, torch.float16, 16), (128, torch.float32, 4096)):
         hidden, dtype, _ = bucket
-        default = norm._default_knobs(bucket)
+        default = norm.default_knobs(bucket)
         candidates = space.candidates(bucket, beside=True)
         assert all(norm.rules.keeps_order(c, hidden, dtype) for c in candidates)
         assert not any(c["two_vectors"] or c["sum_chains"] != 1 for c in candidates)
@@ -894,11 +894,11 @@ def test_by_default_the_tuner_times_each_change_in_the_defaults_order(space):
     assert (len(short), len(space.candidates((4096, torch.bfloat16, 512)))) == (11, 9)
 
 
-@pytest.mark.parametrize("space", [norm._RMSNORM_SPACE, norm._FUSED_SPACE],
+@pytest.mark.parametrize("space", [norm.RMSNORM_SPACE, norm.FUSED_SPACE],
                          ids=["rmsnorm", "fused_add_rmsnorm"])
 def test_tuner_tries_the_short_launch_choices_only_up_to_256_rows(space, unstable):
     short, long = ((4096, torch.bfloat16, rows) for rows in (256, 512))
-    default = norm._default_knobs(short)
+    default = norm.default_knobs(short)
     short_candidates, long_candidates = space.candidates(short), space.candidates(long)
     assert short_candidates[0] == long_candidates[0] == default
     at_limit = len(tuning.TRIED_AT_SHORT_LIMIT)
@@ -933,7 +933,7 @@ def test_two_vectors_is_tried_past_256_rows_where_it_fits(unstable):
                                 (8192, torch.float32, True), (16384, torch.bfloat16, True),
                                 (128, torch.bfloat16, False), (3000, torch.float16, False),
                                 (16384, torch.float32, False), (32768, torch.bfloat16, False)):
-        two_vectors = {**norm._default_knobs((hidden, dtype)), "two_vectors": True}
+        two_vectors = {**norm.default_knobs((hidden, dtype)), "two_vectors": True}
         assert two_vectors not in tuning.candidates(hidden, dtype)
         assert (two_vectors in tuning.candidates(hidden, dtype, True, True)) == fits, hidden
         for rows, tried in ((256, False), (1024, fits), (4096, fits)):
@@ -949,7 +949,7 @@ def test_tune_builds_two_modules_per_width_and_dtype():
     for beside, choices, more in ((False, 15, set()), (True, 30, {
             ("jitk.kernels.norm", 5120, torch.bfloat16, "candidates without PDL", False)})):
         keys, configs = set(), set()
-        for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
             for rows in (1, 16, 128, 256, 1024, 4096):
                 bucket = (5120, torch.bfloat16, rows)
                 for config in space.candidates(bucket, beside):
@@ -961,7 +961,7 @@ def test_tune_builds_two_modules_per_width_and_dtype():
 def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
     """The module of the tuner's choices with PDL at a width (for sm_90 here): an entry pair
     per choice, each with the kernel's own checks; those without PDL, another."""
-    kernels_ = norm._candidate_kernels(128, torch.bfloat16)
+    kernels_ = norm.candidate_kernels(128, torch.bfloat16)
     assert len(kernels_) == len(tuning.candidates(128, torch.bfloat16)) == 9
     assert len(tuning.candidates(128, torch.bfloat16, pdl=False)) == 10  # the default's too
     x, w = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
@@ -972,9 +972,9 @@ def test_the_candidates_module_builds_every_choice_and_checks_its_arguments():
 
 def test_a_choice_outside_the_candidates_gets_a_module_of_its_own():
     bucket = (5120, torch.bfloat16, 16)
-    knobs = {**norm._default_knobs(bucket), "row_registers": 8, "register_cap": False}
+    knobs = {**norm.default_knobs(bucket), "row_registers": 8, "register_cap": False}
     assert knobs not in tuning.candidates(5120, torch.bfloat16)
-    assert norm._module_key(bucket, knobs) == ("jitk.kernels.norm", 5120, torch.bfloat16,
+    assert norm.module_key(bucket, knobs) == ("jitk.kernels.norm", 5120, torch.bfloat16,
                                                *tuning.knob_values(knobs))
 
 

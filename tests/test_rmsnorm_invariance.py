@@ -58,16 +58,16 @@ def test_a_shipped_table_keeps_the_bits(tmp_path, monkeypatch):
     (tmp_path / autotune.table_name(here["gpu"])).write_text(json.dumps(
         {"format": autotune.FORMAT, "gpu": here["gpu"], "sms": here["sms"], "entries": entries}))
     monkeypatch.setattr(tuning_store, "tuning_file", lambda: tmp_path / "none.json")  # no file
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         monkeypatch.setattr(space, "tables", tmp_path)
         space.forget()
     tuning_store.reread()
     try:
-        assert norm._RMSNORM_SPACE.config((hidden, dtype, 1024)) == other
+        assert norm.RMSNORM_SPACE.config((hidden, dtype, 1024)) == other
         findings = list(invariance.check_width(hidden, dtype))
         assert [f.line() for f in findings if f.differing] == []
     finally:
-        for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+        for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
             space.forget()
         tuning_store.reread()
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import jitk
-from jitk.build.builder import JitCompileError
+from jitk.build.build_errors import JitCompileError
 from jitk.kernels import norm
 from jitk.kernels.norm import rules, tuning
 
 CUH = Path(norm.__file__).with_name("rmsnorm_tiling.cuh")  # Tuning's file
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Every width up to 16384 (odd ones included), then the large sizes a model may use.
-WIDTHS = (*range(1, 16385), 16386, 24576, 32768, 65536 + 8, 2**20, norm._MAX_HIDDEN)
+WIDTHS = (*range(1, 16385), 16386, 24576, 32768, 65536 + 8, 2**20, norm.MAX_HIDDEN)
 EVERY_CHANGE = (*tuning.TRIED, *tuning.TRIED_SHORT, *tuning.TRIED_LONG,
                 *tuning.TRIED_AT_SHORT_LIMIT)
 
@@ -44,7 +44,7 @@ def test_knobs_are_tunings_template_parameters_in_order(cpp):
 def test_default_knobs_are_default_tuning_at_every_width(cpp):
     for dtype in DTYPES:
         for hidden in WIDTHS:
-            knobs = norm._default_knobs((hidden, dtype, 1))
+            knobs = norm.default_knobs((hidden, dtype, 1))
             expected = tuple(cpp.default_knob(hidden, dtype.itemsize, i)
                              for i in range(len(tuning.KNOBS)))
             assert tuning.knob_values(knobs) == expected, (hidden, dtype)
@@ -54,7 +54,7 @@ def test_applies_is_tuning_applies_at_every_width(cpp):
     """Every input the C++ rule reads: the width, the dtype, max_vec_bytes and two_vectors."""
     for dtype in DTYPES:
         for hidden in WIDTHS:
-            default = norm._default_knobs((hidden, dtype))
+            default = norm.default_knobs((hidden, dtype))
             for vec_bytes in tuning.KNOBS["max_vec_bytes"] + (4, 8):
                 for two_vectors in (False, True):
                     knobs = {**default, "max_vec_bytes": vec_bytes, "two_vectors": two_vectors}
@@ -69,7 +69,7 @@ def test_the_tuner_lists_exactly_the_choices_the_cpp_runs_as_asked(cpp):
     default's order of summation and runs as asked too."""
     for dtype in DTYPES:
         for hidden in WIDTHS:
-            default = norm._default_knobs((hidden, dtype))
+            default = norm.default_knobs((hidden, dtype))
             candidates = tuning.candidates.__wrapped__(hidden, dtype, True, True)
             tried = tuning.tried_values.__wrapped__(hidden, dtype, 1024, True)
             for changes in EVERY_CHANGE:
@@ -84,9 +84,9 @@ def test_the_tuner_lists_exactly_the_choices_the_cpp_runs_as_asked(cpp):
                 assert cpp.tuning_applies(hidden, dtype.itemsize, knobs["max_vec_bytes"],
                                           knobs["two_vectors"]), (hidden, dtype, knobs)
     # An odd width: every access is one element, so the default is all there is to time.
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         bucket = (4095, torch.bfloat16, 1024)
-        assert space.candidates(bucket) == [norm._default_knobs(bucket)]
+        assert space.candidates(bucket) == [norm.default_knobs(bucket)]
 
 
 def test_a_choice_the_kernel_would_not_run_is_refused_before_any_build(tmp_path, monkeypatch):
@@ -96,20 +96,20 @@ def test_a_choice_the_kernel_would_not_run_is_refused_before_any_build(tmp_path,
                             ((16384, torch.float32, 1024), {"two_vectors": True}),
                             ((4095, torch.bfloat16, 16), {"row_registers": 8}),
                             ((4096, torch.float32, 16), {"max_vec_bytes": 4})):
-        knobs = {**norm._default_knobs(bucket), **changes}
+        knobs = {**norm.default_knobs(bucket), **changes}
         name, value = next(iter(changes.items()))
         with pytest.raises(jitk.JitkError, match=rf"rmsnorm: the tuning \({name}={value}\) "
                            rf"does not apply at hidden size {bucket[0]}") as info:
-            norm._kernels_with(bucket, knobs)
+            norm.kernels_with(bucket, knobs)
         assert isinstance(info.value, ValueError)
     assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())
 
 
 def test_the_kernel_refuses_to_build_a_tuning_it_would_not_run():
     """rmsnorm.cuh's own check, for a caller that skips Python's: no silent default."""
-    knobs = {**norm._default_knobs((3000, torch.float16)), "two_vectors": True}
+    knobs = {**norm.default_knobs((3000, torch.float16)), "two_vectors": True}
     with pytest.raises(JitCompileError, match="would run the defaults' kernel"):
-        norm._load("rmsnorm_refused", 3000, torch.float16, tuning.knob_values(knobs))
+        norm.load_kernels("rmsnorm_refused", 3000, torch.float16, tuning.knob_values(knobs))
 
 
 def test_threads_per_row_is_the_cpp_rule_at_every_width(cpp):
@@ -151,18 +151,18 @@ def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
     spread them over 256 and 512 in its order; 8-byte accesses, four partial sums and
     TwoVectors each add in another order, as row_registers 8 does at 512 bf16 (a half warp)."""
     bucket = (4096, torch.bfloat16, 1024)
-    default = norm._default_knobs(bucket)
+    default = norm.default_knobs(bucket)
     for changes in ({"row_registers": 8, "max_vec_bytes": 8}, {"sum_chains": 4},
                     {"two_vectors": True}):
         assert not rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
-    short = norm._default_knobs((512, torch.bfloat16))
+    short = norm.default_knobs((512, torch.bfloat16))
     assert not rules.keeps_order({**short, "row_registers": 8}, 512, torch.bfloat16)
     for changes in ({"row_registers": 8}, {"row_registers": 4},
                     {"broadcast_sum": True}, {"one_turn": True}, {"fill_sm": True},
                     {"pin_offsets": True, "row_first": True, "late_trigger": True},
                     {"prefetch_weight": False, "pdl": False, "register_cap": False}):
         assert rules.keeps_order({**default, **changes}, 4096, torch.bfloat16), changes
-    for space in (norm._RMSNORM_SPACE, norm._FUSED_SPACE):
+    for space in (norm.RMSNORM_SPACE, norm.FUSED_SPACE):
         for rows in (1, 256, 1024):
             for hidden, dtype in ((4096, torch.bfloat16), (5120, torch.float16),
                                   (128, torch.float32), (16384, torch.bfloat16)):
@@ -170,7 +170,7 @@ def test_the_tuner_keeps_only_choices_in_the_defaults_order(monkeypatch):
                 assert all(rules.keeps_order(c, hidden, dtype) for c in candidates)
                 assert len(candidates) > 1, (hidden, dtype, rows)  # still a choice to make
     # At 32768 bf16 a row takes 1024 threads whatever row_registers asks: 8 keeps the order.
-    wide = norm._default_knobs((32768, torch.bfloat16))
+    wide = norm.default_knobs((32768, torch.bfloat16))
     assert rules.keeps_order({**wide, "row_registers": 8}, 32768, torch.bfloat16)
     faster = {**default, "broadcast_sum": True, "pin_offsets": True, "row_first": True,
               "sum_chains": 4, "one_turn": True}  # in TRIED, another order

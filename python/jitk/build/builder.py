@@ -36,8 +36,8 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from jitk.base.errors import JitkError
 from jitk.build import cache, device_prelude, loader, nvrtc, pch, toolchain
+from jitk.build.build_errors import JitCompileError, compile_error, decisive_lines
 from jitk.build.lock import lock_timeout
 from jitk.build.staging import new_staging, old_stagings
 
@@ -84,48 +84,6 @@ def spare_cpus() -> int:
 
 
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
-# The lines of a build log that say why it failed: compiler errors (gcc's file:line:col and
-# nvcc's file(line)), fatal errors (nvcc fatal), the linker's, the loader's and ninja's own.
-_DECISIVE = re.compile(r"\bfatal\b|\berror\b|undefined (reference|symbol)|multiple definition"
-                       r"|^jitk: ", re.IGNORECASE)
-_NOT_DECISIVE = re.compile(r"^(ninja: build stopped|FAILED:|\[\d+/\d+\])"
-                           r"|^\d+ errors? detected")
-
-
-class JitCompileError(JitkError, RuntimeError):
-    """The compiler rejected a module. `errors` holds the lines that say why (compiler
-    errors with file:line, nvcc's fatal lines, the linker's), `command` the failing command
-    line and `log` the whole build output."""
-
-    def __init__(self, module: str, command: str, errors: list[str], log: str) -> None:
-        self.module, self.command, self.errors, self.log = module, command, errors, log
-        shown = "\n".join(errors) if errors else log.strip()[-4000:]
-        super().__init__(
-            f"jitk: failed to compile module '{module}':\n{shown}\n\ncommand: {command}"
-        )
-
-
-def decisive_lines(log: str) -> list[str]:
-    return [line for line in log.splitlines()
-            if _DECISIVE.search(line) and not _NOT_DECISIVE.search(line)]
-
-
-def compile_error(module: str, log: str, folder: Path, ninja: list[str]) -> JitCompileError:
-    """The error of a build that failed in `folder`: the failing compiler command, or
-    ninja's when no compiler failed (a missing input fails before any compiler runs), as a
-    command to run again; the decisive lines, else the log's last line."""
-    lines = log.splitlines()
-    failed = shlex.join(ninja)
-    for i, line in enumerate(lines):
-        if line.startswith("FAILED:") and i + 1 < len(lines):
-            failed = lines[i + 1].strip()
-            break
-    errors = [line for line in decisive_lines(log) if line.strip() != failed]
-    if not errors:
-        errors = [line for line in lines if line.strip()][-1:] or ["the build printed nothing"]
-    return JitCompileError(module, f"cd {shlex.quote(str(folder))} && {failed}", errors, log)
-
-
 @dataclass(frozen=True)
 class BuildSpec:
     name: str
@@ -314,11 +272,24 @@ def package_headers(spec: BuildSpec, staging: Path) -> dict[str, str]:
     return dict(sorted(headers.items()))
 
 
-def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
+# What a build's time went to, seconds each (jitk.jit_stats()'s events show them):
+# "compilers", what ninja ran (the host compiler for a host half, else nvcc and the host
+# compiler); "nvrtc", the device halves compiled in the process (with any wait for the device
+# prelude); "publish", the copy into the cache, its check and load, and the rename.
+PHASES = ("compilers", "nvrtc", "publish")
+
+
+@dataclass(frozen=True)
+class Built:
+    module: tvm_ffi.Module
+    phases: dict[str, float]  # PHASES -> seconds; "nvrtc" only where NVRTC built
+
+
+def build_and_publish(spec: BuildSpec) -> Built:
     """Builds `spec` in a fresh folder on this host, copies it onto the cache's file system,
-    loads it from there, publishes it as `spec.entry` and returns the loaded module. A failed
-    build raises JitCompileError and leaves its folder for inspection until the next build
-    of the same entry."""
+    loads it from there, publishes it as `spec.entry` and returns the loaded module with the
+    seconds of each phase. A failed build raises JitCompileError and leaves its folder for
+    inspection until the next build of the same entry."""
     for stale in old_stagings(spec.entry):  # we hold the lock: their builders are gone
         shutil.rmtree(stale, ignore_errors=True)
     staging = new_staging(spec.entry)
@@ -335,9 +306,11 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     for arch_options in options.values():  # made beside the host compile
         device_prelude.start(arch_options)
     _run_ninja(spec.name, staging)
+    compiled = time.perf_counter()
     library = staging / f"{spec.name}.so"
     device_code = _build_device_halves(spec, staging, options) if options else {}
-    seconds = time.perf_counter() - started
+    built = time.perf_counter()
+    seconds = built - started
     sha256 = cache.digest(library)
     cache.write_meta(staging, {
         "module": spec.name, "key": spec.key, "library": library.name,
@@ -359,7 +332,10 @@ def build_and_publish(spec: BuildSpec) -> tvm_ffi.Module:
     logger.info("jitk: built %s for %s in %.2f s (%s)", spec.name,
                 ", ".join(toolchain.sm_name(a) for a in spec.archs) or "host only", seconds,
                 spec.entry)
-    return module
+    phases = {"compilers": compiled - started, "nvrtc": built - compiled,
+              "publish": time.perf_counter() - built}
+    return Built(module, {name: phases[name] for name in PHASES
+                          if name != "nvrtc" or options})
 
 
 def _build_device_halves(spec: BuildSpec, staging: Path, options: dict[str, list[str]]

@@ -3,7 +3,10 @@ disk cache, fetched from the remote cache, built, or none of these), with the pr
 counts and seconds per kind. `jitk.jit_stats()` returns them; at JITK_LOGLEVEL>=1 each event
 is also one line on stderr:
 
-    jitk: jit build rmsnorm_4096_bf16_t key 1f0c2a9e5b7d3c41 <seconds, 3 decimals> s
+    jitk: jit build rmsnorm_4096_bf16_t key 1f0c2a9e5b7d3c41 <seconds> s (compilers <s>, ...)
+
+A build's event also holds what its time went to, seconds a phase (jitk.build.builder.PHASES:
+the compilers ninja ran, NVRTC in the process, the copy into the cache and its load).
 
 The kinds are disjoint: "disk" (a usable entry in the cache, this process's or another's),
 "remote" (fetched from the registry, verified and published), "build" (compiled here) and
@@ -17,7 +20,7 @@ import collections
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError
@@ -42,18 +45,22 @@ class JitEvent:
     seconds: float  # from the call's lookup to its module (or its failure)
     source: str  # one of KINDS
     at: float  # time.time() when it ended
+    phases: dict[str, float] = field(default_factory=dict)  # a build's: phase -> seconds
 
     def line(self) -> str:
-        return f"jitk: jit {self.source} {self.module} key {self.key} {self.seconds:.3f} s"
+        phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.phases.items())
+        return (f"jitk: jit {self.source} {self.module} key {self.key} {self.seconds:.3f} s"
+                + (f" ({phases})" if phases else ""))
 
 
-def record(module: str, key: str, source: str, started: float) -> JitEvent:
-    """Counts one event that began at time.perf_counter() `started`, and prints it at
-    JITK_LOGLEVEL>=1."""
+def record(module: str, key: str, source: str, started: float,
+           phases: dict[str, float] | None = None) -> JitEvent:
+    """Counts one event that began at time.perf_counter() `started` (a build's with the
+    seconds of its `phases`), and prints it at JITK_LOGLEVEL>=1."""
     if source not in KINDS:
         raise ArgumentError(f"jit event source {source!r}: expected one of {', '.join(KINDS)}")
     event = JitEvent(module, key[:KEY_DIGITS], time.perf_counter() - started, source,
-                     time.time())
+                     time.time(), dict(phases or {}))
     with _lock:
         _counts[source] += 1
         _since_start[source] += 1
@@ -72,7 +79,8 @@ def count(source: str) -> int:
 def jit_stats(reset: bool = False) -> dict:
     """This process's load_jit events: per kind ("disk", "remote", "build", "miss") the count
     and the total seconds, and the most recent events (at most 1000, oldest first) as dicts
-    with module, key, seconds, source and at (a time.time()). With reset=True the counts and
+    with module, key, seconds, source, at (a time.time()) and phases (a build's seconds a
+    phase, jitk.build.builder.PHASES; empty for the other kinds). With reset=True the counts and
     the events start again from nothing after they are read (count() and
     jitk.build.jit.build_count() go on counting from the process's start)."""
     if not isinstance(reset, bool):

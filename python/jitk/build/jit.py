@@ -31,14 +31,8 @@ import tvm_ffi
 from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build import cache, entries, events, nvrtc, pch, remote, toolchain, versions
-from jitk.build.builder import (
-    HOST_HALF,
-    BuildSpec,
-    JitCompileError,
-    build_and_publish,
-    host_half_unit,
-    spare_cpus,
-)
+from jitk.build.build_errors import JitCompileError
+from jitk.build.builder import HOST_HALF, BuildSpec, build_and_publish, host_half_unit, spare_cpus
 from jitk.build.lock import build_lock, lock_timeout
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
@@ -267,7 +261,7 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
     cached, `fallback` may give another build to find or make instead."""
     disabled = jit_disabled()  # a bad setting fails every load, not only a miss
     lock_timeout()
-    started, source = time.perf_counter(), "miss"
+    started, source, phases = time.perf_counter(), "miss", {}
     try:
         module, archs, problem = entries.load_cached(spec, build_key)
         if not module and fallback and (instead := fallback()):
@@ -276,21 +270,22 @@ def _build_and_load(spec: BuildSpec, template_args: tuple[object, ...], call: di
         if module:
             source = "disk"
         else:
-            module, archs, source = _find_or_make(spec, template_args, call, build_key,
-                                                  disabled, problem)
+            module, archs, source, phases = _find_or_make(spec, template_args, call,
+                                                          build_key, disabled, problem)
     finally:
-        events.record(spec.name, build_key or spec.key, source, started)
+        events.record(spec.name, build_key or spec.key, source, started, phases)
     versions.keep_pending()
     return module, archs
 
 
 def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict,
                   build_key: str | None, disabled: bool, problem: str | None
-                  ) -> tuple[tvm_ffi.Module, tuple[str, ...], str]:
-    """The module, its architectures and where it came from ("disk", "remote" or "build"),
-    after a reader found no complete, intact entry (or, given `build_key`, one for more
-    architectures) for the reason `problem`: fetched from the remote cache, where one is set
-    (jitk/build/remote.py), or built, under the entry's lock."""
+                  ) -> tuple[tvm_ffi.Module, tuple[str, ...], str, dict[str, float]]:
+    """The module, its architectures, where it came from ("disk", "remote" or "build") and
+    a build's phases (builder.PHASES; none for the others), after a reader found no complete,
+    intact entry (or, given `build_key`, one for more architectures) for the reason
+    `problem`: fetched from the remote cache, where one is set (jitk/build/remote.py), or
+    built, under the entry's lock."""
     shared = not spec.in_place and remote.configured() is not None
     if disabled and not shared:
         raise _miss_error(spec, template_args, call, problem)
@@ -300,20 +295,20 @@ def _find_or_make(spec: BuildSpec, template_args: tuple[object, ...], call: dict
         # another process may have built (or fetched) it meanwhile
         module, archs, problem = entries.load_cached(spec, build_key)
         if module:
-            return module, archs, "disk"
+            return module, archs, "disk", {}
         missed = remote.fetch(spec.entry, spec.key, spec.archs) if shared else None
         if shared and not missed:  # fetched, verified and published
             module, archs, problem = entries.load_cached(spec, build_key)
             if module:
-                return module, archs, "remote"
+                return module, archs, "remote", {}
         if disabled:
             raise _miss_error(spec, template_args, call, problem, missed)
         if problem:
             logger.warning("jitk: cached %s did not load (%s); rebuilding", spec.entry, problem)
-        module = build_and_publish(spec)
+        built = build_and_publish(spec)
         if shared:
             remote.push_built(spec.entry)
-    return module, spec.archs, "build"
+    return built.module, spec.archs, "build", built.phases
 
 
 def load_jit(

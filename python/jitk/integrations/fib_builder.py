@@ -25,7 +25,7 @@ from flashinfer_bench.data import Definition, Solution, SupportedBindings, Suppo
 from flashinfer_bench.env import get_fib_cache_path
 
 from jitk.build import toolchain
-from jitk.build.builder import JitCompileError
+from jitk.build.build_errors import JitCompileError
 from jitk.build.jit import JitCacheMissError, load_jit
 
 __all__ = ["JitkBuilder"]

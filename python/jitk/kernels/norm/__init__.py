@@ -41,17 +41,22 @@ from jitk.build.jit import load_jit
 from jitk.kernels.norm import tuning
 from jitk.kernels.norm.cases import parity_cases
 from jitk.kernels.norm.rules import check_applies as _check_applies
-from jitk.kernels.norm.rules import default_knobs as _default_knobs
+from jitk.kernels.norm.rules import default_knobs
 from jitk.runtime.op import Tolerance, op
 from jitk.tools import api_log
 from jitk.tools.autotune import TuningSpace
 from jitk.tools.timing import gemm_neighbour
 
-__all__ = ["fused_add_rmsnorm", "instantiation", "precompile_configs", "rmsnorm",
+# Beside the ops, what tools, benchmarks and tests build, time and compare: each module's kernels
+# (the default's, the tuner's candidates, a choice's, any tunings'), the tuning spaces and the
+# default knobs of a bucket.
+__all__ = ["FUSED_SPACE", "MAX_HIDDEN", "RMSNORM_SPACE", "candidate_kernels", "chosen_kernels",
+           "default_kernels", "default_knobs", "fused_add_rmsnorm", "instantiation",
+           "kernels_with", "load_kernels", "module_key", "precompile_configs", "rmsnorm",
            "tuning_choices"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm_tiling.cuh); a test builds the largest
+MAX_HIDDEN = 2**30  # jitk::norm::kMaxHidden (rmsnorm_tiling.cuh); a test builds the largest
 _FLOAT32_MAX = 3.4028234663852886e38  # eps travels to the kernel as a float32
 
 
@@ -71,8 +76,8 @@ class _Kernels(NamedTuple):
 def _check_kernel_args(hidden: int, dtype: torch.dtype) -> None:
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"rmsnorm supports float32, float16 and bfloat16 inputs, got {dtype}")
-    if not 1 <= hidden <= _MAX_HIDDEN:
-        raise ValueError(f"rmsnorm needs a hidden size (last dimension) of 1 to {_MAX_HIDDEN}, "
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"rmsnorm needs a hidden size (last dimension) of 1 to {MAX_HIDDEN}, "
                          f"got {hidden}")
 
 
@@ -106,7 +111,7 @@ def _entries(name: str, hidden: int, dtype: torch.dtype, tunings: tuple,
             for suffix in suffixes]
 
 
-def _load(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
+def load_kernels(name: str, hidden: int, dtype: torch.dtype, *tunings: tuple) -> list[_Kernels]:
     """One module of both entry points at each tuning (see _entries)."""
     found = _entries(name, hidden, dtype, tunings,
                      {"rmsnorm": "run", "fused_add_rmsnorm": "run_fused_add"})
@@ -133,10 +138,10 @@ def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> 
 
 
 @functools.cache
-def _kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
+def default_kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     """The module for one hidden size and dtype with the default launch knobs (rmsnorm.cuh's
     DefaultTuning); raises before building for ones it lacks."""
-    return _load(_DEFAULT_MODULE, hidden, dtype)[0]
+    return load_kernels(_DEFAULT_MODULE, hidden, dtype)[0]
 
 
 def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable[[], _Kernels]]]:
@@ -145,9 +150,9 @@ def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable
     (rmsnorm(input, weight, out, eps), fused_add_rmsnorm(input, residual, weight, eps)): what
     `python -m jitk check --invariance` holds to the default's bits."""
     _check_kernel_args(hidden, dtype)
-    choices = (_default_knobs((hidden, dtype)),
+    choices = (default_knobs((hidden, dtype)),
                *tuning.candidates(hidden, dtype, True, tuning.unstable_allowed()))
-    return [(knobs, functools.partial(_kernels_with, (hidden, dtype), knobs)) for knobs in choices]
+    return [(knobs, functools.partial(kernels_with, (hidden, dtype), knobs)) for knobs in choices]
 
 
 # The candidates of a width and dtype share one module (those without PDL, tried only beside a
@@ -155,17 +160,17 @@ def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable
 # benchmark's 10 widths and dtypes, most of it the front end that each build repeats. A choice
 # outside them (a file from another jitk) gets its own.
 @functools.cache
-def _candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
+def candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
                        unstable: bool = False) -> list[_Kernels]:
     name = "rmsnorm_candidates" + ("_unstable" if unstable else "") + ("" if pdl else "_no_pdl")
-    return _load(name, hidden, dtype,
+    return load_kernels(name, hidden, dtype,
                  *(tuning.knob_values(knobs)
                    for knobs in tuning.candidates(hidden, dtype, pdl, unstable)))
 
 
 @functools.cache
 def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
-    return _load(_TUNED_MODULE, hidden, dtype, tuning)[0]
+    return load_kernels(_TUNED_MODULE, hidden, dtype, tuning)[0]
 
 
 def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
@@ -174,35 +179,37 @@ def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
     return candidates.index(knobs) if knobs in candidates else None
 
 
-def _kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
+def kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
     """What tuning builds for a choice: a candidate's from the candidates' shared module,
-    any other as a call would (_chosen_kernels)."""
+    any other as a call would (chosen_kernels)."""
     _check_applies(bucket, knobs)
-    index = None if knobs == _default_knobs(bucket) else _candidate_index(bucket, knobs)
+    index = None if knobs == default_knobs(bucket) else _candidate_index(bucket, knobs)
     if index is None:
-        return _chosen_kernels(bucket, knobs)
+        return chosen_kernels(bucket, knobs)
     hidden, dtype = bucket[:2]
-    return _candidate_kernels(hidden, dtype, knobs["pdl"], tuning.unstable_allowed())[index]
+    return candidate_kernels(hidden, dtype, knobs["pdl"], tuning.unstable_allowed())[index]
 
 
 def _chosen_module(bucket: tuple, knobs: dict) -> tuple:
     """Which module a call uses for a choice: (hidden, dtype, None) for the default's, else
     (hidden, dtype, the choice's knob values) for a module of that one choice."""
-    default = knobs == _default_knobs(bucket)
+    default = knobs == default_knobs(bucket)
     return (*bucket[:2], None if default else tuning.knob_values(knobs))
 
 
-def _chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
+def chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
     """What a call runs for the choice a lookup made (_chosen_module). Not the tuner's
     candidates module, which holds every candidate of the width and takes several times as
     long to build; the kernel is the same instantiation in either, so are its bits."""
     _check_applies(bucket, knobs)
     hidden, dtype, values = _chosen_module(bucket, knobs)
-    return _kernels(hidden, dtype) if values is None else _tuned_kernels(hidden, dtype, values)
+    if values is None:
+        return default_kernels(hidden, dtype)
+    return _tuned_kernels(hidden, dtype, values)
 
 
 def _chosen_float_sum(bucket: tuple, knobs: dict) -> Callable:
-    """The float_sum form of _chosen_kernels' fused entry (its twin), built without building
+    """The float_sum form of chosen_kernels' fused entry (its twin), built without building
     that module too."""
     _check_applies(bucket, knobs)
     hidden, dtype, values = _chosen_module(bucket, knobs)
@@ -211,12 +218,12 @@ def _chosen_float_sum(bucket: tuple, knobs: dict) -> Callable:
     return _float_sum_entries(_TUNED_MODULE, hidden, dtype, (values,))[0]
 
 
-def _module_key(bucket: tuple, knobs: dict) -> tuple:
-    """What _kernels_with builds: a module a hidden size and dtype for the default, one for
+def module_key(bucket: tuple, knobs: dict) -> tuple:
+    """What kernels_with builds: a module a hidden size and dtype for the default, one for
     the tuner's candidates with PDL and one for those without, one for any other choice;
     each holds both entry points."""
     hidden, dtype = bucket[:2]
-    if knobs == _default_knobs(bucket):
+    if knobs == default_knobs(bucket):
         return ("jitk.kernels.norm", hidden, dtype, "default")
     if _candidate_index(bucket, knobs) is not None:
         return ("jitk.kernels.norm", hidden, dtype, "candidates" if knobs["pdl"] else
@@ -267,10 +274,10 @@ def _bucket(function: str, input: torch.Tensor, in_place: bool = False) -> tuple
 def _note_choice(function: str, bucket: tuple) -> None:
     """The call log's note (JITK_LOGLEVEL=3): the instantiation and the knobs it runs with."""
     hidden, dtype, rows = bucket[:3]
-    space = _RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE
+    space = RMSNORM_SPACE if function == "rmsnorm" else FUSED_SPACE
     knobs = space.config(bucket)
     api_log.note(kernel=f"jitk::norm::RMSNorm<{make_cpp_args(hidden, dtype)}>",
-                 rows_bucket=rows, tuning="default" if knobs == _default_knobs(bucket) else
+                 rows_bucket=rows, tuning="default" if knobs == default_knobs(bucket) else
                  "/".join(f"{name}={value}" for name, value in knobs.items()))
 
 
@@ -331,7 +338,7 @@ def _fused_add_rmsnorm_fake(input: torch.Tensor, residual: torch.Tensor, weight:
     tolerance=_TOLERANCE, cases=lambda: parity_cases("rmsnorm", _SUPPORTED_DTYPES),
     fake=_rmsnorm_fake)
 def _rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    _kernel_for(_RMSNORM_SPACE, "rmsnorm", input, eps, out is input)(input, weight, out, eps)
+    _kernel_for(RMSNORM_SPACE, "rmsnorm", input, eps, out is input)(input, weight, out, eps)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -352,7 +359,7 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
                       eps: float = 1e-6, *, float_sum: bool = False) -> None:
     """residual += input; input = rmsnorm(residual) * weight, both in place. float_sum=True
     normalises the sum as added in float32 rather than as stored (FlashInfer's formula)."""
-    _kernel_for(_FUSED_SPACE, "fused_add_rmsnorm", input, eps, False, float_sum)(
+    _kernel_for(FUSED_SPACE, "fused_add_rmsnorm", input, eps, False, float_sum)(
         input, residual, weight, eps)  # positional: a call's path
 
 
@@ -381,18 +388,18 @@ def _space(entry: str) -> TuningSpace:
         return gemm_neighbour(input.numel() // max(input.shape[-1], 1), input.dtype,
                               input.device)
 
-    return TuningSpace(tuning.KNOBS, bucket, _default_knobs,
-                       lambda bucket, knobs: getattr(_kernels_with(bucket, knobs), entry),
-                       use=lambda bucket, knobs: getattr(_chosen_kernels(bucket, knobs), entry),
-                       allowed=tuning.tried, module_key=_module_key, neighbour=neighbour,
+    return TuningSpace(tuning.KNOBS, bucket, default_knobs,
+                       lambda bucket, knobs: getattr(kernels_with(bucket, knobs), entry),
+                       use=lambda bucket, knobs: getattr(chosen_kernels(bucket, knobs), entry),
+                       allowed=tuning.tried, module_key=module_key, neighbour=neighbour,
                        beside_knobs=tuning.BESIDE_KNOBS, tables=TABLES,
                        outputs=("out",) if entry == "rmsnorm" else (), sample=sample,
                        shapes=tuple((rows, hidden) for rows in (1, 16, 77, 256, 1024, 4096)
                                     for hidden in (4096, 5120, 7168, 8192, 12288)))
 
 
-_RMSNORM_SPACE = _space("rmsnorm").attach(_rmsnorm)
-_FUSED_SPACE = _space("fused_add_rmsnorm").attach(fused_add_rmsnorm)
+RMSNORM_SPACE = _space("rmsnorm").attach(_rmsnorm)
+FUSED_SPACE = _space("fused_add_rmsnorm").attach(fused_add_rmsnorm)
 
 
 # Common model widths in bfloat16, plus the head dimension that q/k norms use: what
@@ -412,8 +419,8 @@ def instantiation(function: str, hidden: int, dtype: torch.dtype, rows: int) -> 
     if not isinstance(rows, int) or rows < 1:
         raise ArgumentError(f"instantiation: 'rows' must be an int >= 1, got {rows!r}")
     bucket = (hidden, dtype, 1 << (rows - 1).bit_length())
-    knobs = (_RMSNORM_SPACE if function == "rmsnorm" else _FUSED_SPACE).config(bucket)
-    if knobs == _default_knobs(bucket):
+    knobs = (RMSNORM_SPACE if function == "rmsnorm" else FUSED_SPACE).config(bucket)
+    if knobs == default_knobs(bucket):
         return _norm_type(hidden, dtype)
     return _norm_type(hidden, dtype, tuning.knob_values(knobs))
 
@@ -424,14 +431,15 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     tuning file (or the shipped table) records, once: one choice often serves many row
     counts, and a configuration that only waits for another's build holds a worker."""
     defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
-                 functools.partial(_kernels, hidden, dtype)) for hidden, dtype in COMMON_SIZES]
+                 functools.partial(default_kernels, hidden, dtype))
+                for hidden, dtype in COMMON_SIZES]
     modules = {(hidden, dtype, None) for hidden, dtype in COMMON_SIZES}
     tuned = {}
-    for space in (_RMSNORM_SPACE, _FUSED_SPACE):
+    for space in (RMSNORM_SPACE, FUSED_SPACE):
         for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
             bucket = (hidden, getattr(torch, dtype), *rest)
             if (module := _chosen_module(bucket, knobs)) not in modules:
                 modules.add(module)
                 label = f"hidden={hidden} {dtype} tuned {'/'.join(map(str, knobs.values()))}"
-                tuned[label] = functools.partial(_chosen_kernels, bucket, knobs)
+                tuned[label] = functools.partial(chosen_kernels, bucket, knobs)
     return [*defaults, *tuned.items()]

@@ -92,24 +92,19 @@ struct RMSNorm {
 
   // out = rmsnorm(input) * weight; out may be input.
   static void run(TensorView input, TensorView weight, TensorView out, double eps) {
-    SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
-    SymbolicDevice device;
-    const RowView x = check_rows<T>(input, "input", false, rows, hidden, device);
-    const RowView y = check_rows<T>(out, "out", true, rows, hidden, device);
-    const void* w = check_weight<T>(weight, hidden, device);
-    launch<false>(params(x, y, w, rows.unwrap(), eps), device.unwrap());
+    check_and_launch<false>(input, out, "out", weight, eps);
   }
 
   // residual += input; input = rmsnorm(residual) * weight, normalising the sum as stored.
   static void run_fused_add(TensorView input, TensorView residual, TensorView weight, double eps) {
-    fused_add<false>(input, residual, weight, eps);
+    check_and_launch<true>(input, residual, "residual", weight, eps);
   }
 
   // The same, normalising the sum as added in float32, before it is rounded into residual
   // (FlashInfer's formula). A module that never names it builds none of its kernels.
   static void run_fused_add_float_sum(TensorView input, TensorView residual, TensorView weight,
                                       double eps) {
-    fused_add<true>(input, residual, weight, eps);
+    check_and_launch<true, true>(input, residual, "residual", weight, eps);
   }
 
  private:
@@ -138,14 +133,18 @@ struct RMSNorm {
            p.x_rows.steps_by(vec_size) && p.y_rows.steps_by(vec_size);
   }
 
-  template <bool kFloatSum>
-  static void fused_add(TensorView input, TensorView residual, TensorView weight, double eps) {
+  // The rows of `input` and of `rows_out` (out, or the fused form's residual, which it
+  // writes too), and the weight, checked against each other; then the launch. The fused
+  // form writes its result into `input`.
+  template <bool kFusedAdd, bool kFloatSum = false>
+  static void check_and_launch(TensorView input, TensorView rows_out, const char* rows_out_name,
+                               TensorView weight, double eps) {
     SymbolicSize rows{"rows"}, hidden{"hidden size", kHidden};
     SymbolicDevice device;
-    const RowView x = check_rows<T>(input, "input", true, rows, hidden, device);
-    const RowView r = check_rows<T>(residual, "residual", true, rows, hidden, device);
+    const RowView x = check_rows<T>(input, "input", kFusedAdd, rows, hidden, device);
+    const RowView y = check_rows<T>(rows_out, rows_out_name, true, rows, hidden, device);
     const void* w = check_weight<T>(weight, hidden, device);
-    launch<true, kFloatSum>(params(x, r, w, rows.unwrap(), eps), device.unwrap());
+    launch<kFusedAdd, kFloatSum>(params(x, y, w, rows.unwrap(), eps), device.unwrap());
   }
 
   template <bool kFusedAdd, bool kFloatSum = false>

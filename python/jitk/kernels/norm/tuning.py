@@ -42,7 +42,7 @@ KNOBS = {"row_registers": (4, 8, 16), "prefetch_weight": (True, False), "pdl": (
 # rows at the widths it fits (only with JITK_RMSNORM_FAST_UNSTABLE, below). As written, a set is
 # 10 to 14 of a width's 19 choices (with TRIED_AT_SHORT_LIMIT); kept in the default's order, fewer
 # (9 to 11 of 15 at 4096 bf16, where 8 and 4 registers keep it). A width's choices share a module
-# (__init__'s _candidate_kernels), so that tuning the benchmark's shapes stays short.
+# (__init__'s candidate_kernels), so that tuning the benchmark's shapes stays short.
 _SHORT_PATH = {"broadcast_sum": True, "pin_offsets": True, "row_first": True}
 _FOUR_SUMS = {"sum_chains": 4}
 _LATE = {"late_trigger": True}
