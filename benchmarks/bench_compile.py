@@ -40,6 +40,12 @@ FAMILIES = ("green", "hicache", "norm", "wait_value")
 # 1 KiB, indices on the GPU (the kernel) and on the host (the copy engines); both stream ops.
 OPS = ("rmsnorm", "fused_add_rmsnorm", "hicache_kernel", "hicache_copy_engine",
        "stream_values")
+# A kernel author's loop: a copy of the guide's kernel, and of RMSNorm's files (4096 bf16, its
+# two entry points), built, then built again after a comment is added to a file it includes;
+# "cold" is the second build (no warm figure: each process has a copy of its own). The rebuild
+# starts NVRTC beside the host compiler on the kernels the first build launched
+# (jitk/build/device_halves.py); "_no_guess" is the same rebuild without that.
+EDITS = ("edit_axpy", "edit_norm", "edit_norm_no_guess")
 CHILD_TIMEOUT = 900  # seconds: one cold build on a loaded two-core machine stays well below
 
 # Run in a child process: times the module's first load, then (asked for) rewrites the
@@ -58,6 +64,29 @@ if target == "axpy":
     sys.path.insert(0, sys.argv[3])
     import torch, axpy
     thunk = lambda: axpy._axpy(torch.float32)
+elif target.startswith("edit_"):  # a copy built, then edited: the rebuild is timed
+    import shutil
+    import jitk.kernels.norm
+    copy = Path(tempfile.mkdtemp(prefix="bench_compile_edit_"))
+    if target == "edit_axpy":
+        shutil.copy(Path(sys.argv[3]) / "axpy.cuh", copy)
+        kernel = edited = copy / "axpy.cuh"
+        wrappers = [("axpy", "axpy::Axpy<fp32_t>::run")]
+        name = ("axpy", "fp32_t")
+    else:
+        for header in Path(jitk.kernels.norm.__file__).parent.glob("*.cuh"):
+            shutil.copy(header, copy)
+        kernel, edited = copy / "rmsnorm.cuh", copy / "rmsnorm_kernels.cuh"
+        wrappers = [("rmsnorm", "jitk::norm::RMSNorm<4096, bf16_t>::run"),
+                    ("fused_add_rmsnorm", "jitk::norm::RMSNorm<4096, bf16_t>::run_fused_add")]
+        name = ("rmsnorm", 4096, "bf16_t")
+    thunk = lambda: jitk.load_jit(*name, cuda_files=[kernel], cuda_wrappers=wrappers,
+                                  cuda_compiler="auto")
+    thunk()
+    if target.endswith("_no_guess"):  # the same-run baseline: NVRTC after the host compiler
+        from jitk.build import device_halves
+        device_halves.EARLY_MIN_CPUS = 1 << 30
+    edited.write_text(edited.read_text() + "// an edit\n")
 elif target in sys.argv[4].split(","):  # an op's first call, on tensors made before
     import torch, jitk
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
@@ -96,6 +125,8 @@ for thread in [t for t in threading.enumerate() if t.name == "jitk-prelude"]:
 started = time.perf_counter()  # the same call again: its own work, with nothing to load
 thunk()
 again = time.perf_counter() - started
+if target.startswith("edit_"):
+    shutil.rmtree(copy)
 commands = {}
 if want_commands and specs:
     folder = Path(tempfile.mkdtemp(prefix="bench_compile_"))
@@ -153,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
-    targets = [*FAMILIES, "axpy", *OPS]
+    targets = [*FAMILIES, "axpy", *EDITS, *OPS]
     if args.only:
         unknown = set(args.only.split(",")) - set(targets)
         if unknown:
@@ -184,9 +215,10 @@ def main() -> None:
                 cold.append(built["seconds"])
                 if "nvrtc" in built["phases"]:
                     split.append({name: 1000 * s for name, s in built["phases"].items()})
-                found = child(target, run_env, commands=False)
-                warm.append(found["seconds"])
-                again.append(found["again"])
+                if target not in EDITS:
+                    found = child(target, run_env, commands=False)
+                    warm.append(found["seconds"])
+                    again.append(found["again"])
                 commands = commands or built["commands"]
         phases = split
         if "folder" in commands:  # made by the child for this script: removed here
@@ -197,8 +229,9 @@ def main() -> None:
         names = list(phases[0]) if phases else []
         shown = ", ".join(f"{n} {statistics.median(p.get(n, 0.0) for p in phases):.0f}"
                           for n in names)
-        print(f"{target:<20}{statistics.median(cold):>14.2f}{statistics.median(warm):>13.3f}"
-              f"{statistics.median(again):>9.3f}  {shown}", flush=True)
+        warm_shown = (f"{statistics.median(warm):>13.3f}{statistics.median(again):>9.3f}"
+                      if warm else f"{'-':>13}{'-':>9}")
+        print(f"{target:<20}{statistics.median(cold):>14.2f}{warm_shown}  {shown}", flush=True)
     shutil.rmtree(preludes)
 
 

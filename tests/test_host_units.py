@@ -18,7 +18,7 @@ from needs_nvrtc import NEEDS_NVRTC
 
 import jitk
 from jitk.base.errors import JitkError
-from jitk.build import builder, jit
+from jitk.build import cpus, device_halves, jit
 from jitk.kernels import norm
 from jitk.kernels.hicache import modules
 
@@ -116,19 +116,19 @@ def test_spare_cpus_are_the_share_less_the_load(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     for load, spare in ((0.2, 16), (3.6, 12), (15.7, 1), (40.0, 1)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        assert builder.spare_cpus() == spare, load
+        assert cpus.spare_cpus() == spare, load
 
     def no_load_average():
         raise OSError("no load average")
     monkeypatch.setattr(os, "getloadavg", no_load_average)
-    assert builder.spare_cpus() == 16
+    assert cpus.spare_cpus() == 16
     try:
         for workers, spare in ((4, 4), (16, 1), (40, 1)):
-            builder.share_cpus(workers)
-            assert builder.spare_cpus() == spare, workers
+            cpus.share_cpus(workers)
+            assert cpus.spare_cpus() == spare, workers
     finally:
-        builder.share_cpus(1)
-    assert builder.spare_cpus() == 16
+        cpus.share_cpus(1)
+    assert cpus.spare_cpus() == 16
 
 
 def test_nvrtc_parts_take_the_spare_cpus(monkeypatch):
@@ -136,24 +136,24 @@ def test_nvrtc_parts_take_the_spare_cpus(monkeypatch):
     a precompile worker of 16 on 16 CPUs builds its kernels in one program, not the cap's."""
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    cap = builder._MAX_NVRTC_PARTS
-    assert cap >= 2 and builder._nvrtc_parts(1) == 1
-    assert builder._nvrtc_parts(100) == cap
+    cap = device_halves.MAX_NVRTC_PARTS
+    assert cap >= 2 and device_halves.nvrtc_parts(1) == 1
+    assert device_halves.nvrtc_parts(100) == cap
     try:
-        builder.share_cpus(16 // cap)
-        assert builder._nvrtc_parts(100) == cap
-        builder.share_cpus(16)
-        assert builder._nvrtc_parts(100) == 1
+        cpus.share_cpus(16 // cap)
+        assert device_halves.nvrtc_parts(100) == cap
+        cpus.share_cpus(16)
+        assert device_halves.nvrtc_parts(100) == 1
     finally:
-        builder.share_cpus(1)
+        cpus.share_cpus(1)
 
 
 WORKER_UNITS = """
 import sys
-from jitk.build import builder
+from jitk.build import cpus
 from jitk.tools import precompile
 precompile.init_worker("", int(sys.argv[1]))
-print(builder.spare_cpus())
+print(cpus.spare_cpus())
 """
 
 

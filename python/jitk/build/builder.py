@@ -21,7 +21,6 @@ compilers when the builder dies or the build runs past JITK_LOCK_TIMEOUT."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import re
@@ -36,9 +35,11 @@ from pathlib import Path
 import tvm_ffi
 from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
-from jitk.build import cache, device_prelude, loader, nvrtc, pch, toolchain
-from jitk.build.build_errors import JitCompileError, compile_error, decisive_lines
+from jitk.build import cache, device_halves, device_prelude, loader, pch, toolchain
+from jitk.build.build_errors import JitCompileError, compile_error
+from jitk.build.device_halves import DEVICE_HEADERS
 from jitk.build.lock import lock_timeout
+from jitk.build.spec import BuildSpec
 from jitk.build.staging import new_staging, old_stagings
 
 logger = logging.getLogger("jitk")
@@ -46,7 +47,6 @@ logger = logging.getLogger("jitk")
 # The generated unit of a module whose CUDA files are written in two halves (jitk/nvrtc.cuh):
 # the host compiler builds it alone, NVRTC the kernels it launches (device_halves).
 HOST_HALF = "host_half.cpp"
-DEVICE_HEADERS = "device_half.headers"  # the files NVRTC read, one a line
 # A host half may be shared out over several units (load_jit's host_units), compiled side by
 # side: the first is HOST_HALF, the others host_half_<n>.cpp.
 _HOST_HALF_UNIT = re.compile(r"host_half(_[1-9][0-9]*)?\.cpp")
@@ -61,40 +61,7 @@ def is_host_half(source: str) -> bool:
     return _HOST_HALF_UNIT.fullmatch(source) is not None
 
 
-_sharing = 1  # how many processes build side by side with this one (share_cpus)
-
-
-def share_cpus(processes: int) -> None:
-    """Says that this process is one of `processes` building side by side (precompile's
-    workers), so that its builds take their share of the CPUs rather than all of them."""
-    global _sharing
-    _sharing = max(1, processes)
-
-
-def spare_cpus() -> int:
-    """The CPUs this process's build may take, one at least: its share of them (share_cpus),
-    less the last minute's load, so that builds side by side do not each take every CPU for
-    their units (a load average lags: a burst of builds is what share_cpus is for)."""
-    cpus = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average here
-        load = 0.0
-    return max(1, min(cpus // _sharing, round(cpus - load)))
-
-
 GUARD = Path(__file__).resolve().parent / "ninja_guard.py"
-@dataclass(frozen=True)
-class BuildSpec:
-    name: str
-    entry: Path  # the published folder
-    key: str  # the cache key, recorded in the entry
-    in_place: bool  # entry is a build_directory (jitk/build/cache.py)
-    archs: tuple[str, ...]
-    sources: dict[str, str]  # generated file name -> text
-    kernel_files: tuple[Path, ...]  # hashed into the key
-    flags: dict[str, list[str]]  # "cflags", "cuda_cflags", "ldflags", "include_dirs"
-    device_halves: tuple[Path, ...] = ()  # CUDA files whose kernels NVRTC builds
 
 
 def _object(source: str) -> str:
@@ -242,7 +209,7 @@ def _headers_read(staging: Path, sources: dict[str, str]) -> list[str]:
     """The files each compiler read: NVRTC's list, and the make-style dependency file each
     other compiler wrote beside its object (and for a host half, the precompiled prelude's,
     copied beside it): a backslash escapes a space or '#'; gcc doubles '$', nvcc does not."""
-    device_half = staging / DEVICE_HEADERS  # NVRTC's, one a line (_build_device_halves)
+    device_half = staging / DEVICE_HEADERS  # NVRTC's, one a line (device_halves.build)
     paths = device_half.read_text().splitlines() if device_half.is_file() else []
     depfiles = [(source, staging / f"{_object(source)}.d") for source in sources]
     prelude = staging / f"{_object(HOST_HALF)}.prelude.d"
@@ -302,13 +269,14 @@ def build_and_publish(spec: BuildSpec) -> Built:
             shutil.copyfile(prelude.depfile, staging / f"{_object(HOST_HALF)}.prelude.d")
     (staging / "build.ninja").write_text(build_file(spec, prelude))
     started = time.perf_counter()
-    options = _device_options(spec)
+    options = device_halves.options(spec)
     for arch_options in options.values():  # made beside the host compile
         device_prelude.start(arch_options)
+    early = device_halves.start_early(spec, options)
     _run_ninja(spec.name, staging)
     compiled = time.perf_counter()
     library = staging / f"{spec.name}.so"
-    device_code = _build_device_halves(spec, staging, options) if options else {}
+    device_code = device_halves.build(spec, staging, options, early) if options else {}
     built = time.perf_counter()
     seconds = built - started
     sha256 = cache.digest(library)
@@ -336,81 +304,6 @@ def build_and_publish(spec: BuildSpec) -> Built:
               "publish": time.perf_counter() - built}
     return Built(module, {name: phases[name] for name in PHASES
                           if name != "nvrtc" or options})
-
-
-def _build_device_halves(spec: BuildSpec, staging: Path, options: dict[str, list[str]]
-                         ) -> dict[str, bytes]:
-    """NVRTC builds the kernels the host half launches (the names it registered) for each
-    target, with its `options` (_device_options), in parts side by side (a program each;
-    ctypes lets the threads run at once): <name>.<part>.sm_XX.cubin (and .compute_XX.ptx, as
-    ptx_arch says), and <name>.kernels, a line "expression<TAB>lowered<TAB>part" a kernel.
-    Written into `staging` and returned (file name -> bytes), for the library to be handed
-    at its load (loader.load_from_fd; jitk/nvrtc.cuh reads them at the first launch). Every
-    program reads the device prelude first, precompiled for its target (device_prelude.py);
-    the headers NVRTC read, the prelude's among them, are listed in DEVICE_HEADERS for the
-    entry's record."""
-    try:
-        expressions = nvrtc.kernel_names(staging / f"{spec.name}.so")
-        if not expressions:  # host code only: nothing for NVRTC to build or a launch to find
-            return {}
-        count = _nvrtc_parts(len(expressions))
-        parts = [expressions[i::count] for i in range(count)]
-        source = nvrtc.PRELUDE + "".join(f'#include "{path}"\n' for path in spec.device_halves)
-        preludes = {arch: device_prelude.get(options[arch], lock_timeout()) for arch in options}
-        jobs = [(arch, index) for arch in spec.archs for index in range(len(parts))]
-        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            programs = list(pool.map(lambda job: nvrtc.compile_cubin(
-                source, f"{spec.name}.cu", parts[job[1]], options[job[0]],
-                preludes[job[0]].file if preludes[job[0]] else None, staging), jobs))
-    except nvrtc.NvrtcError as error:
-        raise JitCompileError(spec.name, "NVRTC (in the process)", decisive_lines(str(error))
-                              or [str(error)], str(error)) from None
-    read = {path for program in programs for path in program.headers}
-    for arch, prelude in preludes.items():
-        if prelude and not all(p.used_pch for (a, _), p in zip(jobs, programs) if a == arch):
-            logger.info("jitk: NVRTC parsed the device prelude for %s instead of loading %s",
-                        spec.name, prelude.file)
-        read.update(prelude.headers if prelude else ())
-    (staging / DEVICE_HEADERS).write_text("".join(f"{path}\n" for path in sorted(read)))
-    code = {f"{spec.name}.{index}.{toolchain.sm_name(arch)}.cubin": program.cubin
-            for (arch, index), program in zip(jobs, programs)}
-    # As nvcc's fat builds (gencode_flags): the newest generic target's PTX too, which the
-    # driver compiles for a GPU newer than every target.
-    ptx_arch = toolchain.ptx_arch(spec.archs)
-    code.update({f"{spec.name}.{index}.{toolchain.sm_name(arch).replace('sm', 'compute')}.ptx":
-                 program.ptx for (arch, index), program in zip(jobs, programs)
-                 if arch == ptx_arch})
-    table = {expression: f"{program.lowered[expression]}\t{index}"
-             for (_, index), program in zip(jobs, programs) for expression in parts[index]}
-    code[f"{spec.name}.kernels"] = "".join(f"{e}\t{table[e]}\n" for e in expressions).encode()
-    for name, data in code.items():
-        (staging / name).write_bytes(data)
-    return code
-
-
-def _device_options(spec: BuildSpec) -> dict[str, list[str]]:
-    """NVRTC's options for each target of a module whose kernels it builds (none for others):
-    libcu++'s standard headers (include/nvrtc_std), the kernel's folders, the toolkit's."""
-    if not spec.device_halves:
-        return {}
-    cuda_include = toolchain.cuda_home() / "include"
-    includes = [f"-I{path}" for path in (Path(spec.flags["include_dirs"][0]) / "nvrtc_std",
-                                         *spec.flags["include_dirs"], cuda_include,
-                                         cuda_include / "cccl")]
-    return {arch: [f"-arch={toolchain.sm_name(arch)}", *nvrtc.OPTIONS, *includes]
-            for arch in spec.archs}
-
-
-# NVRTC programs of one module side by side: on 16 cores, with the device prelude loaded,
-# four or eight ran little faster than two (NVVM's own threads, -split-compile, do the rest;
-# debugging_and_performance.md).
-_MAX_NVRTC_PARTS = 2
-
-
-def _nvrtc_parts(kernels: int) -> int:
-    """How many NVRTC programs build a module's kernels: at most one a kernel and a spare CPU
-    (a precompile or tuning worker: its share, as for the host half's units)."""
-    return max(1, min(kernels, spare_cpus(), _MAX_NVRTC_PARTS))
 
 
 def _load_copy(library: Path, sha256: str, device_code: dict[str, bytes]) -> tvm_ffi.Module:

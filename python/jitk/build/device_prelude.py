@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jitk.base import settings
+from jitk.base.daemon import run_on_daemon
 from jitk.build import nvrtc
 
 __all__ = ["Prelude", "get", "start"]
@@ -80,15 +81,7 @@ def _making(options: list[str]) -> concurrent.futures.Future:
         _state["folder"] = Path(tempfile.mkdtemp(prefix="jitk-device-prelude-"))
         _state["owner"] = os.getpid()
         atexit.register(_remove_folder)
-    future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(_make(options))
-        except BaseException as error:  # the waiting build sees it, as from a pool
-            future.set_exception(error)
-    threading.Thread(target=run, name="jitk-device-prelude", daemon=True).start()
-    return future
+    return run_on_daemon(lambda: _make(options), "jitk-device-prelude")
 
 
 def start(options: list[str]) -> None:

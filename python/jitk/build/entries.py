@@ -11,7 +11,7 @@ from pathlib import Path
 import tvm_ffi
 
 from jitk.build import cache, loader, names, toolchain, trust
-from jitk.build.builder import BuildSpec
+from jitk.build.spec import BuildSpec
 
 __all__ = ["covering_entries", "entry_key", "folder_name", "load_cached", "look_up"]
 

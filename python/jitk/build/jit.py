@@ -32,8 +32,10 @@ from jitk.base import settings
 from jitk.base.errors import ArgumentError, ArgumentTypeError, JitkError
 from jitk.build import cache, entries, events, nvrtc, pch, remote, toolchain, versions
 from jitk.build.build_errors import JitCompileError
-from jitk.build.builder import HOST_HALF, BuildSpec, build_and_publish, host_half_unit, spare_cpus
+from jitk.build.builder import HOST_HALF, build_and_publish, host_half_unit
+from jitk.build.cpus import spare_cpus
 from jitk.build.lock import build_lock, lock_timeout
+from jitk.build.spec import BuildSpec
 
 __all__ = ["JitCacheMissError", "JitCompileError", "disable_jit", "load_jit"]
 

@@ -189,12 +189,12 @@ def _replay(text: str) -> object:
 
 
 def init_worker(arch: str, workers: int) -> None:
-    from jitk.build import builder
+    from jitk.build import cpus
 
     if arch:  # "" builds host code only
         os.environ[toolchain.ARCH_ENV] = arch
     os.environ.pop("JITK_DISABLE_JIT", None)  # precompiling is building, asked for by name
-    builder.share_cpus(workers)
+    cpus.share_cpus(workers)
 
 
 @contextlib.contextmanager
