@@ -4,9 +4,14 @@ launched while the host half compiles, and uses those programs only where the ho
 launches exactly those kernels. A wrong guess, one NVRTC refuses and one that someone else
 could have written all end in the same entry as a build without a guess."""
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from child_env import PYTHON_PATH
 from needs_nvrtc import NEEDS_NVRTC
 
 import jitk
@@ -114,14 +119,76 @@ def plant_guess(cache: Path, expressions: list[str], mode: int) -> Path:
 
 def test_a_guess_nvrtc_refuses_is_compiled_again_and_the_planted_folder_stays(
         compiles, tmp_path):
-    planted = plant_guess(tmp_path / "cache", ["&axpy::no_such_kernel<float>"], 0o644)
+    cache = tmp_path / "cache"
+    planted = plant_guess(cache, ["&axpy::no_such_kernel<float>"], 0o644)
+    (cache / "my notes").mkdir()  # a user's folder and foreign locks where the build runs
+    (cache / "my notes" / "keep.txt").write_text("mine")
+    foreign_locks = [cache / f"{MODULE}_{'1' * 16}_sm90.lock", cache / "someone.lock"]
+    for lock in foreign_locks:
+        lock.write_text("held elsewhere")
     load(kernel_file(tmp_path / "src"))
     assert [when for when, _ in compiles] == ["early", "after"]
-    assert len(entries(tmp_path / "cache")) == 2  # the build's, and the planted folder
+    assert len(entries(cache)) == 2  # the build's, and the planted folder
     assert sorted(p.name for p in planted.iterdir()) == [f"{MODULE}.kernels"]
+    assert (cache / "my notes" / "keep.txt").read_text() == "mine"
+    assert all(lock.read_text() == "held elsewhere" for lock in foreign_locks)
 
 
 def test_a_guess_someone_else_could_have_written_is_not_read(compiles, tmp_path):
     plant_guess(tmp_path / "cache", ["&axpy::axpy_kernel<float>"], 0o666)
     load(kernel_file(tmp_path / "src"))
     assert [when for when, _ in compiles] == ["after"]
+
+
+# A build in a child process whose NVRTC compiles never return (all of them, or the early
+# one's only: those given no folder): after a first build that leaves the module an entry,
+# the kernel file is edited and built again under a short JITK_LOCK_TIMEOUT.
+HUNG = """
+import os, sys, time
+from pathlib import Path
+import jitk
+from jitk.build import device_halves, nvrtc
+kernel, which = Path(sys.argv[1]), sys.argv[2]
+load = lambda: jitk.load_jit("hung_axpy", "fp32_t", cuda_files=[kernel], cuda_compiler="nvrtc",
+                             cuda_wrappers=[("axpy_f32", "axpy::Axpy<fp32_t>::run")])
+load()
+real = nvrtc.compile_cubin
+def hung(*args):
+    if which == "all" or args[5] is None:
+        time.sleep(3600)
+    return real(*args)
+nvrtc.compile_cubin = hung
+device_halves.EARLY_MIN_CPUS = 1 if which == "early" else 1 << 30
+kernel.write_text(kernel.read_text() + "// an edit\\n")
+os.environ["JITK_LOCK_TIMEOUT"] = "8"
+try:
+    load()
+    print("built")
+except jitk.JitCompileError as error:
+    print("refused:", str(error).splitlines()[1])
+"""
+
+
+def hung_build(tmp_path, which: str) -> tuple[str, float]:
+    env = {**os.environ, "JITK_CACHE_DIR": str(tmp_path / "cache"), "JITK_CUDA_ARCH": "9.0",
+           "PYTHONPATH": PYTHON_PATH}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", HUNG, str(kernel_file(tmp_path / "src")),
+                           which], env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1], time.monotonic() - started
+
+
+def test_nvrtc_that_never_returns_fails_the_build_and_the_process_still_exits(tmp_path):
+    """Its wait is JITK_LOCK_TIMEOUT's, and the error names what it waited for; the compiles
+    left running do not hold the process's exit (the old pool's threads did)."""
+    line, _ = hung_build(tmp_path, "all")
+    assert line == ("refused: jitk: NVRTC did not finish compiling the kernels of hung_axpy_fp32_t "
+                    "within 8 s (JITK_LOCK_TIMEOUT)")
+
+
+def test_an_early_compile_that_never_returns_is_compiled_again(tmp_path):
+    line, seconds = hung_build(tmp_path, "early")
+    assert line == "built"
+    assert seconds < 200  # waited for the early compile no longer than the timeout

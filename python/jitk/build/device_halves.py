@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,19 +76,29 @@ def nvrtc_parts(kernels: int) -> int:
 
 def _compile(spec: BuildSpec, target_options: dict[str, list[str]], expressions: list[str],
              folder: Path | None) -> Compiled:
-    """The kernels `expressions` names, in parts side by side (a program each; ctypes lets
-    the threads run at once), each program reading the device prelude first, precompiled for
-    its target (device_prelude.py). `folder`: where NVRTC's time traces go while it runs."""
+    """The kernels `expressions` names, in parts side by side (a program each, on a daemon
+    thread of its own: ctypes lets the threads run at once, and NVRTC's call has no time
+    limit), each program reading the device prelude first, precompiled for its target
+    (device_prelude.py); waited for no longer than JITK_LOCK_TIMEOUT in all. `folder`: where
+    NVRTC's time traces go while it runs."""
+    timeout = lock_timeout()
+    deadline = time.monotonic() + timeout
     count = nvrtc_parts(len(expressions))
     parts = [expressions[i::count] for i in range(count)]
     source = nvrtc.PRELUDE + "".join(f'#include "{path}"\n' for path in spec.device_halves)
-    preludes = {arch: device_prelude.get(target_options[arch], lock_timeout())
+    preludes = {arch: device_prelude.get(target_options[arch], timeout)
                 for arch in target_options}
     jobs = [(arch, index) for arch in spec.archs for index in range(len(parts))]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        programs = list(pool.map(lambda job: nvrtc.compile_cubin(
-            source, f"{spec.name}.cu", parts[job[1]], target_options[job[0]],
-            preludes[job[0]].file if preludes[job[0]] else None, folder), jobs))
+    compiling = [run_on_daemon(lambda arch=arch, index=index: nvrtc.compile_cubin(
+        source, f"{spec.name}.cu", parts[index], target_options[arch],
+        preludes[arch].file if preludes[arch] else None, folder), "jitk-nvrtc")
+        for arch, index in jobs]
+    try:
+        programs = [program.result(timeout=max(0.0, deadline - time.monotonic()))
+                    for program in compiling]
+    except concurrent.futures.TimeoutError:
+        raise nvrtc.NvrtcError(f"NVRTC did not finish compiling the kernels of {spec.name} "
+                               f"within {timeout:g} s (JITK_LOCK_TIMEOUT)") from None
     return Compiled(parts, jobs, programs, preludes)
 
 
@@ -143,13 +154,16 @@ def _early_programs(spec: BuildSpec, early: Early | None, expressions: list[str]
         logger.info("jitk: %s launches other kernels than its last entry; NVRTC compiles "
                     "again", spec.name)
         return None
-    try:
+    try:  # its own wait is bounded (_compile); this one too, for a thread that never ran
         return early.compiled.result(timeout=lock_timeout())
-    except Exception as error:  # NVRTC refused it or ran out of time: compiled again, which
-        # reports a real error in the kernels as a build without a guess does
-        logger.info("jitk: NVRTC's early compile of %s did not serve (%s); compiling again",
-                    spec.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
-        return None
+    except concurrent.futures.TimeoutError:
+        reason = f"not done within {lock_timeout():g} s (JITK_LOCK_TIMEOUT)"
+    except Exception as error:  # NVRTC refused it: compiled again, which reports an error
+        # in the kernels as a build without a guess does
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    logger.info("jitk: NVRTC's early compile of %s did not serve (%s); compiling again",
+                spec.name, reason)
+    return None
 
 
 def build(spec: BuildSpec, staging: Path, target_options: dict[str, list[str]],

@@ -138,10 +138,15 @@ def _norm_type(hidden: int, dtype: torch.dtype, tuning: tuple | None = None) -> 
 
 
 @functools.cache
+def _one_choice(name: str, hidden: int, dtype: torch.dtype, tunings: tuple) -> _Kernels:
+    """A module of one tuning (or of the defaults, `tunings` empty), loaded once a process."""
+    return load_kernels(name, hidden, dtype, *tunings)[0]
+
+
 def default_kernels(hidden: int, dtype: torch.dtype) -> _Kernels:
     """The module for one hidden size and dtype with the default launch knobs (rmsnorm.cuh's
     DefaultTuning); raises before building for ones it lacks."""
-    return load_kernels(_DEFAULT_MODULE, hidden, dtype)[0]
+    return _one_choice(_DEFAULT_MODULE, hidden, dtype, ())
 
 
 def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable[[], _Kernels]]]:
@@ -161,16 +166,11 @@ def tuning_choices(hidden: int, dtype: torch.dtype) -> list[tuple[dict, Callable
 # outside them (a file from another jitk) gets its own.
 @functools.cache
 def candidate_kernels(hidden: int, dtype: torch.dtype, pdl: bool = True,
-                       unstable: bool = False) -> list[_Kernels]:
+                      unstable: bool = False) -> list[_Kernels]:
     name = "rmsnorm_candidates" + ("_unstable" if unstable else "") + ("" if pdl else "_no_pdl")
     return load_kernels(name, hidden, dtype,
-                 *(tuning.knob_values(knobs)
-                   for knobs in tuning.candidates(hidden, dtype, pdl, unstable)))
-
-
-@functools.cache
-def _tuned_kernels(hidden: int, dtype: torch.dtype, tuning: tuple) -> _Kernels:
-    return load_kernels(_TUNED_MODULE, hidden, dtype, tuning)[0]
+                        *(tuning.knob_values(knobs)
+                          for knobs in tuning.candidates(hidden, dtype, pdl, unstable)))
 
 
 def _candidate_index(bucket: tuple, knobs: dict) -> int | None:
@@ -191,10 +191,11 @@ def kernels_with(bucket: tuple, knobs: dict) -> _Kernels:
 
 
 def _chosen_module(bucket: tuple, knobs: dict) -> tuple:
-    """Which module a call uses for a choice: (hidden, dtype, None) for the default's, else
-    (hidden, dtype, the choice's knob values) for a module of that one choice."""
-    default = knobs == default_knobs(bucket)
-    return (*bucket[:2], None if default else tuning.knob_values(knobs))
+    """Which module a call uses for a choice, as (name, hidden, dtype, tunings): the width's
+    defaults (no tunings), else a module of that one choice."""
+    if knobs == default_knobs(bucket):
+        return (_DEFAULT_MODULE, *bucket[:2], ())
+    return (_TUNED_MODULE, *bucket[:2], (tuning.knob_values(knobs),))
 
 
 def chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
@@ -202,20 +203,14 @@ def chosen_kernels(bucket: tuple, knobs: dict) -> _Kernels:
     candidates module, which holds every candidate of the width and takes several times as
     long to build; the kernel is the same instantiation in either, so are its bits."""
     _check_applies(bucket, knobs)
-    hidden, dtype, values = _chosen_module(bucket, knobs)
-    if values is None:
-        return default_kernels(hidden, dtype)
-    return _tuned_kernels(hidden, dtype, values)
+    return _one_choice(*_chosen_module(bucket, knobs))
 
 
 def _chosen_float_sum(bucket: tuple, knobs: dict) -> Callable:
     """The float_sum form of chosen_kernels' fused entry (its twin), built without building
     that module too."""
     _check_applies(bucket, knobs)
-    hidden, dtype, values = _chosen_module(bucket, knobs)
-    if values is None:
-        return _float_sum_entries(_DEFAULT_MODULE, hidden, dtype, ())[0]
-    return _float_sum_entries(_TUNED_MODULE, hidden, dtype, (values,))[0]
+    return _float_sum_entries(*_chosen_module(bucket, knobs))[0]
 
 
 def module_key(bucket: tuple, knobs: dict) -> tuple:
@@ -433,7 +428,7 @@ def precompile_configs() -> list[tuple[str, Callable[[], object]]]:
     defaults = [(f"hidden={hidden} {str(dtype).removeprefix('torch.')}",
                  functools.partial(default_kernels, hidden, dtype))
                 for hidden, dtype in COMMON_SIZES]
-    modules = {(hidden, dtype, None) for hidden, dtype in COMMON_SIZES}
+    modules = {(_DEFAULT_MODULE, hidden, dtype, ()) for hidden, dtype in COMMON_SIZES}
     tuned = {}
     for space in (RMSNORM_SPACE, FUSED_SPACE):
         for (hidden, dtype, *rest), knobs in space.recorded():  # rest: rows[, "in place"]
